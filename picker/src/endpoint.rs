@@ -1,0 +1,350 @@
+//! Endpoints: `(address, port, data-parallel rank)` plus the model configuration they serve and
+//! their routing state. The set is published as immutable snapshots so that routing reads a
+//! consistent view without locks while the feeds replace or patch it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Where a request goes: a model-server address, its HTTP port and the data-parallel rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EndpointId {
+    pub address: IpAddr,
+    pub port: u16,
+    pub rank: u32,
+}
+
+impl EndpointId {
+    pub const fn new(address: IpAddr, port: u16, rank: u32) -> Self {
+        Self {
+            address,
+            port,
+            rank,
+        }
+    }
+
+    /// `ip:port`, the form gateways use in `x-gateway-destination-endpoint`.
+    pub fn host_port(&self) -> String {
+        match self.address {
+            IpAddr::V4(a) => format!("{a}:{}", self.port),
+            IpAddr::V6(a) => format!("[{a}]:{}", self.port),
+        }
+    }
+}
+
+impl fmt::Display for EndpointId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.host_port(), self.rank)
+    }
+}
+
+/// The serving engine behind an endpoint; decides metric names and how the rank is selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+    Trtllm,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+        }
+    }
+}
+
+/// How a data-parallel rank is addressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum RankSelection {
+    /// One HTTP server for all ranks; the rank travels in `X-data-parallel-rank` (vLLM) or in
+    /// the `data_parallel_rank` body field (SGLang).
+    #[default]
+    Header,
+    /// One HTTP server per rank, listening on `port + rank`.
+    Port,
+}
+
+/// What the picker needs to know about the model configuration an endpoint serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Name of the configuration (unique within a pool).
+    pub name: Arc<str>,
+    /// The served model name clients put in `model`.
+    pub model: Arc<str>,
+    pub engine: EngineKind,
+    /// Tokens per KV block in the engine (a power of two).
+    pub block_size: u32,
+    /// Data-parallel ranks per pod.
+    pub dp_size: u32,
+    pub rank_selection: RankSelection,
+    /// LoRA adapters served next to the base model; requests may name them in `model`.
+    pub lora_adapters: Vec<Arc<str>>,
+    /// Identifier of the tokenizer to use (a path or a ConfigMap reference); `None` means
+    /// character-chunk hashing.
+    pub tokenizer: Option<Arc<str>>,
+}
+
+impl ModelConfig {
+    /// A configuration with defaults suitable for tests and the simplest deployments.
+    pub fn new(name: &str, model: &str) -> Self {
+        Self {
+            name: name.into(),
+            model: model.into(),
+            engine: EngineKind::Vllm,
+            block_size: 16,
+            dp_size: 1,
+            rank_selection: RankSelection::Header,
+            lora_adapters: Vec::new(),
+            tokenizer: None,
+        }
+    }
+
+    /// Whether a request's `model` field is served by this configuration, and with which LoRA
+    /// adapter (`Some(name)` when the request names an adapter).
+    pub fn serves<'a>(&self, requested: &'a str) -> Option<Option<&'a str>> {
+        if *self.model == *requested {
+            Some(None)
+        } else if self.lora_adapters.iter().any(|a| **a == *requested) {
+            Some(Some(requested))
+        } else {
+            None
+        }
+    }
+}
+
+/// Whether an endpoint may take new requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointState {
+    /// Eligible and fresh.
+    Ready,
+    /// Finishing what it has; takes no new requests (pod terminating, being removed).
+    Draining,
+    /// Its metrics or events are older than the staleness threshold.
+    Stale,
+}
+
+/// One routable endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub id: EndpointId,
+    pub model_config: Arc<ModelConfig>,
+    pub state: EndpointState,
+    /// Labels of the pod (or of the static entry), used by tenant filters.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Endpoint {
+    pub fn new(id: EndpointId, model_config: Arc<ModelConfig>) -> Self {
+        Self {
+            id,
+            model_config,
+            state: EndpointState::Ready,
+            labels: BTreeMap::new(),
+        }
+    }
+}
+
+/// An immutable snapshot of the endpoints, sorted by id so iteration order (and therefore
+/// tie-breaking) is the same in every picker replica.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EndpointSnapshot {
+    endpoints: Vec<Endpoint>,
+    version: u64,
+}
+
+impl EndpointSnapshot {
+    pub fn new(mut endpoints: Vec<Endpoint>) -> Self {
+        endpoints.sort_by_key(|e| e.id);
+        endpoints.dedup_by_key(|e| e.id);
+        Self {
+            endpoints,
+            version: 0,
+        }
+    }
+
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    pub fn get(&self, id: &EndpointId) -> Option<&Endpoint> {
+        self.endpoints
+            .binary_search_by_key(id, |e| e.id)
+            .ok()
+            .map(|i| &self.endpoints[i])
+    }
+
+    /// Monotonic version, bumped by every replace or patch.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn len(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.endpoints.is_empty()
+    }
+}
+
+/// A change to one endpoint, applied by [`EndpointSet::patch`].
+#[derive(Debug, Clone)]
+pub enum EndpointPatch {
+    Upsert(Endpoint),
+    Remove(EndpointId),
+    SetState(EndpointId, EndpointState),
+}
+
+/// The live endpoint set: readers take a snapshot (`load`), writers replace or patch it
+/// atomically. Readers never block writers and never see a half-applied change.
+#[derive(Debug, Default)]
+pub struct EndpointSet {
+    current: ArcSwap<EndpointSnapshot>,
+}
+
+impl EndpointSet {
+    pub fn new(endpoints: Vec<Endpoint>) -> Self {
+        Self {
+            current: ArcSwap::from_pointee(EndpointSnapshot::new(endpoints)),
+        }
+    }
+
+    pub fn load(&self) -> Arc<EndpointSnapshot> {
+        self.current.load_full()
+    }
+
+    /// Replace the whole set; returns the ids that left it (their index entries should go).
+    pub fn replace(&self, endpoints: Vec<Endpoint>) -> Vec<EndpointId> {
+        let mut removed = Vec::new();
+        self.current.rcu(|old| {
+            let mut next = EndpointSnapshot::new(endpoints.clone());
+            next.version = old.version + 1;
+            removed = old
+                .endpoints
+                .iter()
+                .filter(|e| next.get(&e.id).is_none())
+                .map(|e| e.id)
+                .collect();
+            next
+        });
+        removed
+    }
+
+    /// Apply several changes as one atomic step; returns the ids that left the set.
+    pub fn patch(&self, patches: &[EndpointPatch]) -> Vec<EndpointId> {
+        let mut removed = Vec::new();
+        self.current.rcu(|old| {
+            removed.clear();
+            let mut map: BTreeMap<EndpointId, Endpoint> =
+                old.endpoints.iter().map(|e| (e.id, e.clone())).collect();
+            for p in patches {
+                match p {
+                    EndpointPatch::Upsert(e) => {
+                        map.insert(e.id, e.clone());
+                    }
+                    EndpointPatch::Remove(id) => {
+                        if map.remove(id).is_some() {
+                            removed.push(*id);
+                        }
+                    }
+                    EndpointPatch::SetState(id, s) => {
+                        if let Some(e) = map.get_mut(id) {
+                            e.state = *s;
+                        }
+                    }
+                }
+            }
+            EndpointSnapshot {
+                endpoints: map.into_values().collect(),
+                version: old.version + 1,
+            }
+        });
+        removed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    fn ep(last: u8, rank: u32) -> Endpoint {
+        let mc = Arc::new(ModelConfig::new("default", "m"));
+        Endpoint::new(
+            EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, last)), 8000, rank),
+            mc,
+        )
+    }
+
+    #[test]
+    fn snapshot_is_sorted_and_deduplicated() {
+        let s = EndpointSnapshot::new(vec![ep(2, 0), ep(1, 1), ep(1, 0), ep(2, 0)]);
+        let ids: Vec<_> = s.endpoints().iter().map(|e| e.id.to_string()).collect();
+        assert_eq!(
+            ids,
+            ["10.0.0.1:8000#0", "10.0.0.1:8000#1", "10.0.0.2:8000#0"]
+        );
+    }
+
+    #[test]
+    fn replace_reports_removed_and_bumps_version() {
+        let set = EndpointSet::new(vec![ep(1, 0), ep(2, 0)]);
+        let v0 = set.load().version();
+        let removed = set.replace(vec![ep(2, 0), ep(3, 0)]);
+        assert_eq!(removed, vec![ep(1, 0).id]);
+        let snap = set.load();
+        assert_eq!(snap.version(), v0 + 1);
+        assert!(snap.get(&ep(3, 0).id).is_some());
+        assert!(snap.get(&ep(1, 0).id).is_none());
+    }
+
+    #[test]
+    fn patch_is_atomic_and_old_snapshots_stay_valid() {
+        let set = EndpointSet::new(vec![ep(1, 0), ep(2, 0)]);
+        let before = set.load();
+        let removed = set.patch(&[
+            EndpointPatch::Remove(ep(1, 0).id),
+            EndpointPatch::SetState(ep(2, 0).id, EndpointState::Stale),
+            EndpointPatch::Upsert(ep(4, 1)),
+            EndpointPatch::Remove(ep(9, 0).id),
+        ]);
+        assert_eq!(removed, vec![ep(1, 0).id]);
+        assert_eq!(
+            before.len(),
+            2,
+            "a reader's snapshot does not change under it"
+        );
+        let after = set.load();
+        assert_eq!(after.len(), 2);
+        assert_eq!(
+            after.get(&ep(2, 0).id).map(|e| e.state),
+            Some(EndpointState::Stale)
+        );
+    }
+
+    #[test]
+    fn serves_base_model_and_adapters() {
+        let mut mc = ModelConfig::new("c", "llama");
+        mc.lora_adapters.push("sql-lora".into());
+        assert_eq!(mc.serves("llama"), Some(None));
+        assert_eq!(mc.serves("sql-lora"), Some(Some("sql-lora")));
+        assert_eq!(mc.serves("other"), None);
+    }
+
+    #[test]
+    fn ipv6_host_port_is_bracketed() {
+        let id = EndpointId::new("::1".parse().expect("ip"), 80, 0);
+        assert_eq!(id.host_port(), "[::1]:80");
+    }
+}

@@ -1,0 +1,9 @@
+//! kvroute's endpoint picker.
+//!
+//! The routing core is free of I/O: it takes values (tokens, decoded KV events, scraped load,
+//! endpoint sets) and returns decisions, so the service, the benchmarks and the tests all call
+//! the same code.
+
+pub mod block_keys;
+pub mod endpoint;
+pub mod index;
