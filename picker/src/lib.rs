@@ -5,5 +5,12 @@
 //! the same code.
 
 pub mod block_keys;
+pub mod config;
 pub mod endpoint;
 pub mod index;
+pub mod inflight;
+pub mod kv_events;
+pub mod load;
+pub mod policy;
+pub mod router;
+pub mod session;

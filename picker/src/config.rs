@@ -1,0 +1,444 @@
+//! Routing policy configuration.
+//!
+//! These types are both the `routing` section of the picker's YAML config file and the
+//! `spec.routing` section of the `InferencePool` custom resource (the CRD's schema is generated
+//! from them), so what users write in the resource is exactly what the picker runs. Doc comments
+//! here are what `kubectl explain` shows.
+
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// How the picker chooses among eligible endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Strategy {
+    /// Estimate each endpoint's time-to-first-token (queued prefill work ahead of the request
+    /// plus the prefill of its uncached tokens) and take the minimum. The default.
+    #[default]
+    CostModel,
+    /// Weighted sum of normalized scores (prefix cache, queue, KV utilization, in-flight,
+    /// session affinity); the highest wins.
+    Weighted,
+    /// Least loaded endpoint; ignores the cache. A baseline.
+    LeastLoad,
+    /// Endpoints in turn. A baseline.
+    RoundRobin,
+    /// Uniformly random. A baseline.
+    Random,
+    /// SGLang-router style: least loaded when load is imbalanced beyond the balance thresholds,
+    /// else the best prefix match above `cacheAware.matchThreshold`, else the endpoint with
+    /// the most free cache.
+    CacheAware,
+    /// Dynamo-router style cost: `overlapWeight * prefill blocks + decode blocks`, chosen by
+    /// softmax sampling with `temperature` (0 = always the minimum).
+    KvCost,
+}
+
+impl Strategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::CostModel => "cost-model",
+            Self::Weighted => "weighted",
+            Self::LeastLoad => "least-load",
+            Self::RoundRobin => "round-robin",
+            Self::Random => "random",
+            Self::CacheAware => "cache-aware",
+            Self::KvCost => "kv-cost",
+        }
+    }
+
+    /// Parse the kebab-case names used on command lines (`cost-model`, `least-load`, ...).
+    pub fn from_cli(s: &str) -> Option<Self> {
+        [
+            Self::CostModel,
+            Self::Weighted,
+            Self::LeastLoad,
+            Self::RoundRobin,
+            Self::Random,
+            Self::CacheAware,
+            Self::KvCost,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+}
+
+/// Weights of the `Weighted` strategy's scorers. Each scorer is normalized to [0, 1].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Weights {
+    /// Fraction of the prompt's blocks already cached on the endpoint.
+    #[schemars(range(min = 0.0))]
+    pub prefix_cache: f64,
+    /// Shorter waiting queue scores higher (relative to the other candidates).
+    #[schemars(range(min = 0.0))]
+    pub queue: f64,
+    /// Lower KV-cache utilization scores higher.
+    #[schemars(range(min = 0.0))]
+    pub kv_utilization: f64,
+    /// Fewer requests in flight from this picker scores higher.
+    #[schemars(range(min = 0.0))]
+    pub inflight: f64,
+    /// The endpoint (and rank) that served the request's session before scores 1.
+    #[schemars(range(min = 0.0))]
+    pub session_affinity: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self {
+            prefix_cache: 3.0,
+            queue: 2.0,
+            kv_utilization: 2.0,
+            inflight: 0.0,
+            session_affinity: 0.0,
+        }
+    }
+}
+
+impl Weights {
+    pub fn validate(&self) -> Result<(), String> {
+        let all = [
+            ("prefixCache", self.prefix_cache),
+            ("queue", self.queue),
+            ("kvUtilization", self.kv_utilization),
+            ("inflight", self.inflight),
+            ("sessionAffinity", self.session_affinity),
+        ];
+        for (name, w) in all {
+            if !w.is_finite() || w < 0.0 {
+                return Err(format!(
+                    "routing.weights.{name} must be a finite number >= 0, got {w}"
+                ));
+            }
+        }
+        if all.iter().all(|(_, w)| *w == 0.0) {
+            return Err("routing.weights: at least one weight must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// When load counts as imbalanced. An endpoint is overloaded when its load (requests waiting
+/// plus running) exceeds the least loaded candidate's by more than `absolute` AND is more than
+/// `relative` times it. Cache-aware strategies never send new work to an overloaded endpoint,
+/// so a hot prefix cannot pile all load on one replica.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Balance {
+    #[schemars(range(min = 0))]
+    pub absolute: u32,
+    #[schemars(range(min = 1.0))]
+    pub relative: f64,
+}
+
+impl Default for Balance {
+    fn default() -> Self {
+        Self {
+            absolute: 8,
+            relative: 1.5,
+        }
+    }
+}
+
+/// What to do when every eligible endpoint is stale (its metrics or events are too old).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum FailureMode {
+    /// Route to stale endpoints anyway (availability first).
+    #[default]
+    FailOpen,
+    /// Reject with 503 (never route on stale data).
+    FailClose,
+}
+
+/// Calibration of the `CostModel` strategy: prefill time of a batch of `T` tokens is
+/// `prefillQuadraticMs * T^2 + prefillLinearMs * T + prefillConstantMs`, chunked by
+/// `maxBatchedTokens`; each engine step also spends the decode time of the running requests.
+/// The defaults fit an 8B-class model on one H100-class GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct CostModelCalibration {
+    #[schemars(range(min = 0.0))]
+    pub prefill_quadratic_ms: f64,
+    #[schemars(range(min = 0.0))]
+    pub prefill_linear_ms: f64,
+    #[schemars(range(min = 0.0))]
+    pub prefill_constant_ms: f64,
+    /// Decode step time at KV usage u: `decodeBaseMs + decodeLinearMs*u + decodeQuadraticMs*u^2`.
+    pub decode_base_ms: f64,
+    pub decode_linear_ms: f64,
+    pub decode_quadratic_ms: f64,
+    /// Tokens the engine prefills per step (chunked prefill budget).
+    #[schemars(range(min = 1))]
+    pub max_batched_tokens: u32,
+    /// Uncached prompt tokens assumed for each request the engine reports waiting that this
+    /// picker did not send itself.
+    #[schemars(range(min = 0))]
+    pub assumed_waiting_tokens: u32,
+}
+
+impl Default for CostModelCalibration {
+    fn default() -> Self {
+        Self {
+            prefill_quadratic_ms: 4.21e-7,
+            prefill_linear_ms: 1.52e-2,
+            prefill_constant_ms: 16.5,
+            decode_base_ms: 5.7,
+            decode_linear_ms: 54.0,
+            decode_quadratic_ms: -25.7,
+            max_batched_tokens: 8192,
+            assumed_waiting_tokens: 1024,
+        }
+    }
+}
+
+/// Settings of the `CacheAware` strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct CacheAwareSettings {
+    /// Minimum fraction of the prompt cached on the best endpoint for the match to win.
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub match_threshold: f64,
+}
+
+impl Default for CacheAwareSettings {
+    fn default() -> Self {
+        Self {
+            match_threshold: 0.5,
+        }
+    }
+}
+
+/// The routing policy of a pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    pub strategy: Strategy,
+    pub weights: Weights,
+    pub balance: Balance,
+    /// Softmax temperature of the `KvCost` strategy; 0 picks the minimum cost.
+    #[schemars(range(min = 0.0))]
+    pub temperature: f64,
+    /// Weight of prefill blocks against decode blocks in the `KvCost` strategy.
+    #[schemars(range(min = 0.0))]
+    pub overlap_weight: f64,
+    /// An endpoint whose last good metrics scrape is older than this is stale, e.g. `2s`,
+    /// `500ms`.
+    #[serde(with = "duration_str")]
+    #[schemars(with = "String", regex(pattern = r"^[0-9]+(ms|s|m)$"))]
+    pub staleness_threshold: Duration,
+    pub failure_mode: FailureMode,
+    /// Request header whose value identifies a session; requests of one session stay on the
+    /// same endpoint and rank unless it is overloaded.
+    pub session_header: String,
+    pub cost_model: CostModelCalibration,
+    pub cache_aware: CacheAwareSettings,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::default(),
+            weights: Weights::default(),
+            balance: Balance::default(),
+            temperature: 0.0,
+            overlap_weight: 1.0,
+            staleness_threshold: Duration::from_secs(2),
+            failure_mode: FailureMode::default(),
+            session_header: "x-session-id".into(),
+            cost_model: CostModelCalibration::default(),
+            cache_aware: CacheAwareSettings::default(),
+        }
+    }
+}
+
+impl RoutingConfig {
+    /// Check what the schema cannot express (or what a config file skipped); errors name the
+    /// field.
+    pub fn validate(&self) -> Result<(), String> {
+        self.weights.validate()?;
+        let finite_nonneg = [
+            ("routing.temperature", self.temperature),
+            ("routing.overlapWeight", self.overlap_weight),
+            (
+                "routing.costModel.prefillQuadraticMs",
+                self.cost_model.prefill_quadratic_ms,
+            ),
+            (
+                "routing.costModel.prefillLinearMs",
+                self.cost_model.prefill_linear_ms,
+            ),
+            (
+                "routing.costModel.prefillConstantMs",
+                self.cost_model.prefill_constant_ms,
+            ),
+        ];
+        for (name, v) in finite_nonneg {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("{name} must be a finite number >= 0, got {v}"));
+            }
+        }
+        if !self.balance.relative.is_finite() || self.balance.relative < 1.0 {
+            return Err(format!(
+                "routing.balance.relative must be >= 1, got {}",
+                self.balance.relative
+            ));
+        }
+        if self.cost_model.max_batched_tokens == 0 {
+            return Err("routing.costModel.maxBatchedTokens must be >= 1".into());
+        }
+        let t = self.cache_aware.match_threshold;
+        if !(0.0..=1.0).contains(&t) {
+            return Err(format!(
+                "routing.cacheAware.matchThreshold must be in [0, 1], got {t}"
+            ));
+        }
+        if self.staleness_threshold.is_zero() {
+            return Err("routing.stalenessThreshold must be positive".into());
+        }
+        if self.session_header.is_empty()
+            || !self
+                .session_header
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(format!(
+                "routing.sessionHeader must be a non-empty HTTP header name, got {:?}",
+                self.session_header
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Durations written as Kubernetes users write them: `500ms`, `2s`, `1m`.
+pub mod duration_str {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub fn parse(s: &str) -> Result<Duration, String> {
+        let s = s.trim();
+        let (num, unit) = s
+            .find(|c: char| !c.is_ascii_digit())
+            .map_or((s, ""), |i| s.split_at(i));
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 2s, 1m"))?;
+        let d = match unit {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            _ => {
+                return Err(format!("invalid duration {s:?}: unit must be ms, s or m"));
+            }
+        };
+        Ok(d)
+    }
+
+    pub fn format(d: &Duration) -> String {
+        let ms = d.as_millis();
+        if ms.is_multiple_of(60_000) && ms > 0 {
+            format!("{}m", ms / 60_000)
+        } else if ms.is_multiple_of(1000) {
+            format!("{}s", ms / 1000)
+        } else {
+            format!("{ms}ms")
+        }
+    }
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format(d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        parse(&s).map_err(D::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = RoutingConfig::default();
+        c.validate().expect("defaults valid");
+        let json = serde_json::to_string(&c).expect("serialize");
+        let back: RoutingConfig = serde_json::from_str(&json).expect("deserialize");
+        assert_eq!(c, back);
+        assert!(json.contains("\"stalenessThreshold\":\"2s\""), "{json}");
+    }
+
+    #[test]
+    fn partial_config_fills_defaults() {
+        let c: RoutingConfig =
+            serde_json::from_str(r#"{"strategy":"Weighted","weights":{"queue":5}}"#)
+                .expect("parse");
+        assert_eq!(c.strategy, Strategy::Weighted);
+        assert_eq!(c.weights.queue, 5.0);
+        assert_eq!(c.weights.prefix_cache, 3.0);
+    }
+
+    #[test]
+    fn unknown_fields_and_strategies_are_rejected() {
+        let e =
+            serde_json::from_str::<RoutingConfig>(r#"{"stratgy":"Weighted"}"#).expect_err("typo");
+        assert!(e.to_string().contains("stratgy"), "{e}");
+        let e = serde_json::from_str::<RoutingConfig>(r#"{"strategy":"Fastest"}"#)
+            .expect_err("unknown");
+        assert!(e.to_string().contains("Fastest"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let mut c = RoutingConfig::default();
+        c.weights.queue = -1.0;
+        assert!(
+            c.validate()
+                .expect_err("neg")
+                .contains("routing.weights.queue")
+        );
+        let c = RoutingConfig {
+            weights: Weights {
+                prefix_cache: 0.0,
+                queue: 0.0,
+                kv_utilization: 0.0,
+                inflight: 0.0,
+                session_affinity: 0.0,
+            },
+            ..RoutingConfig::default()
+        };
+        assert!(c.validate().expect_err("zero").contains("at least one"));
+        let mut c = RoutingConfig::default();
+        c.balance.relative = 0.5;
+        assert!(c.validate().expect_err("rel").contains("balance.relative"));
+        let c = RoutingConfig {
+            session_header: "x session".into(),
+            ..RoutingConfig::default()
+        };
+        assert!(c.validate().expect_err("hdr").contains("sessionHeader"));
+    }
+
+    #[test]
+    fn durations_parse_and_format() {
+        use duration_str::{format, parse};
+        assert_eq!(parse("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse("1m"), Ok(Duration::from_secs(60)));
+        assert!(parse("2h").is_err());
+        assert!(parse("s").is_err());
+        assert!(parse("").is_err());
+        assert_eq!(format(&Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format(&Duration::from_secs(120)), "2m");
+    }
+
+    #[test]
+    fn strategy_cli_names() {
+        assert_eq!(Strategy::from_cli("least-load"), Some(Strategy::LeastLoad));
+        assert_eq!(Strategy::from_cli("cost-model"), Some(Strategy::CostModel));
+        assert_eq!(Strategy::from_cli("nope"), None);
+    }
+}

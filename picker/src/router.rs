@@ -1,0 +1,660 @@
+//! The decision pipeline: candidates → features → policy → choice with ordered fallbacks.
+//!
+//! The router holds no view of its own: the caller passes the current endpoint snapshot, the
+//! KV index, the scraped loads and the in-flight counters, so the same code serves the live
+//! picker, the offline simulator and the tests.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::block_keys::BlockKey;
+use crate::config::{FailureMode, RoutingConfig};
+use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
+use crate::index::{KvIndex, PrefixMatch};
+use crate::inflight::InflightTracker;
+use crate::load::LoadView;
+use crate::policy::{self, Candidate, Features, Policy, RequestFacts};
+use crate::session::SessionTable;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    #[error("model {0:?} is not served by this pool")]
+    UnknownModel(String),
+    #[error("no eligible endpoint for model config {0:?}")]
+    NoEligibleEndpoint(String),
+    #[error("every eligible endpoint for model config {0:?} is stale and the pool fails closed")]
+    AllStale(String),
+}
+
+impl RouteError {
+    /// Stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::UnknownModel(_) => "unknown_model",
+            Self::NoEligibleEndpoint(_) => "no_eligible_endpoint",
+            Self::AllStale(_) => "all_stale",
+        }
+    }
+}
+
+/// Why the chosen endpoint was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionReason {
+    /// The policy's best score.
+    Policy,
+    /// The request's session is pinned there and it is not overloaded.
+    Session,
+}
+
+/// One candidate's view of the decision, for `/v1/pick` and debugging.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CandidateExplain {
+    pub endpoint: String,
+    pub features: Features,
+    /// The policy's score; `None` for candidates the balance guard removed.
+    pub score: Option<f64>,
+    pub overloaded: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    pub endpoint: EndpointId,
+    /// The next best endpoints, in order, to try if the chosen one fails.
+    pub fallbacks: Vec<EndpointId>,
+    pub model_config: Arc<str>,
+    pub policy: &'static str,
+    pub reason: DecisionReason,
+    /// Prefix blocks cached on the chosen endpoint, and the prompt's tokens they cover.
+    pub matched_blocks: u32,
+    pub cached_tokens: u32,
+    /// The chosen endpoint's features (what in-flight accounting needs).
+    pub features: Features,
+    /// Every endpoint was stale and the pool fails open.
+    pub failed_open: bool,
+    /// Per-candidate explanation, when asked for.
+    pub candidates: Vec<CandidateExplain>,
+}
+
+/// One request as the router sees it.
+#[derive(Clone, Copy)]
+pub struct RouteRequest<'a> {
+    pub model_config: &'a ModelConfig,
+    /// Block keys of the prompt, hashed for this model config (block size, model, adapter,
+    /// salt).
+    pub keys: &'a [BlockKey],
+    pub prompt_tokens: u32,
+    pub session: Option<&'a str>,
+    pub tenant: Option<&'a str>,
+    /// Candidate subset offered by a gateway (`ip:port`); `None` = every endpoint.
+    pub subset: Option<&'a [SocketAddr]>,
+    /// Extra eligibility (tenant's dedicated endpoints).
+    pub allow: Option<&'a (dyn Fn(&Endpoint) -> bool + Sync)>,
+    /// Hash identifying the request when it has no full block (short prompts).
+    pub fallback_hash: u64,
+    pub explain: bool,
+}
+
+/// The feeds the router reads.
+#[derive(Clone, Copy)]
+pub struct RouteContext<'a> {
+    pub endpoints: &'a EndpointSnapshot,
+    pub index: &'a KvIndex,
+    pub loads: &'a LoadView,
+    pub inflight: &'a InflightTracker,
+    pub now_ms: u64,
+}
+
+pub struct Router {
+    config: RoutingConfig,
+    policy: Box<dyn Policy>,
+    sessions: Mutex<SessionTable>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("policy", &self.policy.name())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// Sessions remembered per router by default.
+pub const DEFAULT_SESSION_CAPACITY: usize = 100_000;
+
+impl Router {
+    pub fn new(config: RoutingConfig) -> Self {
+        Self::with_policy(
+            config.clone(),
+            policy::build(&config, 0x006b_7672_6f75_7465),
+        )
+    }
+
+    pub fn with_policy(config: RoutingConfig, policy: Box<dyn Policy>) -> Self {
+        Self {
+            config,
+            policy,
+            sessions: Mutex::new(SessionTable::new(DEFAULT_SESSION_CAPACITY)),
+        }
+    }
+
+    pub fn config(&self) -> &RoutingConfig {
+        &self.config
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// The model config serving `model` (base model or LoRA adapter) and the adapter named,
+    /// if any. When several configs serve one model, the first by name is used.
+    pub fn resolve_model(
+        endpoints: &EndpointSnapshot,
+        model: &str,
+    ) -> Result<(Arc<ModelConfig>, Option<String>), RouteError> {
+        let mut best: Option<(Arc<ModelConfig>, Option<String>)> = None;
+        for e in endpoints.endpoints() {
+            if let Some(lora) = e.model_config.serves(model)
+                && best
+                    .as_ref()
+                    .is_none_or(|(b, _)| e.model_config.name < b.name)
+            {
+                best = Some((e.model_config.clone(), lora.map(str::to_owned)));
+            }
+        }
+        best.ok_or_else(|| RouteError::UnknownModel(model.to_owned()))
+    }
+
+    /// Forget sessions pinned to an endpoint that left the set.
+    pub fn forget_endpoint(&self, id: &EndpointId) {
+        self.sessions.lock().remove_endpoint(id);
+    }
+
+    pub fn decide(
+        &self,
+        ctx: &RouteContext<'_>,
+        req: &RouteRequest<'_>,
+    ) -> Result<Decision, RouteError> {
+        let mc = req.model_config;
+        let threshold_ms = self.config.staleness_threshold.as_millis() as u64;
+
+        // 1. filters: model config, state, subset, tenant
+        let mut fresh: Vec<&Endpoint> = Vec::new();
+        let mut stale: Vec<&Endpoint> = Vec::new();
+        for e in ctx.endpoints.endpoints() {
+            if e.model_config.name != mc.name || e.state == EndpointState::Draining {
+                continue;
+            }
+            if let Some(subset) = req.subset
+                && !subset
+                    .iter()
+                    .any(|a| a.ip() == e.id.address && a.port() == e.id.port)
+            {
+                continue;
+            }
+            if let Some(allow) = req.allow
+                && !allow(e)
+            {
+                continue;
+            }
+            if e.state == EndpointState::Stale
+                || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
+            {
+                stale.push(e);
+            } else {
+                fresh.push(e);
+            }
+        }
+        let failed_open = fresh.is_empty() && !stale.is_empty();
+        let pool = if !fresh.is_empty() {
+            fresh
+        } else if stale.is_empty() {
+            return Err(RouteError::NoEligibleEndpoint(mc.name.to_string()));
+        } else if self.config.failure_mode == FailureMode::FailOpen {
+            stale
+        } else {
+            return Err(RouteError::AllStale(mc.name.to_string()));
+        };
+
+        // 2. features
+        let mut matches: Vec<PrefixMatch> = Vec::new();
+        ctx.index.longest_prefix(req.keys, &mut matches);
+        let session_key = req.session.map(|s| SessionTable::key(req.tenant, s));
+        let pinned = session_key.and_then(|k| self.sessions.lock().get(k));
+        let block_size = mc.block_size.max(1);
+        let prompt_blocks = req.keys.len() as u32;
+        let cands: Vec<Candidate> = pool
+            .iter()
+            .map(|e| {
+                let slot = ctx.index.slot(&e.id);
+                let matched = slot
+                    .and_then(|s| matches.binary_search_by_key(&s, |m| m.slot).ok())
+                    .map_or(0, |i| matches[i].blocks);
+                let cached = (matched * block_size).min(req.prompt_tokens);
+                let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
+                let inflight = ctx.inflight.get(&e.id);
+                Candidate {
+                    endpoint: e.id,
+                    features: Features {
+                        matched_blocks: matched,
+                        cached_tokens: cached,
+                        uncached_tokens: req.prompt_tokens - cached,
+                        waiting: load.waiting,
+                        running: load.running,
+                        kv_usage: load.kv_usage,
+                        kv_capacity_blocks: load.kv_capacity_blocks,
+                        indexed_blocks: slot.map_or(0, |s| ctx.index.endpoint_blocks(s) as u64),
+                        inflight_requests: inflight.requests,
+                        inflight_tokens: inflight.tokens,
+                        pending_requests: inflight.pending_requests,
+                        pending_tokens: inflight.pending_tokens,
+                        session_affinity: pinned == Some(e.id),
+                        stale: failed_open,
+                    },
+                }
+            })
+            .collect();
+
+        // 3. balance guard: never add work to an overloaded endpoint (for cache-aware
+        //    policies), and never keep a session on one (for every policy)
+        let min_load = cands
+            .iter()
+            .map(|c| c.features.load())
+            .fold(f64::INFINITY, f64::min);
+        let is_overloaded = |c: &Candidate| {
+            let l = c.features.load();
+            l - min_load > f64::from(self.config.balance.absolute)
+                && l > self.config.balance.relative * min_load
+        };
+        let pinned = pinned.filter(|p| {
+            cands
+                .iter()
+                .find(|c| c.endpoint == *p)
+                .is_some_and(|c| !is_overloaded(c))
+        });
+        let overloaded: Vec<bool> = if self.policy.uses_balance_guard() {
+            cands.iter().map(is_overloaded).collect()
+        } else {
+            vec![false; cands.len()]
+        };
+        let eligible: Vec<Candidate> = cands
+            .iter()
+            .zip(&overloaded)
+            .filter(|(_, o)| !**o)
+            .map(|(c, _)| *c)
+            .collect();
+
+        // 4. score and choose
+        let facts = RequestFacts {
+            prompt_tokens: req.prompt_tokens,
+            prompt_blocks,
+            block_size,
+            request_hash: req.keys.first().copied().unwrap_or(req.fallback_hash),
+        };
+        let mut scores = vec![0.0; eligible.len()];
+        self.policy.score(&facts, &eligible, &mut scores);
+        let session_pick = pinned.and_then(|p| eligible.iter().position(|c| c.endpoint == p));
+        let (chosen, reason) = match session_pick {
+            Some(i) => (i, DecisionReason::Session),
+            None => (
+                self.policy.choose(&facts, &eligible, &scores),
+                DecisionReason::Policy,
+            ),
+        };
+        let mut order: Vec<usize> = (0..eligible.len()).filter(|&i| i != chosen).collect();
+        order.sort_by(|&a, &b| {
+            policy::better(&facts, (&eligible[a], scores[a]), (&eligible[b], scores[b]))
+        });
+        let mut fallbacks: Vec<EndpointId> = order.iter().map(|&i| eligible[i].endpoint).collect();
+        let mut guarded: Vec<&Candidate> = cands
+            .iter()
+            .zip(&overloaded)
+            .filter(|(_, o)| **o)
+            .map(|(c, _)| c)
+            .collect();
+        guarded.sort_by(|a, b| a.features.load().total_cmp(&b.features.load()));
+        fallbacks.extend(guarded.iter().map(|c| c.endpoint));
+
+        let winner = eligible[chosen];
+        if let Some(k) = session_key {
+            self.sessions.lock().set(k, winner.endpoint);
+        }
+        let candidates = if req.explain {
+            let mut j = 0;
+            cands
+                .iter()
+                .zip(&overloaded)
+                .map(|(c, &o)| {
+                    let score = if o {
+                        None
+                    } else {
+                        j += 1;
+                        Some(scores[j - 1])
+                    };
+                    CandidateExplain {
+                        endpoint: c.endpoint.to_string(),
+                        features: c.features,
+                        score,
+                        overloaded: o,
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Decision {
+            endpoint: winner.endpoint,
+            fallbacks,
+            model_config: mc.name.clone(),
+            policy: self.policy.name(),
+            reason,
+            matched_blocks: winner.features.matched_blocks,
+            cached_tokens: winner.features.cached_tokens,
+            features: winner.features,
+            failed_open,
+            candidates,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block_keys::{BlockHasher, ChainRoot};
+    use crate::config::{Strategy, Weights};
+    use crate::endpoint::EndpointSet;
+    use crate::index::IndexMode;
+    use crate::load::EndpointLoad;
+    use std::net::{IpAddr, Ipv4Addr};
+
+    struct World {
+        mc: Arc<ModelConfig>,
+        set: EndpointSet,
+        index: KvIndex,
+        loads: LoadView,
+        inflight: InflightTracker,
+    }
+
+    fn id(n: u8, rank: u32) -> EndpointId {
+        EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, n)), 8000, rank)
+    }
+
+    impl World {
+        fn new(ids: &[EndpointId]) -> Self {
+            let mc = Arc::new(ModelConfig::new("default", "llama"));
+            let set = EndpointSet::new(ids.iter().map(|i| Endpoint::new(*i, mc.clone())).collect());
+            let mut index = KvIndex::default();
+            let mut loads = LoadView::new();
+            for i in ids {
+                index
+                    .add_endpoint(*i, IndexMode::Approximate { ttl_ms: 60_000 }, 100_000)
+                    .expect("slot");
+                loads.update(*i, EndpointLoad::default());
+            }
+            Self {
+                mc,
+                set,
+                index,
+                loads,
+                inflight: InflightTracker::new(),
+            }
+        }
+
+        fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
+            BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), tokens)
+        }
+
+        fn decide(
+            &self,
+            r: &Router,
+            keys: &[BlockKey],
+            session: Option<&str>,
+        ) -> Result<Decision, RouteError> {
+            let snap = self.set.load();
+            let ctx = RouteContext {
+                endpoints: &snap,
+                index: &self.index,
+                loads: &self.loads,
+                inflight: &self.inflight,
+                now_ms: 0,
+            };
+            let req = RouteRequest {
+                model_config: &self.mc,
+                keys,
+                prompt_tokens: keys.len() as u32 * 16,
+                session,
+                tenant: None,
+                subset: None,
+                allow: None,
+                fallback_hash: 0,
+                explain: true,
+            };
+            r.decide(&ctx, &req)
+        }
+    }
+
+    fn prompt(seed: u32, n: u32) -> Vec<u32> {
+        (0..n)
+            .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 32_000)
+            .collect()
+    }
+
+    fn router(strategy: Strategy) -> Router {
+        Router::new(RoutingConfig {
+            strategy,
+            ..RoutingConfig::default()
+        })
+    }
+
+    #[test]
+    fn cached_prefix_wins_and_explains_itself() {
+        let ids: Vec<_> = (1..=4).map(|n| id(n, 0)).collect();
+        let mut w = World::new(&ids);
+        let keys = w.keys(&prompt(1, 4096));
+        let slot = w.index.slot(&ids[2]).expect("slot");
+        w.index.record_routed(slot, &keys, 0);
+        for s in [
+            Strategy::CostModel,
+            Strategy::Weighted,
+            Strategy::KvCost,
+            Strategy::CacheAware,
+        ] {
+            let d = w.decide(&router(s), &keys, None).expect("decision");
+            assert_eq!(d.endpoint, ids[2], "{s:?}");
+            assert_eq!(d.matched_blocks, 256);
+            assert_eq!(d.fallbacks.len(), 3);
+            assert_eq!(d.candidates.len(), 4);
+            assert!(d.candidates.iter().all(|c| c.score.is_some()));
+        }
+    }
+
+    #[test]
+    fn hot_prefix_cannot_concentrate_all_load() {
+        let ids: Vec<_> = (1..=4).map(|n| id(n, 0)).collect();
+        let w = World::new(&ids);
+        let keys = w.keys(&prompt(2, 2048));
+        let mut w = w;
+        let mut guards = Vec::new();
+        let mut counts = std::collections::BTreeMap::new();
+        for strategy in [Strategy::Weighted, Strategy::CostModel, Strategy::KvCost] {
+            let r = router(strategy);
+            counts.clear();
+            guards.clear();
+            for _ in 0..100 {
+                let d = w.decide(&r, &keys, None).expect("decision");
+                let slot = w.index.slot(&d.endpoint).expect("slot");
+                w.index.record_routed(slot, &keys, 0);
+                // requests never finish during the burst
+                guards.push(
+                    w.inflight
+                        .begin(d.endpoint, 2048, u64::from(2048 - d.cached_tokens)),
+                );
+                *counts.entry(d.endpoint).or_insert(0) += 1;
+            }
+            let max = counts.values().max().copied().unwrap_or(0);
+            assert!(counts.len() >= 2 && max <= 60, "{strategy:?}: {counts:?}");
+        }
+    }
+
+    #[test]
+    fn sessions_stay_on_their_rank_unless_overloaded() {
+        let ids = vec![id(1, 0), id(1, 1), id(2, 0), id(2, 1)];
+        let w = World::new(&ids);
+        let r = router(Strategy::LeastLoad);
+        let first = w
+            .decide(&r, &w.keys(&prompt(3, 64)), Some("s-1"))
+            .expect("d");
+        let mut guards = vec![w.inflight.begin(first.endpoint, 64, 64)];
+        // other endpoints are now less loaded, yet the session stays (same rank too)
+        for turn in 0..5 {
+            let d = w
+                .decide(&r, &w.keys(&prompt(100 + turn, 64)), Some("s-1"))
+                .expect("d");
+            assert_eq!(d.endpoint, first.endpoint);
+            assert_eq!(d.reason, DecisionReason::Session);
+            guards.push(w.inflight.begin(d.endpoint, 64, 64));
+        }
+        // load it past the balance thresholds (8 above the minimum and 1.5x): it moves
+        for _ in 0..10 {
+            guards.push(w.inflight.begin(first.endpoint, 64, 64));
+        }
+        let r2 = router(Strategy::Weighted);
+        let moved = w
+            .decide(&r2, &w.keys(&prompt(3, 64)), Some("s-1"))
+            .expect("d");
+        assert_eq!(moved.reason, DecisionReason::Policy);
+        let d = w
+            .decide(&r2, &w.keys(&prompt(3, 64)), Some("s-1"))
+            .expect("d");
+        assert_eq!(d.endpoint, moved.endpoint, "re-pinned to the new endpoint");
+        assert_ne!(d.endpoint, first.endpoint);
+    }
+
+    #[test]
+    fn ties_are_deterministic_across_routers() {
+        let ids: Vec<_> = (1..=8).map(|n| id(n, 0)).collect();
+        let w = World::new(&ids);
+        let keys = w.keys(&prompt(9, 512));
+        let a = w
+            .decide(&router(Strategy::CostModel), &keys, None)
+            .expect("d");
+        let b = w
+            .decide(&router(Strategy::CostModel), &keys, None)
+            .expect("d");
+        assert_eq!(a.endpoint, b.endpoint);
+        assert_eq!(a.fallbacks, b.fallbacks);
+    }
+
+    #[test]
+    fn stale_endpoints_are_skipped_then_fail_open_or_closed() {
+        let ids = vec![id(1, 0), id(2, 0)];
+        let w = World::new(&ids);
+        w.set.patch(&[crate::endpoint::EndpointPatch::SetState(
+            ids[0],
+            EndpointState::Stale,
+        )]);
+        let keys = w.keys(&prompt(4, 64));
+        let d = w
+            .decide(&router(Strategy::LeastLoad), &keys, None)
+            .expect("d");
+        assert_eq!(d.endpoint, ids[1]);
+        assert_eq!(d.fallbacks, vec![], "stale endpoints are not fallbacks");
+        w.set.patch(&[crate::endpoint::EndpointPatch::SetState(
+            ids[1],
+            EndpointState::Stale,
+        )]);
+        let d = w
+            .decide(&router(Strategy::LeastLoad), &keys, None)
+            .expect("d");
+        assert!(d.failed_open);
+        let closed = Router::new(RoutingConfig {
+            failure_mode: FailureMode::FailClose,
+            ..RoutingConfig::default()
+        });
+        assert_eq!(
+            w.decide(&closed, &keys, None),
+            Err(RouteError::AllStale("default".into()))
+        );
+    }
+
+    #[test]
+    fn subset_and_allow_filters_restrict_candidates() {
+        let ids: Vec<_> = (1..=3).map(|n| id(n, 0)).collect();
+        let w = World::new(&ids);
+        let keys = w.keys(&prompt(5, 64));
+        let snap = w.set.load();
+        let ctx = RouteContext {
+            endpoints: &snap,
+            index: &w.index,
+            loads: &w.loads,
+            inflight: &w.inflight,
+            now_ms: 0,
+        };
+        let subset = [SocketAddr::new(ids[1].address, 8000)];
+        let base = RouteRequest {
+            model_config: &w.mc,
+            keys: &keys,
+            prompt_tokens: 64,
+            session: None,
+            tenant: None,
+            subset: Some(&subset),
+            allow: None,
+            fallback_hash: 0,
+            explain: false,
+        };
+        let r = router(Strategy::Weighted);
+        assert_eq!(r.decide(&ctx, &base).expect("d").endpoint, ids[1]);
+        let deny_all = |_: &Endpoint| false;
+        let req = RouteRequest {
+            subset: None,
+            allow: Some(&deny_all),
+            ..base
+        };
+        assert_eq!(
+            r.decide(&ctx, &req),
+            Err(RouteError::NoEligibleEndpoint("default".into()))
+        );
+    }
+
+    #[test]
+    fn resolve_model_finds_base_and_adapter() {
+        let mut mc = ModelConfig::new("b-config", "llama");
+        mc.lora_adapters.push("sql".into());
+        let mc = Arc::new(mc);
+        let snap = EndpointSnapshot::new(vec![Endpoint::new(id(1, 0), mc)]);
+        let (c, lora) = Router::resolve_model(&snap, "sql").expect("adapter");
+        assert_eq!((&*c.name, lora.as_deref()), ("b-config", Some("sql")));
+        assert!(matches!(
+            Router::resolve_model(&snap, "gpt"),
+            Err(RouteError::UnknownModel(_))
+        ));
+    }
+
+    #[test]
+    fn weighted_session_weight_is_a_soft_preference() {
+        let ids: Vec<_> = (1..=2).map(|n| id(n, 0)).collect();
+        let w = World::new(&ids);
+        let r = Router::new(RoutingConfig {
+            strategy: Strategy::Weighted,
+            weights: Weights {
+                session_affinity: 1.0,
+                ..Weights::default()
+            },
+            ..RoutingConfig::default()
+        });
+        let d = w.decide(&r, &w.keys(&prompt(6, 64)), Some("s")).expect("d");
+        let again = w.decide(&r, &w.keys(&prompt(7, 64)), Some("s")).expect("d");
+        assert_eq!(d.endpoint, again.endpoint);
+        let c = again
+            .candidates
+            .iter()
+            .find(|c| c.endpoint == d.endpoint.to_string())
+            .expect("explained");
+        assert!(c.features.session_affinity);
+    }
+}
