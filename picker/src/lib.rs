@@ -9,6 +9,7 @@ pub mod config;
 pub mod endpoint;
 pub mod index;
 pub mod inflight;
+pub mod ingest;
 pub mod kv_events;
 pub mod load;
 pub mod policy;
