@@ -1,0 +1,187 @@
+//! Criterion benchmarks of the routing core's hot paths, swept over scale (endpoints 8/64/512,
+//! prompts 8k/32k/128k tokens). Results and the machine are recorded in `picker/BENCHMARKS.md`.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
+use kvroute_picker::config::{RoutingConfig, Strategy};
+use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
+use kvroute_picker::index::{IndexMode, KvIndex, PrefixMatch};
+use kvroute_picker::inflight::InflightTracker;
+use kvroute_picker::load::{EndpointLoad, LoadView};
+use kvroute_picker::router::{RouteContext, RouteRequest, Router};
+
+const BLOCK: u32 = 16;
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % 128_000
+        })
+        .collect()
+}
+
+fn endpoint(i: usize) -> EndpointId {
+    EndpointId::new(
+        IpAddr::V4(Ipv4Addr::new(10, (i >> 8) as u8, i as u8, 1)),
+        8000,
+        0,
+    )
+}
+
+/// An index where every endpoint holds a shared 1k-token system prompt plus noise, and one
+/// endpoint (in the middle of the set) holds the whole request prompt.
+fn populated_index(n_endpoints: usize, prompt: &[u32]) -> KvIndex {
+    let h = BlockHasher::new(BLOCK);
+    let root = ChainRoot::new("model", None, None);
+    let keys = h.keys(root, prompt);
+    let shared = 1024 / BLOCK as usize;
+    let mut ix = KvIndex::default();
+    for i in 0..n_endpoints {
+        let slot = ix
+            .add_endpoint(endpoint(i), IndexMode::Precise, 1 << 22)
+            .expect("slot");
+        let mut pairs: Vec<(u64, u64)> = keys[..shared.min(keys.len())]
+            .iter()
+            .map(|&k| (k ^ i as u64, k))
+            .collect();
+        if i == n_endpoints / 2 {
+            pairs = keys.iter().map(|&k| (k ^ i as u64, k)).collect();
+        }
+        // 2k unrelated blocks per endpoint
+        let noise = h.keys(root, &tokens(1000 + i as u32, 2048 * BLOCK as usize));
+        pairs.extend(noise.iter().map(|&k| (k, k)));
+        ix.store(slot, &pairs).expect("store");
+    }
+    ix
+}
+
+fn bench_longest_prefix(c: &mut Criterion) {
+    let mut g = c.benchmark_group("longest_prefix");
+    g.measurement_time(Duration::from_secs(2)).sample_size(20);
+    for &n in &[8usize, 64, 512] {
+        for &t in &[8 * 1024usize, 32 * 1024, 128 * 1024] {
+            let prompt = tokens(7, t);
+            let ix = populated_index(n, &prompt);
+            let keys = BlockHasher::new(BLOCK).keys(ChainRoot::new("model", None, None), &prompt);
+            let mut out: Vec<PrefixMatch> = Vec::with_capacity(n);
+            g.throughput(Throughput::Elements(keys.len() as u64));
+            g.bench_with_input(
+                BenchmarkId::new(format!("{n}ep"), format!("{}k", t / 1024)),
+                &keys,
+                |b, keys| {
+                    b.iter(|| {
+                        ix.longest_prefix(black_box(keys), &mut out);
+                        black_box(out.len())
+                    })
+                },
+            );
+        }
+    }
+    g.finish();
+}
+
+fn bench_hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("block_key_hashing");
+    g.measurement_time(Duration::from_secs(2)).sample_size(20);
+    let h = BlockHasher::new(BLOCK);
+    let root = ChainRoot::new("model", None, None);
+    let mut out = Vec::new();
+    for &t in &[8 * 1024usize, 32 * 1024, 128 * 1024] {
+        let prompt = tokens(3, t);
+        g.throughput(Throughput::Elements(t as u64));
+        g.bench_with_input(
+            BenchmarkId::from_parameter(format!("{}k", t / 1024)),
+            &prompt,
+            |b, p| {
+                b.iter(|| {
+                    out.clear();
+                    h.keys_into(root, black_box(p), &mut out);
+                    black_box(out.len())
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+/// Hash + match + features + score + choice for one request, as the service runs it.
+fn bench_decision(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    g.measurement_time(Duration::from_secs(3)).sample_size(20);
+    g.throughput(Throughput::Elements(1));
+    let mc = Arc::new(ModelConfig::new("default", "model"));
+    for &n in &[8usize, 64] {
+        let prompt = tokens(11, 8 * 1024);
+        let ix = populated_index(n, &prompt);
+        let set = EndpointSet::new(
+            (0..n)
+                .map(|i| Endpoint::new(endpoint(i), mc.clone()))
+                .collect(),
+        );
+        let mut loads = LoadView::new();
+        for i in 0..n {
+            loads.update(
+                endpoint(i),
+                EndpointLoad {
+                    waiting: (i % 3) as f64,
+                    running: (i % 5) as f64,
+                    kv_usage: 0.5,
+                    kv_capacity_blocks: Some(31_250),
+                    sampled_at_ms: 0,
+                },
+            );
+        }
+        let inflight = InflightTracker::new();
+        for strategy in [Strategy::CostModel, Strategy::Weighted] {
+            let router = Router::new(RoutingConfig {
+                strategy,
+                ..RoutingConfig::default()
+            });
+            let h = BlockHasher::new(BLOCK);
+            let root = ChainRoot::new("model", None, None);
+            let snap = set.load();
+            g.bench_function(
+                BenchmarkId::new(format!("8k_{}", strategy.as_str()), format!("{n}ep")),
+                |b| {
+                    let mut keys = Vec::with_capacity(prompt.len() / BLOCK as usize);
+                    b.iter(|| {
+                        keys.clear();
+                        h.keys_into(root, black_box(&prompt), &mut keys);
+                        let ctx = RouteContext {
+                            endpoints: &snap,
+                            index: &ix,
+                            loads: &loads,
+                            inflight: &inflight,
+                            now_ms: 0,
+                        };
+                        let req = RouteRequest {
+                            model_config: &mc,
+                            keys: &keys,
+                            prompt_tokens: prompt.len() as u32,
+                            session: None,
+                            tenant: None,
+                            subset: None,
+                            allow: None,
+                            fallback_hash: 0,
+                            explain: false,
+                        };
+                        black_box(router.decide(&ctx, &req).map(|d| d.endpoint))
+                    })
+                },
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_longest_prefix, bench_hashing, bench_decision);
+criterion_main!(benches);
