@@ -1,0 +1,131 @@
+//! From wire bytes to a routing decision: a KV event published by one endpoint (in each of
+//! vLLM's encodings) moves the decision for a request sharing that prefix to it, and its
+//! removal moves it back.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
+use kvroute_picker::config::{RoutingConfig, Strategy};
+use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
+use kvroute_picker::index::{IndexMode, KvIndex};
+use kvroute_picker::inflight::InflightTracker;
+use kvroute_picker::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::{
+    DecodeLimits, EventBatch, EventEncoding, KvEvent, decode_message, encode_event_batch, seq_frame,
+};
+use kvroute_picker::load::LoadView;
+use kvroute_picker::router::{RouteContext, RouteRequest, Router};
+
+fn id(n: u8) -> EndpointId {
+    EndpointId::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, n)), 8000, 0)
+}
+
+fn decide(
+    router: &Router,
+    set: &EndpointSet,
+    ix: &KvIndex,
+    mc: &ModelConfig,
+    prompt: &[u32],
+) -> EndpointId {
+    let keys = BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), prompt);
+    let snap = set.load();
+    let (loads, inflight) = (LoadView::new(), InflightTracker::new());
+    let ctx = RouteContext {
+        endpoints: &snap,
+        index: ix,
+        loads: &loads,
+        inflight: &inflight,
+        now_ms: 0,
+    };
+    let req = RouteRequest {
+        model_config: mc,
+        keys: &keys,
+        prompt_tokens: prompt.len() as u32,
+        session: None,
+        tenant: None,
+        subset: None,
+        allow: None,
+        fallback_hash: 0,
+        explain: false,
+    };
+    router.decide(&ctx, &req).expect("decision").endpoint
+}
+
+#[test]
+fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
+    for encoding in [
+        EventEncoding::Array,
+        EventEncoding::MapEvents,
+        EventEncoding::Map,
+    ] {
+        let mc = Arc::new(ModelConfig::new("default", "llama"));
+        let ids: Vec<_> = (1..=4).map(id).collect();
+        let set = EndpointSet::new(ids.iter().map(|i| Endpoint::new(*i, mc.clone())).collect());
+        let mut ix = KvIndex::default();
+        for i in &ids {
+            ix.add_endpoint(*i, IndexMode::Precise, 100_000)
+                .expect("slot");
+        }
+        let router = Router::new(RoutingConfig {
+            strategy: Strategy::CostModel,
+            ..RoutingConfig::default()
+        });
+        let prompt: Vec<u32> = (0..4096).map(|i| (i * 7 + 3) % 30_000).collect();
+        let cold = decide(&router, &set, &ix, &mc, &prompt);
+        let target = *ids.iter().find(|i| **i != cold).expect("another endpoint");
+
+        let hashes: Vec<u64> = (0..256).map(|i| 0xfeed_0000 + i).collect();
+        let batch = EventBatch {
+            ts: 1.5,
+            events: vec![KvEvent::BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: None,
+                token_ids: prompt.clone(),
+                block_size: 16,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                lora_name: None,
+            }],
+            data_parallel_rank: Some(0),
+            skipped_unknown: 0,
+        };
+        let payload = encode_event_batch(&batch, encoding);
+        let seq = seq_frame(7);
+        let frames: [&[u8]; 3] = [b"kv-events", &seq, &payload];
+        let (topic, seq, decoded) =
+            decode_message(&frames, &DecodeLimits::default()).expect("decode");
+        assert_eq!((topic, seq), (&b"kv-events"[..], 7));
+        let slot = ix.slot(&target).expect("slot");
+        let keys = IngestKeys {
+            hasher: BlockHasher::new(16),
+            model: "llama",
+        };
+        let stats = apply_batch(&mut ix, slot, keys, &decoded);
+        assert_eq!(stats.stored_blocks, 256, "{encoding:?}");
+        assert_eq!(
+            decide(&router, &set, &ix, &mc, &prompt),
+            target,
+            "{encoding:?}"
+        );
+
+        let removal = EventBatch {
+            ts: 2.0,
+            events: vec![KvEvent::BlockRemoved {
+                block_hashes: hashes[..1].to_vec(),
+                medium: None,
+            }],
+            data_parallel_rank: Some(0),
+            skipped_unknown: 0,
+        };
+        let payload = encode_event_batch(&removal, encoding);
+        let frames: [&[u8]; 3] = [b"kv-events", &seq_frame(8), &payload];
+        let (_, _, decoded) = decode_message(&frames, &DecodeLimits::default()).expect("decode");
+        apply_batch(&mut ix, slot, keys, &decoded);
+        assert_eq!(
+            decide(&router, &set, &ix, &mc, &prompt),
+            cold,
+            "{encoding:?}: block 0 gone, no prefix left"
+        );
+    }
+}
