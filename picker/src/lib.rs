@@ -7,11 +7,13 @@
 pub mod block_keys;
 pub mod config;
 pub mod endpoint;
+pub mod engine_metrics;
 pub mod index;
 pub mod inflight;
 pub mod ingest;
 pub mod kv_events;
 pub mod load;
 pub mod policy;
+pub mod pool;
 pub mod router;
 pub mod session;

@@ -3,7 +3,8 @@
 use hashbrown::HashMap;
 use serde::Serialize;
 
-use crate::endpoint::EndpointId;
+use crate::endpoint::{EndpointId, EngineKind};
+use crate::engine_metrics::LoadSample;
 
 /// What an engine's `/metrics` said about one endpoint (rank), normalized across engines.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -16,6 +17,31 @@ pub struct EndpointLoad {
     pub kv_capacity_blocks: Option<u64>,
     /// When the sample was taken (monotonic milliseconds of the caller's clock).
     pub sampled_at_ms: u64,
+}
+
+impl EndpointLoad {
+    /// Normalize a parsed scrape for an endpoint whose engine uses `block_size`-token blocks.
+    /// SGLang reports its capacity in tokens (page size 1), converted here to blocks.
+    pub fn from_sample(
+        s: &LoadSample,
+        engine: EngineKind,
+        block_size: u32,
+        sampled_at_ms: u64,
+    ) -> Self {
+        let kv_capacity_blocks = match (engine, s.block_size) {
+            (EngineKind::Sglang, _) | (_, Some(1)) => s
+                .kv_capacity_tokens()
+                .map(|t| t / u64::from(block_size.max(1))),
+            _ => s.kv_capacity_blocks,
+        };
+        Self {
+            waiting: s.waiting,
+            running: s.running,
+            kv_usage: s.kv_usage,
+            kv_capacity_blocks,
+            sampled_at_ms,
+        }
+    }
 }
 
 /// Latest sample per endpoint. Bounded by the endpoint set: the service removes entries of
@@ -57,5 +83,43 @@ impl LoadView {
 
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
+    use std::net::{IpAddr, Ipv4Addr};
+
+    #[test]
+    fn scrapes_normalize_and_age() {
+        let m = parse_engine_metrics(
+            include_str!("../tests/fixtures/metrics/vllm.txt"),
+            EngineKind::Vllm,
+            &ParseLimits::default(),
+        )
+        .expect("fixture parses");
+        let s = m.for_rank(1).expect("rank 1");
+        let l = EndpointLoad::from_sample(s, EngineKind::Vllm, 16, 1000);
+        assert_eq!((l.waiting, l.running), (s.waiting, s.running));
+        assert_eq!(l.kv_capacity_blocks, s.kv_capacity_blocks);
+        let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 1);
+        let mut v = LoadView::new();
+        assert!(!v.is_stale(&id, 10_000, 2000), "never sampled is not stale");
+        v.update(id, l);
+        assert!(!v.is_stale(&id, 3000, 2000));
+        assert!(v.is_stale(&id, 3001, 2000));
+    }
+
+    #[test]
+    fn sglang_capacity_in_tokens_becomes_blocks() {
+        let s = LoadSample {
+            block_size: Some(1),
+            kv_capacity_blocks: Some(160_000),
+            ..LoadSample::default()
+        };
+        let l = EndpointLoad::from_sample(&s, EngineKind::Sglang, 16, 0);
+        assert_eq!(l.kv_capacity_blocks, Some(10_000));
     }
 }
