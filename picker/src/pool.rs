@@ -1,0 +1,381 @@
+//! Pool specification: the model configurations a pool serves and its tenancy.
+//!
+//! Like [`crate::config`], these types are shared by the picker's config file and the
+//! `InferencePool` custom resource, so doc comments are written for `kubectl explain`.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::endpoint::{EndpointId, EngineKind, ModelConfig, RankSelection};
+
+/// Data parallelism of the engine in each pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DataParallel {
+    /// Data-parallel ranks per pod (1-1024). Each rank owns a private slice of the KV cache,
+    /// so the picker routes to a (pod, rank) pair.
+    #[schemars(range(min = 1, max = 1024))]
+    pub size: u32,
+    /// `Header`: one HTTP server for all ranks, the rank selected by the
+    /// `X-data-parallel-rank` header (vLLM) or the `data_parallel_rank` body field (SGLang).
+    /// `Port`: each rank serves on `port + rank`.
+    #[serde(default)]
+    pub rank_selection: RankSelection,
+}
+
+impl Default for DataParallel {
+    fn default() -> Self {
+        Self {
+            size: 1,
+            rank_selection: RankSelection::Header,
+        }
+    }
+}
+
+/// Where the engine publishes KV-cache events. Absent: the engine publishes none, and the
+/// picker learns cache contents approximately from its own routing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvEventsSpec {
+    /// ZMQ PUB port of rank 0; rank k publishes on `port + k`.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+    /// Topic filter (empty = every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// ZMQ ROUTER port of rank 0 serving replays of missed batches (offset by the rank too).
+    /// Absent: gaps are repaired by clearing the endpoint's blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub replay_port: Option<u16>,
+}
+
+/// How the picker turns a request into token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TokenizerSpec {
+    /// Path of a Hugging Face `tokenizer.json` (in Kubernetes: mounted from `configMap`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Path of `tokenizer_config.json` holding the chat template and special tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_path: Option<String>,
+    /// Name of a ConfigMap holding `tokenizer.json` and optionally `tokenizer_config.json`;
+    /// the operator mounts it into the picker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<String>,
+    /// Ask the engine itself for the tokens (vLLM's `/v1/completions/render` and
+    /// `/v1/chat/completions/render`): exact parity with its chat template at the cost of one
+    /// extra hop per request. Falls back to the local tokenizer on failure.
+    #[serde(default)]
+    pub use_engine_render: bool,
+}
+
+/// One model configuration: which pods serve which model with which engine settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelConfigSpec {
+    /// Unique name of this configuration within the pool (a DNS label).
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// Served model name, as clients put it in the request's `model` field.
+    #[schemars(length(min = 1))]
+    pub model: String,
+    #[serde(default)]
+    pub engine: EngineKind,
+    /// HTTP port of the engine's OpenAI-compatible server (rank 0 with `Port` selection).
+    #[serde(default = "default_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+    /// Tokens per KV block in the engine (a power of two, 1-4096). Must match the engine.
+    #[serde(default = "default_block_size")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub block_size: u32,
+    #[serde(default)]
+    pub data_parallel: DataParallel,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    /// LoRA adapters the engine serves; requests may name one in `model`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
+    /// The subset of the pool's pods that run this configuration (labels they must carry in
+    /// addition to the pool selector).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_selector: BTreeMap<String, String>,
+    /// KV capacity per rank in blocks, when the engine does not report it in its metrics;
+    /// bounds the approximate index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub kv_capacity_blocks: Option<u64>,
+}
+
+fn default_port() -> u16 {
+    8000
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+
+impl ModelConfigSpec {
+    /// Validate what the schema cannot; errors name the field (`modelConfigs[i].field`).
+    pub fn validate(&self, i: usize) -> Result<(), String> {
+        let at = |f: &str| format!("modelConfigs[{i}].{f}");
+        let dns = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 63
+                && s.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !s.starts_with('-')
+                && !s.ends_with('-')
+        };
+        if !dns(&self.name) {
+            return Err(format!(
+                "{} must be a DNS label (lowercase letters, digits, '-'), got {:?}",
+                at("name"),
+                self.name
+            ));
+        }
+        if self.model.is_empty() {
+            return Err(format!("{} must not be empty", at("model")));
+        }
+        if self.port == 0 {
+            return Err(format!("{} must be 1-65535", at("port")));
+        }
+        if !self.block_size.is_power_of_two() || self.block_size > 4096 {
+            return Err(format!(
+                "{} must be a power of two between 1 and 4096, got {}",
+                at("blockSize"),
+                self.block_size
+            ));
+        }
+        if !(1..=1024).contains(&self.data_parallel.size) {
+            return Err(format!(
+                "{} must be 1-1024, got {}",
+                at("dataParallel.size"),
+                self.data_parallel.size
+            ));
+        }
+        if self.data_parallel.rank_selection == RankSelection::Port
+            && u32::from(self.port) + self.data_parallel.size - 1 > 65535
+        {
+            return Err(format!(
+                "{}: port + size - 1 exceeds 65535",
+                at("dataParallel")
+            ));
+        }
+        if let Some(ev) = &self.kv_events
+            && u32::from(ev.port) + self.data_parallel.size - 1 > 65535
+        {
+            return Err(format!(
+                "{}: port + DP size - 1 exceeds 65535",
+                at("kvEvents")
+            ));
+        }
+        if self
+            .lora_adapters
+            .iter()
+            .any(|a| a.is_empty() || *a == self.model)
+        {
+            return Err(format!(
+                "{} must be non-empty names different from the base model",
+                at("loraAdapters")
+            ));
+        }
+        Ok(())
+    }
+
+    /// The routing core's view of this configuration.
+    pub fn to_model_config(&self) -> ModelConfig {
+        ModelConfig {
+            name: self.name.as_str().into(),
+            model: self.model.as_str().into(),
+            engine: self.engine,
+            block_size: self.block_size,
+            dp_size: self.data_parallel.size,
+            rank_selection: self.data_parallel.rank_selection,
+            lora_adapters: self
+                .lora_adapters
+                .iter()
+                .map(|a| Arc::from(a.as_str()))
+                .collect(),
+            tokenizer: self
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.path.as_deref().or(t.config_map.as_deref()))
+                .map(Arc::from),
+        }
+    }
+
+    /// The endpoints one pod (or host) at `address` contributes: one per DP rank. Header
+    /// selection shares the port; port selection uses `port + rank`.
+    pub fn expand_ranks(&self, address: IpAddr) -> Vec<EndpointId> {
+        (0..self.data_parallel.size)
+            .map(|rank| {
+                let port = match self.data_parallel.rank_selection {
+                    RankSelection::Header => self.port,
+                    RankSelection::Port => self.port.saturating_add(rank as u16),
+                };
+                EndpointId::new(address, port, rank)
+            })
+            .collect()
+    }
+
+    /// The KV event publisher port of an endpoint's rank.
+    pub fn kv_events_port(&self, rank: u32) -> Option<u16> {
+        self.kv_events
+            .as_ref()
+            .map(|e| e.port.saturating_add(rank as u16))
+    }
+}
+
+/// How tenants are kept apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Isolation {
+    /// Tenants share endpoints and prefix caches.
+    #[default]
+    None,
+    /// Tenants share endpoints, but block keys are salted per tenant and the engine gets a
+    /// `cache_salt`, so no tenant gets prefix credit for (or timing about) another's prompts.
+    SaltedCache,
+    /// Each tenant has its own endpoints (pods matching its selector); requests never leave
+    /// them, even on failure.
+    DedicatedEndpoints,
+}
+
+/// A tenant with dedicated endpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantSpec {
+    /// The tenant's name as it appears in the tenant header.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Labels of the pods this tenant may use.
+    pub pod_selector: BTreeMap<String, String>,
+}
+
+/// Multi-tenancy of a pool.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TenancySpec {
+    pub isolation: Isolation,
+    /// Request header naming the tenant, set by the gateway that authenticated the caller.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// Tenant of requests without the header; absent = such requests are rejected (when
+    /// isolation is on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_tenant: Option<String>,
+    /// File holding the secret that keys tenants' cache salts (HMAC); in Kubernetes, a mounted
+    /// Secret.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub salt_secret_file: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantSpec>,
+}
+
+impl TenancySpec {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.isolation != Isolation::None && self.header.as_deref().is_none_or(str::is_empty) {
+            return Err("tenancy.header is required when tenancy.isolation is not None".into());
+        }
+        if self.isolation == Isolation::SaltedCache && self.salt_secret_file.is_none() {
+            return Err("tenancy.saltSecretFile is required for SaltedCache isolation".into());
+        }
+        if self.isolation == Isolation::DedicatedEndpoints && self.tenants.is_empty() {
+            return Err(
+                "tenancy.tenants must list at least one tenant for DedicatedEndpoints".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelConfigSpec {
+        serde_json::from_str(r#"{"name":"llama","model":"meta-llama/Llama-3.1-8B"}"#)
+            .expect("minimal spec")
+    }
+
+    #[test]
+    fn defaults_and_validation() {
+        let s = spec();
+        assert_eq!((s.port, s.block_size, s.data_parallel.size), (8000, 16, 1));
+        s.validate(0).expect("valid");
+        let mut bad = spec();
+        bad.block_size = 24;
+        assert!(
+            bad.validate(2)
+                .expect_err("pow2")
+                .starts_with("modelConfigs[2].blockSize")
+        );
+        let mut bad = spec();
+        bad.data_parallel.size = 0;
+        assert!(
+            bad.validate(0)
+                .expect_err("dp")
+                .contains("dataParallel.size")
+        );
+        let mut bad = spec();
+        bad.name = "Llama_3".into();
+        assert!(
+            bad.validate(0)
+                .expect_err("dns")
+                .contains("modelConfigs[0].name")
+        );
+    }
+
+    #[test]
+    fn ranks_expand_by_header_or_port() {
+        let ip: IpAddr = "10.1.2.3".parse().expect("ip");
+        let mut s = spec();
+        s.data_parallel = DataParallel {
+            size: 3,
+            rank_selection: RankSelection::Header,
+        };
+        let ports: Vec<_> = s
+            .expand_ranks(ip)
+            .iter()
+            .map(|e| (e.port, e.rank))
+            .collect();
+        assert_eq!(ports, [(8000, 0), (8000, 1), (8000, 2)]);
+        s.data_parallel.rank_selection = RankSelection::Port;
+        let ports: Vec<_> = s
+            .expand_ranks(ip)
+            .iter()
+            .map(|e| (e.port, e.rank))
+            .collect();
+        assert_eq!(ports, [(8000, 0), (8001, 1), (8002, 2)]);
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected_with_their_name() {
+        let e =
+            serde_json::from_str::<ModelConfigSpec>(r#"{"name":"a","model":"m","blocksize":16}"#)
+                .expect_err("typo");
+        assert!(e.to_string().contains("blocksize"), "{e}");
+    }
+
+    #[test]
+    fn tenancy_requires_its_pieces() {
+        let t = TenancySpec {
+            isolation: Isolation::SaltedCache,
+            header: Some("x-tenant".into()),
+            ..TenancySpec::default()
+        };
+        assert!(t.validate().expect_err("secret").contains("saltSecretFile"));
+        TenancySpec::default().validate().expect("none is fine");
+    }
+}
