@@ -1,0 +1,2 @@
+//! kvroute's instruments: a vLLM-compatible engine simulator, the trace replay benchmark, and
+//! the end-to-end harness.
