@@ -5,6 +5,7 @@
 //! the same code.
 
 pub mod block_keys;
+pub mod cli;
 pub mod config;
 pub mod endpoint;
 pub mod engine_metrics;
@@ -16,4 +17,6 @@ pub mod load;
 pub mod policy;
 pub mod pool;
 pub mod router;
+pub mod service;
 pub mod session;
+pub mod tokenize;

@@ -1,0 +1,919 @@
+//! The picker's shared state and the request → decision path used by the HTTP proxy, the
+//! pick API and ext_proc alike.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use http::HeaderMap;
+use parking_lot::RwLock;
+use serde_json::{Map, Value};
+use sha2::Sha256;
+use tokio::sync::Semaphore;
+
+use super::errors::ApiError;
+use super::metrics::{DecisionLabels, Metrics};
+use super::settings::{IndexSettings, Limits};
+use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
+use crate::config::RoutingConfig;
+use crate::endpoint::{
+    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, ModelConfig, RankSelection,
+};
+use crate::index::{IndexConfig, IndexMode, KvIndex};
+use crate::inflight::InflightTracker;
+use crate::load::LoadView;
+use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
+use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router};
+use crate::tokenize::{
+    PromptInput, PromptTokenizer, PromptTokenizerOptions, TokenKind, TokenizeError, TokenizeLimits,
+};
+
+/// One model configuration, ready to serve: its tokenizer and hasher built once.
+pub struct ModelEntry {
+    pub spec: ModelConfigSpec,
+    pub config: Arc<ModelConfig>,
+    pub tokenizer: Arc<PromptTokenizer>,
+}
+
+impl std::fmt::Debug for ModelEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelEntry")
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
+
+impl ModelEntry {
+    pub fn precise(&self) -> bool {
+        self.spec.kv_events.is_some()
+    }
+
+    fn build(spec: &ModelConfigSpec, limits: &Limits) -> Result<Self, String> {
+        let tok_limits = TokenizeLimits {
+            max_prompt_bytes: limits.max_body_bytes,
+            max_tokens: limits.max_prompt_tokens,
+            max_messages: limits.max_messages,
+            ..TokenizeLimits::default()
+        };
+        let options = PromptTokenizerOptions {
+            limits: tok_limits,
+            ..PromptTokenizerOptions::default()
+        };
+        let read = |p: &str| {
+            std::fs::read(p)
+                .map_err(|e| format!("modelConfigs {:?}: cannot read {p}: {e}", spec.name))
+        };
+        let (json, cfg) = match &spec.tokenizer {
+            Some(t) => (
+                t.path.as_deref().map(read).transpose()?,
+                t.config_path
+                    .as_deref()
+                    .map(|p| read(p).map(|b| String::from_utf8_lossy(&b).into_owned()))
+                    .transpose()?,
+            ),
+            None => (None, None),
+        };
+        let tokenizer = PromptTokenizer::from_hf_files(json.as_deref(), cfg.as_deref(), options)
+            .map_err(|e| format!("modelConfigs {:?}: {e}", spec.name))?;
+        Ok(Self {
+            spec: spec.clone(),
+            config: Arc::new(spec.to_model_config()),
+            tokenizer: Arc::new(tokenizer),
+        })
+    }
+}
+
+/// Which OpenAI API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiKind {
+    Completions,
+    ChatCompletions,
+}
+
+impl ApiKind {
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Completions => "/v1/completions",
+            Self::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path.split('?').next().unwrap_or(path) {
+            "/v1/completions" => Some(Self::Completions),
+            "/v1/chat/completions" => Some(Self::ChatCompletions),
+            _ => None,
+        }
+    }
+}
+
+/// A request body parsed once.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    pub kind: ApiKind,
+    pub body: Map<String, Value>,
+    pub raw: Bytes,
+    pub model: String,
+    pub stream: bool,
+}
+
+impl ParsedRequest {
+    pub fn parse(kind: ApiKind, raw: Bytes, limits: &Limits) -> Result<Self, ApiError> {
+        if raw.len() > limits.max_body_bytes {
+            return Err(ApiError::too_large(limits.max_body_bytes));
+        }
+        let value: Value = serde_json::from_slice(&raw).map_err(|e| {
+            ApiError::bad_request(
+                "invalid_json",
+                format!("request body is not valid JSON: {e}"),
+            )
+        })?;
+        let Value::Object(body) = value else {
+            return Err(ApiError::bad_request(
+                "invalid_json",
+                "request body must be a JSON object",
+            ));
+        };
+        let model = match body.get("model") {
+            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    "`model` must be a non-empty string",
+                ));
+            }
+            None => {
+                return Err(ApiError::bad_request(
+                    "missing_field",
+                    "missing required field `model`",
+                ));
+            }
+        };
+        match kind {
+            ApiKind::Completions => match body.get("prompt") {
+                None => {
+                    return Err(ApiError::bad_request(
+                        "missing_field",
+                        "missing required field `prompt`",
+                    ));
+                }
+                Some(Value::String(_) | Value::Array(_)) => {}
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        "invalid_field",
+                        "`prompt` must be a string, a list of strings or a list of token ids",
+                    ));
+                }
+            },
+            ApiKind::ChatCompletions => match body.get("messages") {
+                None => {
+                    return Err(ApiError::bad_request(
+                        "missing_field",
+                        "missing required field `messages`",
+                    ));
+                }
+                Some(Value::Array(m)) if m.is_empty() => {
+                    return Err(ApiError::bad_request(
+                        "invalid_field",
+                        "`messages` must not be empty",
+                    ));
+                }
+                Some(Value::Array(m)) if m.len() > limits.max_messages => {
+                    return Err(ApiError::bad_request(
+                        "too_many_messages",
+                        format!(
+                            "`messages` has {} entries, more than the limit of {}",
+                            m.len(),
+                            limits.max_messages
+                        ),
+                    ));
+                }
+                Some(Value::Array(_)) => {}
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        "invalid_field",
+                        "`messages` must be an array",
+                    ));
+                }
+            },
+        }
+        let stream = match body.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    "`stream` must be a boolean",
+                ));
+            }
+        };
+        Ok(Self {
+            kind,
+            body,
+            raw,
+            model,
+            stream,
+        })
+    }
+}
+
+/// Tenancy at run time: the spec plus the salt secret.
+#[derive(Debug, Default)]
+pub struct Tenancy {
+    pub spec: TenancySpec,
+    secret: Vec<u8>,
+}
+
+impl Tenancy {
+    pub fn new(spec: TenancySpec) -> Result<Self, String> {
+        let secret = match &spec.salt_secret_file {
+            Some(p) => {
+                let s = std::fs::read(p).map_err(|e| format!("tenancy.saltSecretFile {p}: {e}"))?;
+                let trimmed = s.trim_ascii().to_vec();
+                if trimmed.len() < 16 {
+                    return Err(format!(
+                        "tenancy.saltSecretFile {p}: the secret must be at least 16 bytes"
+                    ));
+                }
+                trimmed
+            }
+            None => Vec::new(),
+        };
+        Ok(Self { spec, secret })
+    }
+
+    /// The tenant of a request: its header, else the default, else an error when isolation
+    /// needs one.
+    pub fn tenant_of(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+        let from_header = self
+            .spec
+            .header
+            .as_deref()
+            .and_then(|h| headers.get(h))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned);
+        match (from_header, &self.spec.default_tenant) {
+            (Some(t), _) => Ok(Some(t)),
+            (None, Some(d)) => Ok(Some(d.clone())),
+            (None, None) if self.spec.isolation == Isolation::None => Ok(None),
+            (None, None) => Err(ApiError::bad_request(
+                "missing_tenant",
+                format!(
+                    "missing tenant header `{}`",
+                    self.spec.header.as_deref().unwrap_or_default()
+                ),
+            )),
+        }
+    }
+
+    /// The keyed salt of a tenant (`SaltedCache`): HMAC-SHA256(secret, tenant), hex. Stable
+    /// across restarts and replicas that share the secret; unguessable without it.
+    pub fn salt(&self, tenant: Option<&str>) -> Option<String> {
+        if self.spec.isolation != Isolation::SaltedCache {
+            return None;
+        }
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).ok()?;
+        mac.update(tenant.unwrap_or_default().as_bytes());
+        let tag = mac.finalize().into_bytes();
+        Some(tag.iter().take(16).map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Whether `tenant` may use `endpoint` (`DedicatedEndpoints`).
+    pub fn allows(&self, tenant: Option<&str>, endpoint: &Endpoint) -> bool {
+        if self.spec.isolation != Isolation::DedicatedEndpoints {
+            return true;
+        }
+        let Some(t) = tenant else { return false };
+        self.spec.tenants.iter().any(|ts| {
+            ts.name == t
+                && ts
+                    .pod_selector
+                    .iter()
+                    .all(|(k, v)| endpoint.labels.get(k) == Some(v))
+        })
+    }
+}
+
+/// An endpoint as a source reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointView {
+    pub id: EndpointId,
+    pub model_config: String,
+    pub labels: BTreeMap<String, String>,
+    /// `false` while the pod terminates: it finishes what it has but takes nothing new.
+    pub serving: bool,
+}
+
+/// Everything a source (config file or Kubernetes) says about the pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolView {
+    pub model_configs: Vec<ModelConfigSpec>,
+    pub routing: RoutingConfig,
+    pub tenancy: TenancySpec,
+    pub endpoints: Vec<EndpointView>,
+}
+
+/// What changed when a view was applied.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolChange {
+    pub added: Vec<EndpointId>,
+    pub removed: Vec<EndpointId>,
+    pub routing_changed: bool,
+}
+
+/// A routed request.
+#[derive(Debug)]
+pub struct Routed {
+    pub decision: Decision,
+    pub entry: Arc<ModelEntry>,
+    pub keys: Vec<BlockKey>,
+    pub prompt_tokens: u32,
+    pub tenant: Option<String>,
+    pub salt: Option<String>,
+    pub lora: Option<String>,
+    pub token_kind: TokenKind,
+}
+
+/// The shared state of one picker.
+pub struct PickerCore {
+    pub endpoints: EndpointSet,
+    catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
+    router: ArcSwap<Router>,
+    routing: ArcSwap<RoutingConfig>,
+    tenancy: ArcSwap<Tenancy>,
+    pub index: RwLock<KvIndex>,
+    pub loads: RwLock<LoadView>,
+    pub inflight: InflightTracker,
+    pub limits: Limits,
+    pub index_settings: IndexSettings,
+    pub metrics: Metrics,
+    pub http: reqwest::Client,
+    start: Instant,
+    inflight_total: AtomicUsize,
+    pub first_metrics: AtomicBool,
+    render_slots: Semaphore,
+    labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
+}
+
+impl std::fmt::Debug for PickerCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PickerCore")
+            .field("endpoints", &self.endpoints.load().len())
+            .finish()
+    }
+}
+
+impl PickerCore {
+    pub fn new(limits: Limits, index_settings: IndexSettings) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(limits.connect_timeout)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self {
+            endpoints: EndpointSet::default(),
+            catalog: ArcSwap::from_pointee(BTreeMap::new()),
+            router: ArcSwap::from_pointee(Router::new(RoutingConfig::default())),
+            routing: ArcSwap::from_pointee(RoutingConfig::default()),
+            tenancy: ArcSwap::from_pointee(Tenancy::default()),
+            index: RwLock::new(KvIndex::new(IndexConfig {
+                max_endpoints: index_settings.max_endpoints,
+            })),
+            loads: RwLock::new(LoadView::new()),
+            inflight: InflightTracker::new(),
+            render_slots: Semaphore::new(limits.max_render_concurrency),
+            limits,
+            index_settings,
+            metrics: Metrics::new(),
+            http,
+            start: Instant::now(),
+            inflight_total: AtomicUsize::new(0),
+            first_metrics: AtomicBool::new(false),
+            labels: RwLock::new(BTreeMap::new()),
+        })
+    }
+
+    /// Milliseconds since this picker started (the clock of loads and the index).
+    pub fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    pub fn routing(&self) -> Arc<RoutingConfig> {
+        self.routing.load_full()
+    }
+
+    pub fn router(&self) -> Arc<Router> {
+        self.router.load_full()
+    }
+
+    pub fn catalog(&self) -> Arc<BTreeMap<String, Arc<ModelEntry>>> {
+        self.catalog.load_full()
+    }
+
+    pub fn model_entry(&self, name: &str) -> Option<Arc<ModelEntry>> {
+        self.catalog.load().get(name).cloned()
+    }
+
+    /// Apply what a source reports. Invalid views are rejected whole and the previous one
+    /// stays in force, so a bad edit never drops traffic.
+    pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, String> {
+        let routing_changed = **self.routing.load() != view.routing;
+        view.routing.validate()?;
+        view.tenancy.validate()?;
+        let tenancy = Tenancy::new(view.tenancy.clone())?;
+        // rebuild the catalog only for model configs that changed (tokenizers are costly)
+        let old = self.catalog.load_full();
+        let mut catalog = BTreeMap::new();
+        for (i, spec) in view.model_configs.iter().enumerate() {
+            spec.validate(i)?;
+            let entry = match old.get(&spec.name) {
+                Some(e) if e.spec == *spec => e.clone(),
+                _ => Arc::new(ModelEntry::build(spec, &self.limits)?),
+            };
+            catalog.insert(spec.name.clone(), entry);
+        }
+        let mut endpoints = Vec::with_capacity(view.endpoints.len());
+        let mut labels = BTreeMap::new();
+        let current = self.endpoints.load();
+        for ev in &view.endpoints {
+            let Some(entry) = catalog.get(&ev.model_config) else {
+                return Err(format!(
+                    "endpoint {} names unknown model config {:?}",
+                    ev.id, ev.model_config
+                ));
+            };
+            let mut e = Endpoint::new(ev.id, entry.config.clone());
+            e.labels = ev.labels.clone();
+            e.state = if !ev.serving {
+                EndpointState::Draining
+            } else {
+                // keep staleness the scraper determined
+                current
+                    .get(&ev.id)
+                    .filter(|c| c.state == EndpointState::Stale)
+                    .map_or(EndpointState::Ready, |c| c.state)
+            };
+            labels.insert(ev.id, ev.labels.clone());
+            endpoints.push(e);
+        }
+        // index: register new endpoints with their mode and budget, drop departed ones
+        let mut added = Vec::new();
+        {
+            let mut index = self.index.write();
+            for e in &endpoints {
+                let Some(entry) = catalog.get(&*e.model_config.name) else {
+                    continue;
+                };
+                let cap = entry
+                    .spec
+                    .kv_capacity_blocks
+                    .unwrap_or(self.index_settings.default_kv_capacity_blocks);
+                let (mode, budget) = if entry.precise() {
+                    (
+                        IndexMode::Precise,
+                        cap.saturating_mul(self.index_settings.precise_slack.max(1)),
+                    )
+                } else {
+                    (
+                        IndexMode::Approximate {
+                            ttl_ms: self.index_settings.approximate_ttl.as_millis() as u64,
+                        },
+                        cap,
+                    )
+                };
+                let known = index.slot(&e.id).is_some();
+                index
+                    .add_endpoint(e.id, mode, budget as usize)
+                    .map_err(|err| err.to_string())?;
+                if !known {
+                    added.push(e.id);
+                }
+            }
+        }
+        self.catalog.store(Arc::new(catalog));
+        self.tenancy.store(Arc::new(tenancy));
+        if routing_changed {
+            self.router
+                .store(Arc::new(Router::new(view.routing.clone())));
+            self.routing.store(Arc::new(view.routing.clone()));
+        }
+        *self.labels.write() = labels;
+        let removed = self.endpoints.replace(endpoints);
+        {
+            let mut index = self.index.write();
+            let mut loads = self.loads.write();
+            let router = self.router.load();
+            for id in &removed {
+                index.remove_endpoint(id);
+                loads.remove(id);
+                self.inflight.remove(id);
+                router.forget_endpoint(id);
+            }
+        }
+        self.metrics
+            .endpoints
+            .set(self.endpoints.load().len() as i64);
+        Ok(PoolChange {
+            added,
+            removed,
+            routing_changed,
+        })
+    }
+
+    /// Ready: endpoints are known and every scraped endpoint has reported once.
+    pub fn is_ready(&self) -> bool {
+        !self.endpoints.load().is_empty() && self.first_metrics.load(Ordering::Relaxed)
+    }
+
+    /// Tokenize, hash and decide. `explain` fills per-candidate details (pick API).
+    pub async fn route(
+        &self,
+        req: &ParsedRequest,
+        headers: &HeaderMap,
+        subset: Option<&[SocketAddr]>,
+        explain: bool,
+    ) -> Result<Routed, ApiError> {
+        let started = Instant::now();
+        let snapshot = self.endpoints.load();
+        let (config, lora) = Router::resolve_model(&snapshot, &req.model).map_err(|_| {
+            // a configured model without endpoints is "no endpoint", not "unknown model"
+            if self
+                .catalog
+                .load()
+                .values()
+                .any(|e| e.config.serves(&req.model).is_some())
+            {
+                ApiError::unavailable(
+                    "no_eligible_endpoint",
+                    format!("no endpoint is serving `{}` right now", req.model),
+                )
+            } else {
+                ApiError::unknown_model(&req.model)
+            }
+        })?;
+        let entry = self
+            .model_entry(&config.name)
+            .ok_or_else(|| ApiError::unknown_model(&req.model))?;
+        let tenancy = self.tenancy.load_full();
+        let tenant = tenancy.tenant_of(headers)?;
+        let salt = tenancy.salt(tenant.as_deref());
+
+        let (ids, kind) = self.tokens(&entry, req, &snapshot).await?;
+        if ids.len() > self.limits.max_prompt_tokens {
+            return Err(ApiError::bad_request(
+                "prompt_too_long",
+                format!(
+                    "the prompt has {} tokens, more than the limit of {}",
+                    ids.len(),
+                    self.limits.max_prompt_tokens
+                ),
+            ));
+        }
+        let hasher = match kind {
+            TokenKind::Tokens => BlockHasher::new(entry.config.block_size),
+            TokenKind::CharChunks => BlockHasher::new(entry.tokenizer.char_chunk_tokens() as u32),
+        };
+        let root = ChainRoot::new(&entry.config.model, lora.as_deref(), salt.as_deref());
+        let keys = hasher.keys(root, &ids);
+        let prompt_tokens = match kind {
+            TokenKind::Tokens => ids.len(),
+            // about four characters per token, for load accounting only
+            TokenKind::CharChunks => ids.len().div_ceil(4),
+        } as u32;
+        let routing = self.routing.load();
+        let session = headers
+            .get(routing.session_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .filter(|s| !s.is_empty() && s.len() <= 256);
+        let fallback_hash = xxhash_rust::xxh3::xxh3_64(&req.raw[..req.raw.len().min(4096)]);
+        let allow_fn = |e: &Endpoint| tenancy.allows(tenant.as_deref(), e);
+        let decision = {
+            let index = self.index.read();
+            let loads = self.loads.read();
+            let ctx = RouteContext {
+                endpoints: &snapshot,
+                index: &index,
+                loads: &loads,
+                inflight: &self.inflight,
+                now_ms: self.now_ms(),
+            };
+            let rr = RouteRequest {
+                model_config: &config,
+                keys: &keys,
+                prompt_tokens,
+                session,
+                tenant: tenant.as_deref(),
+                subset,
+                allow: if tenancy.spec.isolation == Isolation::DedicatedEndpoints {
+                    Some(&allow_fn)
+                } else {
+                    None
+                },
+                fallback_hash,
+                explain,
+            };
+            self.router.load().decide(&ctx, &rr)
+        };
+        let decision = decision.map_err(|e| {
+            self.metrics.error(e.kind());
+            match e {
+                RouteError::UnknownModel(m) => ApiError::unknown_model(&m),
+                RouteError::NoEligibleEndpoint(_) => {
+                    ApiError::unavailable("no_eligible_endpoint", e.to_string())
+                }
+                RouteError::AllStale(_) => {
+                    ApiError::unavailable("all_endpoints_stale", e.to_string())
+                }
+            }
+        })?;
+        // shed when the chosen endpoint and every fallback are full
+        let decision = self.apply_inflight_cap(decision)?;
+        self.metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Routed {
+            decision,
+            entry,
+            keys,
+            prompt_tokens,
+            tenant,
+            salt,
+            lora,
+            token_kind: kind,
+        })
+    }
+
+    fn apply_inflight_cap(&self, mut d: Decision) -> Result<Decision, ApiError> {
+        let cap = self.limits.max_inflight_per_endpoint;
+        if self.inflight.get(&d.endpoint).requests < cap {
+            return Ok(d);
+        }
+        let Some(pos) = d
+            .fallbacks
+            .iter()
+            .position(|f| self.inflight.get(f).requests < cap)
+        else {
+            self.metrics.error("shed");
+            return Err(ApiError::shed(format!(
+                "every eligible endpoint has {cap} requests in flight"
+            )));
+        };
+        let next = d.fallbacks.remove(pos);
+        d.fallbacks.insert(0, d.endpoint);
+        d.endpoint = next;
+        Ok(d)
+    }
+
+    /// Token ids of a request: from the engine's render endpoint when configured (exact
+    /// parity with its chat template), else the local tokenizer.
+    async fn tokens(
+        &self,
+        entry: &ModelEntry,
+        req: &ParsedRequest,
+        snapshot: &crate::endpoint::EndpointSnapshot,
+    ) -> Result<(Vec<u32>, TokenKind), ApiError> {
+        if entry
+            .spec
+            .tokenizer
+            .as_ref()
+            .is_some_and(|t| t.use_engine_render)
+        {
+            if let Some(ids) = self.render_on_engine(entry, req, snapshot).await {
+                return Ok((ids, TokenKind::Tokens));
+            }
+            self.metrics.error("render_fallback");
+        }
+        let tok = entry.tokenizer.clone();
+        let body = &req.body;
+        let input = match req.kind {
+            ApiKind::Completions => {
+                if let Some(ids) = prompt_token_ids(body, self.limits.max_prompt_tokens)? {
+                    let out = tok
+                        .tokenize(PromptInput::TokenIds(&ids))
+                        .map_err(tokenize_error)?;
+                    // token ids are the engine's own tokens whatever the tokenizer setup
+                    return Ok((out.ids, TokenKind::Tokens));
+                }
+                prompt_input(body)?
+            }
+            ApiKind::ChatCompletions => {
+                let messages = body.get("messages").unwrap_or(&Value::Null);
+                PromptInput::Chat {
+                    messages,
+                    tools: body.get("tools").filter(|t| !t.is_null()),
+                    add_generation_prompt: body
+                        .get("add_generation_prompt")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
+                    extra: body.get("chat_template_kwargs").filter(|t| t.is_object()),
+                }
+            }
+        };
+        let out = tok.tokenize(input).map_err(tokenize_error)?;
+        Ok((out.ids, out.kind))
+    }
+
+    async fn render_on_engine(
+        &self,
+        entry: &ModelEntry,
+        req: &ParsedRequest,
+        snapshot: &crate::endpoint::EndpointSnapshot,
+    ) -> Option<Vec<u32>> {
+        let target = snapshot
+            .endpoints()
+            .iter()
+            .filter(|e| e.model_config.name == entry.config.name && e.state == EndpointState::Ready)
+            .min_by_key(|e| self.inflight.get(&e.id).requests)?;
+        let _slot = self.render_slots.try_acquire().ok()?;
+        let url = format!("http://{}{}/render", target.id.host_port(), req.kind.path());
+        let call = self
+            .http
+            .post(url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(req.raw.clone())
+            .send();
+        let resp = tokio::time::timeout(self.limits.render_timeout, call)
+            .await
+            .ok()?
+            .ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let bytes = tokio::time::timeout(self.limits.render_timeout, resp.bytes())
+            .await
+            .ok()?
+            .ok()?;
+        let v: Value = serde_json::from_slice(&bytes).ok()?;
+        // completions render returns a list, chat render one object
+        let first = match &v {
+            Value::Array(items) => items.first()?,
+            other => other,
+        };
+        let ids = first.get("token_ids")?.as_array()?;
+        ids.iter()
+            .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect()
+    }
+
+    /// Bookkeeping once a decision is final: metrics, and the approximate index learns that
+    /// the prompt's blocks now live on the chosen endpoint.
+    pub fn record_routed(&self, routed: &Routed) {
+        let d = &routed.decision;
+        self.metrics
+            .decisions
+            .get_or_create(&DecisionLabels {
+                policy: d.policy.to_string(),
+                endpoint: d.endpoint.to_string(),
+                reason: format!("{:?}", d.reason).to_lowercase(),
+            })
+            .inc();
+        self.metrics
+            .prompt_tokens
+            .inc_by(u64::from(routed.prompt_tokens));
+        self.metrics
+            .predicted_hit_tokens
+            .inc_by(u64::from(d.cached_tokens));
+        if !routed.entry.precise() {
+            let mut index = self.index.write();
+            if let Some(slot) = index.slot(&d.endpoint) {
+                index.record_routed(slot, &routed.keys, self.now_ms());
+            }
+        }
+    }
+
+    /// The request to send to `endpoint`: extra headers and the body (rewritten only when a
+    /// field must be injected).
+    pub fn upstream_parts(
+        &self,
+        routed: &Routed,
+        req: &ParsedRequest,
+        endpoint: EndpointId,
+    ) -> (Vec<(&'static str, String)>, Bytes) {
+        let mc = &routed.entry.config;
+        let mut headers = Vec::new();
+        let mut inject: Vec<(&str, Value)> = Vec::new();
+        if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
+            match mc.engine {
+                EngineKind::Sglang => {
+                    inject.push(("data_parallel_rank", Value::from(endpoint.rank)))
+                }
+                _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
+            }
+        }
+        if let Some(salt) = &routed.salt {
+            inject.push(("cache_salt", Value::from(salt.clone())));
+        }
+        if inject.is_empty() {
+            return (headers, req.raw.clone());
+        }
+        let mut body = req.body.clone();
+        for (k, v) in inject {
+            body.insert(k.to_owned(), v);
+        }
+        let bytes =
+            serde_json::to_vec(&Value::Object(body)).map_or_else(|_| req.raw.clone(), Bytes::from);
+        (headers, bytes)
+    }
+
+    /// Count a request against the global in-flight bound; `None` when it is full.
+    pub fn admit(self: &Arc<Self>) -> Option<Admission> {
+        let n = self.inflight_total.fetch_add(1, Ordering::AcqRel);
+        if n >= self.limits.max_inflight_total {
+            self.inflight_total.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.error("shed");
+            return None;
+        }
+        Some(Admission { core: self.clone() })
+    }
+
+    pub fn labels_of(&self, id: &EndpointId) -> BTreeMap<String, String> {
+        self.labels.read().get(id).cloned().unwrap_or_default()
+    }
+}
+
+/// Holds one slot of the global in-flight bound.
+#[derive(Debug)]
+pub struct Admission {
+    core: Arc<PickerCore>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.core.inflight_total.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn prompt_input(body: &Map<String, Value>) -> Result<PromptInput<'_>, ApiError> {
+    let bad = || {
+        ApiError::bad_request(
+            "invalid_field",
+            "`prompt` must be a string, a list of strings or a list of token ids",
+        )
+    };
+    match body.get("prompt") {
+        Some(Value::String(s)) => Ok(PromptInput::Text(s)),
+        // a batch of prompts: route by the first (they are usually variations of one prefix)
+        Some(Value::Array(items)) => match items.first() {
+            Some(Value::String(s)) => Ok(PromptInput::Text(s)),
+            _ => Err(bad()),
+        },
+        _ => Err(bad()),
+    }
+}
+
+/// Token ids given directly in `prompt` (a list of ints, or a batch of such lists).
+pub fn prompt_token_ids(
+    body: &Map<String, Value>,
+    max: usize,
+) -> Result<Option<Vec<u32>>, ApiError> {
+    let list = match body.get("prompt") {
+        Some(Value::Array(items)) => match items.first() {
+            Some(Value::Number(_)) => items,
+            Some(Value::Array(inner)) => inner,
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    if list.len() > max {
+        return Err(ApiError::bad_request(
+            "prompt_too_long",
+            format!(
+                "the prompt has {} tokens, more than the limit of {max}",
+                list.len()
+            ),
+        ));
+    }
+    list.iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "invalid_field",
+                        "token ids in `prompt` must be non-negative integers",
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn tokenize_error(e: TokenizeError) -> ApiError {
+    let code = match &e {
+        TokenizeError::InputLimit { .. } => "prompt_too_long",
+        TokenizeError::TemplateLimit { .. } => "template_limit",
+        TokenizeError::TokenOutOfVocab { .. } => "invalid_token_id",
+        TokenizeError::InvalidChat(_) | TokenizeError::TemplateRaised(_) => "invalid_messages",
+        _ => "tokenization_failed",
+    };
+    ApiError::bad_request(code, e.to_string())
+}

@@ -1,0 +1,129 @@
+//! The picker core as a Gateway API Inference Extension endpoint picker (over ext_proc).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use parking_lot::Mutex;
+
+use super::core::{Admission, ApiKind, ParsedRequest, PickerCore};
+use super::errors::ApiError;
+use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
+use crate::endpoint::EndpointState;
+use crate::inflight::InflightGuard;
+
+struct Pending {
+    guard: InflightGuard,
+    _admission: Admission,
+}
+
+/// Adapts [`PickerCore`] to the ext_proc protocol. The gateway forwards the request itself, so
+/// in-flight accounting runs from the pick to the end of the response stream.
+pub struct GatewayPicker {
+    core: Arc<PickerCore>,
+    pending: Mutex<HashMap<u64, Pending>>,
+}
+
+impl GatewayPicker {
+    pub fn new(core: Arc<PickerCore>) -> Self {
+        Self {
+            core,
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn pending(&self) -> usize {
+        self.pending.lock().len()
+    }
+}
+
+fn rejection(e: ApiError) -> PickRejection {
+    match e.status {
+        StatusCode::NOT_FOUND => PickRejection::UnknownModel(e.message),
+        StatusCode::TOO_MANY_REQUESTS => PickRejection::Shed(e.message),
+        StatusCode::SERVICE_UNAVAILABLE => PickRejection::NoEndpoint(e.message),
+        _ => PickRejection::BadRequest(e.message),
+    }
+}
+
+impl EndpointPicker for GatewayPicker {
+    async fn pick(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
+        let core = &self.core;
+        let admission = core.admit().ok_or_else(|| {
+            PickRejection::Shed("the picker has too many requests in flight".into())
+        })?;
+        let Some(kind) = ApiKind::from_path(&input.path) else {
+            // not an inference call (e.g. GET /v1/models): any serving endpoint will do
+            let snap = core.endpoints.load();
+            let best = snap
+                .endpoints()
+                .iter()
+                .filter(|e| e.state == EndpointState::Ready)
+                .filter(|e| {
+                    input
+                        .subset
+                        .as_ref()
+                        .is_none_or(|s| s.iter().any(|a| a.ip() == e.id.address))
+                })
+                .min_by_key(|e| core.inflight.get(&e.id).requests)
+                .ok_or_else(|| PickRejection::NoEndpoint("no serving endpoint".into()))?;
+            return Ok(PickOutput {
+                endpoints: vec![SocketAddr::new(best.id.address, best.id.port)],
+                ..PickOutput::default()
+            });
+        };
+        let parsed =
+            ParsedRequest::parse(kind, input.body.clone(), &core.limits).map_err(rejection)?;
+        let routed = core
+            .route(&parsed, &input.headers, input.subset.as_deref(), false)
+            .await
+            .map_err(|e| {
+                core.metrics.error(e.code);
+                rejection(e)
+            })?;
+        core.record_routed(&routed);
+        let d = &routed.decision;
+        let mut endpoints: Vec<SocketAddr> = Vec::with_capacity(1 + d.fallbacks.len());
+        for id in std::iter::once(&d.endpoint).chain(&d.fallbacks) {
+            let a = SocketAddr::new(id.address, id.port);
+            // ranks sharing a port collapse into one address; the rank header goes with the
+            // first, the chosen one
+            if !endpoints.contains(&a) {
+                endpoints.push(a);
+            }
+        }
+        let (headers, body) = core.upstream_parts(&routed, &parsed, d.endpoint);
+        let guard = core.inflight.begin(
+            d.endpoint,
+            u64::from(routed.prompt_tokens),
+            u64::from(routed.prompt_tokens.saturating_sub(d.cached_tokens)),
+        );
+        self.pending.lock().insert(
+            input.request_id,
+            Pending {
+                guard,
+                _admission: admission,
+            },
+        );
+        Ok(PickOutput {
+            endpoints,
+            set_headers: headers
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect(),
+            new_body: (body != parsed.raw).then_some(body),
+        })
+    }
+
+    fn on_response_served(&self, request_id: u64, _endpoint: SocketAddr) {
+        // response headers are back: the engine has produced its first output
+        if let Some(p) = self.pending.lock().get_mut(&request_id) {
+            p.guard.first_token();
+        }
+    }
+
+    fn on_response_complete(&self, request_id: u64) {
+        self.pending.lock().remove(&request_id);
+    }
+}

@@ -1,0 +1,427 @@
+//! HTTP listeners: the OpenAI-compatible proxy, the admin API (`/v1/pick`, `/debug/*`) and
+//! metrics/health.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+use super::core::{ApiKind, ParsedRequest, PickerCore};
+use super::errors::ApiError;
+use crate::endpoint::EndpointId;
+use crate::inflight::InflightGuard;
+
+/// State shared by the HTTP handlers.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub core: Arc<PickerCore>,
+    /// Bearer token of the admin listener, when set.
+    pub admin_token: Option<Arc<str>>,
+}
+
+/// Hop-by-hop headers are never forwarded (RFC 9110 §7.6.1).
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-authorization"
+            | "proxy-authenticate"
+            | "host"
+            | "content-length"
+    )
+}
+
+/// The inference listener: only OpenAI endpoints and health.
+pub fn inference_app(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// The admin listener: decisions without forwarding, and the picker's view.
+pub fn admin_app(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/pick", post(pick))
+        .route("/debug/endpoints", get(debug_endpoints))
+        .route("/healthz", get(healthz))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// The metrics listener.
+pub fn metrics_app(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(token) = &state.admin_token {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
+        if !ok {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    if state.core.is_ready() {
+        "ready".into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: waiting for endpoints and first metrics",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.core.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let limited = http_body_util::Limited::new(body, limit);
+    match limited.collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::bad_request(
+            "body_read_failed",
+            format!("could not read the request body: {e}"),
+        )),
+    }
+}
+
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    proxy(state, ApiKind::Completions, headers, body).await
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    proxy(state, ApiKind::ChatCompletions, headers, body).await
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let catalog = state.core.catalog();
+    let mut data = Vec::new();
+    for entry in catalog.values() {
+        data.push(json!({"id": entry.spec.model, "object": "model", "owned_by": "kvroute", "root": entry.spec.model}));
+        for a in &entry.spec.lora_adapters {
+            data.push(json!({"id": a, "object": "model", "owned_by": "kvroute", "parent": entry.spec.model}));
+        }
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn proxy(state: AppState, kind: ApiKind, headers: HeaderMap, body: Body) -> Response {
+    let core = &state.core;
+    match proxy_inner(core, kind, headers, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            core.metrics.error(e.code);
+            e.into_response()
+        }
+    }
+}
+
+async fn proxy_inner(
+    core: &Arc<PickerCore>,
+    kind: ApiKind,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let admission = core
+        .admit()
+        .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
+    let raw = read_body(body, core.limits.max_body_bytes).await?;
+    let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
+    let routed = core.route(&parsed, &headers, None, false).await?;
+    core.record_routed(&routed);
+    let d = &routed.decision;
+    // the chosen endpoint, then one retry on the next fallback if the connection fails
+    let targets: Vec<EndpointId> = std::iter::once(d.endpoint)
+        .chain(d.fallbacks.first().copied())
+        .collect();
+    let mut last_err = ApiError::bad_gateway("no upstream attempted");
+    for (attempt, &ep) in targets.iter().enumerate() {
+        let (extra, body) = core.upstream_parts(&routed, &parsed, ep);
+        let uncached = if ep == d.endpoint {
+            routed.prompt_tokens.saturating_sub(d.cached_tokens)
+        } else {
+            routed.prompt_tokens
+        };
+        let guard = core
+            .inflight
+            .begin(ep, u64::from(routed.prompt_tokens), u64::from(uncached));
+        let mut req = core
+            .http
+            .post(format!("http://{}{}", ep.host_port(), kind.path()))
+            .body(body);
+        for (name, value) in &headers {
+            if !hop_by_hop(name) && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank") {
+                req = req.header(name, value);
+            }
+        }
+        for (name, value) in extra {
+            req = req.header(name, value);
+        }
+        let sent = Instant::now();
+        match tokio::time::timeout(core.limits.upstream_timeout, req.send()).await {
+            Err(_) => {
+                return Err(ApiError::gateway_timeout(format!(
+                    "endpoint {ep} sent no response within {:?}",
+                    core.limits.upstream_timeout
+                )));
+            }
+            Ok(Err(e)) if e.is_connect() => {
+                last_err = ApiError::bad_gateway(format!("cannot connect to endpoint {ep}: {e}"));
+                if attempt + 1 < targets.len() {
+                    core.metrics.retries.inc();
+                    tracing::warn!(endpoint = %ep, error = %e, "connection failed, retrying on the next fallback");
+                }
+            }
+            Ok(Err(e)) if e.is_timeout() => {
+                return Err(ApiError::gateway_timeout(format!(
+                    "endpoint {ep} timed out: {e}"
+                )));
+            }
+            Ok(Err(e)) => {
+                return Err(ApiError::bad_gateway(format!("endpoint {ep} failed: {e}")));
+            }
+            Ok(Ok(resp)) => return Ok(stream_back(core.clone(), resp, guard, sent, admission)),
+        }
+    }
+    Err(last_err)
+}
+
+/// Relay the engine's response chunk by chunk, never buffering it. The in-flight guard (and
+/// the admission slot) live as long as the stream: the first chunk marks the first token,
+/// the end (or the client going away, which drops the stream and so the upstream connection)
+/// marks completion.
+fn stream_back(
+    core: Arc<PickerCore>,
+    resp: reqwest::Response,
+    guard: InflightGuard,
+    sent: Instant,
+    admission: super::core::Admission,
+) -> Response {
+    let status = resp.status();
+    let mut builder = Response::builder().status(status.as_u16());
+    for (name, value) in resp.headers() {
+        if !hop_by_hop(name) || name == header::CONTENT_LENGTH {
+            builder = builder.header(name, value);
+        }
+    }
+    let idle = core.limits.idle_timeout;
+    struct Relay {
+        upstream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+        guard: InflightGuard,
+        first: bool,
+        core: Arc<PickerCore>,
+        sent: Instant,
+        _admission: super::core::Admission,
+    }
+    let relay = Relay {
+        upstream: resp.bytes_stream().boxed(),
+        guard,
+        first: true,
+        core,
+        sent,
+        _admission: admission,
+    };
+    let stream = futures::stream::unfold(relay, move |mut r| async move {
+        match tokio::time::timeout(idle, r.upstream.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                if std::mem::take(&mut r.first) {
+                    r.guard.first_token();
+                    r.core
+                        .metrics
+                        .upstream_ttft_seconds
+                        .observe(r.sent.elapsed().as_secs_f64());
+                }
+                Some((Ok::<Bytes, std::io::Error>(chunk), r))
+            }
+            Ok(Some(Err(e))) => {
+                r.core.metrics.error("upstream_stream_error");
+                Some((Err(std::io::Error::other(e)), r))
+            }
+            Ok(None) => None,
+            Err(_) => {
+                r.core.metrics.error("upstream_idle_timeout");
+                Some((
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "upstream idle timeout",
+                    )),
+                    r,
+                ))
+            }
+        }
+    })
+    // stop after the first error: the client sees the stream end abnormally
+    .scan(false, |failed, item| {
+        let out = if *failed { None } else { Some(item) };
+        if out.as_ref().is_some_and(Result::is_err) {
+            *failed = true;
+        }
+        futures::future::ready(out)
+    });
+    builder
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| ApiError::bad_gateway("invalid upstream response").into_response())
+}
+
+async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let core = &state.core;
+    let result: Result<Value, ApiError> = async {
+        let raw = read_body(body, core.limits.max_body_bytes).await?;
+        let kind = if serde_json::from_slice::<Value>(&raw)
+            .ok()
+            .is_some_and(|v| v.get("messages").is_some())
+        {
+            ApiKind::ChatCompletions
+        } else {
+            ApiKind::Completions
+        };
+        let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
+        let routed = core.route(&parsed, &headers, None, true).await?;
+        let d = &routed.decision;
+        let (extra, _) = core.upstream_parts(&routed, &parsed, d.endpoint);
+        Ok(json!({
+            "endpoint": d.endpoint.host_port(),
+            "rank": d.endpoint.rank,
+            "fallbacks": d.fallbacks.iter().map(|f| json!({"endpoint": f.host_port(), "rank": f.rank})).collect::<Vec<_>>(),
+            "model_config": &*d.model_config,
+            "policy": d.policy,
+            "reason": d.reason,
+            "prompt_tokens": routed.prompt_tokens,
+            "prompt_blocks": routed.keys.len(),
+            "matched_blocks": d.matched_blocks,
+            "cached_tokens": d.cached_tokens,
+            "failed_open": d.failed_open,
+            "tenant": routed.tenant,
+            "headers": extra.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
+            "candidates": d.candidates,
+        }))
+    }
+    .await;
+    match result {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => {
+            core.metrics.error(e.code);
+            e.into_response()
+        }
+    }
+}
+
+async fn debug_endpoints(State(state): State<AppState>) -> Response {
+    let core = &state.core;
+    let snap = core.endpoints.load();
+    let index = core.index.read();
+    let loads = core.loads.read();
+    let list: Vec<Value> = snap
+        .endpoints()
+        .iter()
+        .map(|e| {
+            let slot = index.slot(&e.id);
+            json!({
+                "endpoint": e.id.host_port(),
+                "rank": e.id.rank,
+                "model_config": &*e.model_config.name,
+                "state": e.state,
+                "labels": e.labels,
+                "load": loads.get(&e.id),
+                "inflight": core.inflight.get(&e.id),
+                "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
+                "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
+            })
+        })
+        .collect();
+    axum::Json(json!({
+        "version": snap.version(),
+        "now_ms": core.now_ms(),
+        "routing": *core.routing(),
+        "endpoints": list,
+    }))
+    .into_response()
+}
+
+/// Shutdown signal shared by the listeners: resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// How long in-flight streams get to finish after shutdown starts.
+pub const DRAIN_DEADLINE: Duration = Duration::from_secs(30);

@@ -1,0 +1,170 @@
+//! The picker's own Prometheus metrics.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub policy: String,
+    pub endpoint: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub decisions: Family<DecisionLabels, Counter>,
+    pub predicted_hit_tokens: Counter,
+    pub prompt_tokens: Counter,
+    pub decision_seconds: Histogram,
+    pub upstream_ttft_seconds: Histogram,
+    pub errors: Family<KindLabels, Counter>,
+    pub event_batches: Counter,
+    pub event_lag_seconds: Histogram,
+    pub event_problems: Family<KindLabels, Counter>,
+    pub scrape_failures: Counter,
+    pub stale_endpoints: Gauge,
+    pub endpoints: Gauge,
+    pub index_blocks: Gauge,
+    pub retries: Counter,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvroute_picker");
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "decisions",
+            "Routing decisions by policy, chosen endpoint and reason",
+            decisions.clone(),
+        );
+        let predicted_hit_tokens = Counter::default();
+        registry.register(
+            "predicted_prefix_hit_tokens",
+            "Prompt tokens predicted to be cached on the chosen endpoint",
+            predicted_hit_tokens.clone(),
+        );
+        let prompt_tokens = Counter::default();
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens routed",
+            prompt_tokens.clone(),
+        );
+        let decision_seconds = Histogram::new(exponential_buckets(1e-6, 2.0, 24));
+        registry.register(
+            "decision_seconds",
+            "Time to decide (tokenize, hash, match, score)",
+            decision_seconds.clone(),
+        );
+        let upstream_ttft_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 20));
+        registry.register(
+            "upstream_ttft_seconds",
+            "Time from forwarding to the engine's first response byte",
+            upstream_ttft_seconds.clone(),
+        );
+        let errors = Family::<KindLabels, Counter>::default();
+        registry.register("errors", "Request errors by kind", errors.clone());
+        let event_batches = Counter::default();
+        registry.register(
+            "kv_event_batches",
+            "KV event batches applied to the index",
+            event_batches.clone(),
+        );
+        let event_lag_seconds = Histogram::new(exponential_buckets(1e-4, 2.0, 20));
+        registry.register(
+            "kv_event_lag_seconds",
+            "Delay between an event batch's timestamp and its application",
+            event_lag_seconds.clone(),
+        );
+        let event_problems = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "kv_event_problems",
+            "Sequence gaps, resyncs, decode errors and orphan blocks in KV event streams",
+            event_problems.clone(),
+        );
+        let scrape_failures = Counter::default();
+        registry.register(
+            "scrape_failures",
+            "Failed engine metrics scrapes",
+            scrape_failures.clone(),
+        );
+        let stale_endpoints = Gauge::default();
+        registry.register(
+            "stale_endpoints",
+            "Endpoints whose metrics are older than the staleness threshold",
+            stale_endpoints.clone(),
+        );
+        let endpoints = Gauge::default();
+        registry.register("endpoints", "Endpoints in the set", endpoints.clone());
+        let index_blocks = Gauge::default();
+        registry.register(
+            "index_blocks",
+            "(endpoint, block) pairs in the KV index",
+            index_blocks.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "upstream_retries",
+            "Requests retried on a fallback endpoint after a connection failure",
+            retries.clone(),
+        );
+        Self {
+            registry,
+            decisions,
+            predicted_hit_tokens,
+            prompt_tokens,
+            decision_seconds,
+            upstream_ttft_seconds,
+            errors,
+            event_batches,
+            event_lag_seconds,
+            event_problems,
+            scrape_failures,
+            stale_endpoints,
+            endpoints,
+            index_blocks,
+            retries,
+        }
+    }
+
+    pub fn error(&self, kind: &str) {
+        self.errors
+            .get_or_create(&KindLabels { kind: kind.into() })
+            .inc();
+    }
+
+    pub fn event_problem(&self, kind: &str) {
+        self.event_problems
+            .get_or_create(&KindLabels { kind: kind.into() })
+            .inc();
+    }
+
+    /// Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

@@ -1,0 +1,194 @@
+//! The picker service: listeners, feeds and the endpoint source around the routing core.
+
+pub mod core;
+pub mod errors;
+pub mod ext_proc;
+pub mod gateway;
+pub mod http;
+pub mod metrics;
+pub mod scraper;
+pub mod settings;
+pub mod source;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use self::core::{PickerCore, PoolView};
+use self::http::{AppState, admin_app, inference_app, metrics_app};
+use self::settings::PickerConfig;
+use self::source::EndpointSource;
+
+/// Addresses the listeners actually bound (port 0 resolved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BoundAddrs {
+    pub http: SocketAddr,
+    pub admin: SocketAddr,
+    pub metrics: SocketAddr,
+    pub ext_proc: Option<SocketAddr>,
+}
+
+/// A running picker.
+#[derive(Debug)]
+pub struct Running {
+    pub addrs: BoundAddrs,
+    pub core: Arc<PickerCore>,
+    pub cancel: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl Running {
+    /// Wait until every task has stopped (after `cancel`).
+    pub async fn wait(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+
+    /// Stop accepting, drain in-flight streams (up to the deadline), stop the feeds.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        let _ = tokio::time::timeout(http::DRAIN_DEADLINE, self.wait()).await;
+    }
+}
+
+async fn serve(listener: TcpListener, app: axum::Router, cancel: CancellationToken) {
+    let shutdown = async move { cancel.cancelled().await };
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::error!(error = %e, "listener failed");
+    }
+}
+
+/// Start the picker: bind listeners, apply the first pool view, start the feeds.
+pub async fn start(
+    config: PickerConfig,
+    source: Box<dyn EndpointSource>,
+    cancel: CancellationToken,
+) -> Result<Running, String> {
+    let admin_token = match &config.listen.admin_token_file {
+        Some(p) => Some(Arc::<str>::from(
+            std::fs::read_to_string(p)
+                .map_err(|e| format!("listen.adminTokenFile {p}: {e}"))?
+                .trim(),
+        )),
+        None => None,
+    };
+    let core = Arc::new(PickerCore::new(
+        config.limits.clone(),
+        config.index.clone(),
+    )?);
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))
+    };
+    let http_l = bind(config.listen.http).await?;
+    let admin_l = bind(config.listen.admin).await?;
+    let metrics_l = bind(config.listen.metrics).await?;
+    let ext_l = match config.listen.ext_proc {
+        Some(a) => Some(bind(a).await?),
+        None => None,
+    };
+    let addr = |l: &TcpListener| l.local_addr().map_err(|e| e.to_string());
+    let addrs = BoundAddrs {
+        http: addr(&http_l)?,
+        admin: addr(&admin_l)?,
+        metrics: addr(&metrics_l)?,
+        ext_proc: ext_l.as_ref().map(addr).transpose()?,
+    };
+    let state = AppState {
+        core: core.clone(),
+        admin_token,
+    };
+    let mut tasks = JoinSet::new();
+    tasks.spawn(serve(http_l, inference_app(state.clone()), cancel.clone()));
+    tasks.spawn(serve(admin_l, admin_app(state.clone()), cancel.clone()));
+    tasks.spawn(serve(metrics_l, metrics_app(state), cancel.clone()));
+    if let Some(listener) = ext_l {
+        let picker = Arc::new(gateway::GatewayPicker::new(core.clone()));
+        let limits = ext_proc::ExtProcLimits {
+            max_body_bytes: config.limits.max_body_bytes,
+            max_concurrent_streams: config.limits.max_inflight_total,
+            ..ext_proc::ExtProcLimits::default()
+        };
+        let (health, health_server) = ext_proc::health_service(false).await;
+        let grpc_cancel = cancel.clone();
+        tasks.spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .add_service(health_server)
+                .add_service(ext_proc::ext_proc_server(picker, limits))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    grpc_cancel.cancelled(),
+                )
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "ext_proc listener failed");
+            }
+        });
+        // readiness follows the picker's: endpoints known and metrics loaded
+        let ready_core = core.clone();
+        let ready_cancel = cancel.clone();
+        tasks.spawn(async move {
+            let mut last = None;
+            loop {
+                let ready = ready_core.is_ready();
+                if last != Some(ready) {
+                    health.set_ready(ready).await;
+                    last = Some(ready);
+                }
+                tokio::select! {
+                    () = ready_cancel.cancelled() => return,
+                    () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                }
+            }
+        });
+    }
+
+    // the endpoint source and the task applying its views
+    let (tx, mut rx) = watch::channel::<Option<PoolView>>(None);
+    tracing::info!(source = source.name(), "starting endpoint source");
+    tasks.spawn(source.run(tx, cancel.clone()));
+    let applier_core = core.clone();
+    let applier_cancel = cancel.clone();
+    tasks.spawn(async move {
+        loop {
+            let view = rx.borrow_and_update().clone();
+            if let Some(view) = view {
+                match applier_core.apply_pool(&view) {
+                    Ok(change) => tracing::info!(
+                        added = change.added.len(),
+                        removed = change.removed.len(),
+                        routing_changed = change.routing_changed,
+                        endpoints = applier_core.endpoints.load().len(),
+                        "pool applied"
+                    ),
+                    Err(e) => {
+                        tracing::error!(error = %e, "pool view rejected; keeping the previous one")
+                    }
+                }
+            }
+            tokio::select! {
+                () = applier_cancel.cancelled() => return,
+                r = rx.changed() => if r.is_err() { return },
+            }
+        }
+    });
+    tasks.spawn(scraper::run_scraper(
+        core.clone(),
+        config.scrape.clone(),
+        cancel.clone(),
+    ));
+    Ok(Running {
+        addrs,
+        core,
+        cancel,
+        tasks,
+    })
+}

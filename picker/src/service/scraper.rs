@@ -1,0 +1,212 @@
+//! The metrics feed: scrape every engine server's Prometheus endpoint on an interval,
+//! concurrently, and keep each endpoint's load and staleness current.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::core::PickerCore;
+use super::settings::ScrapeSettings;
+use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
+use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
+use crate::load::EndpointLoad;
+
+/// Concurrent scrapes at most.
+const MAX_CONCURRENT_SCRAPES: usize = 64;
+/// Scrape bodies larger than this are refused (a vLLM scrape is ~100 KB).
+const MAX_SCRAPE_BYTES: usize = 8 << 20;
+
+/// One HTTP server to scrape and the endpoints (ranks) it reports on.
+#[derive(Debug, Clone)]
+struct Target {
+    url: String,
+    engine: EngineKind,
+    block_size: u32,
+    endpoints: Vec<EndpointId>,
+}
+
+fn targets(core: &PickerCore, settings: &ScrapeSettings) -> Vec<Target> {
+    let snap = core.endpoints.load();
+    let mut by_server: BTreeMap<(String, u16), Target> = BTreeMap::new();
+    for e in snap.endpoints() {
+        let path = settings
+            .path
+            .clone()
+            .unwrap_or_else(|| match e.model_config.engine {
+                EngineKind::Trtllm => "/prometheus/metrics".into(),
+                _ => "/metrics".into(),
+            });
+        let host = e.id.host_port();
+        by_server
+            .entry((host.clone(), e.id.port))
+            .or_insert_with(|| Target {
+                url: format!("http://{host}{path}"),
+                engine: e.model_config.engine,
+                block_size: e.model_config.block_size,
+                endpoints: Vec::new(),
+            })
+            .endpoints
+            .push(e.id);
+    }
+    by_server.into_values().collect()
+}
+
+async fn scrape(core: &PickerCore, t: &Target, timeout: Duration) -> Result<String, String> {
+    let fut = async {
+        let resp = core
+            .http
+            .get(&t.url)
+            .header("accept", "text/plain; version=0.0.4")
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("HTTP {}", resp.status()));
+        }
+        if resp
+            .content_length()
+            .is_some_and(|n| n as usize > MAX_SCRAPE_BYTES)
+        {
+            return Err("scrape too large".into());
+        }
+        let mut body = Vec::new();
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            if body.len() + chunk.len() > MAX_SCRAPE_BYTES {
+                return Err("scrape too large".into());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        String::from_utf8(body).map_err(|_| "scrape is not UTF-8".to_string())
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| format!("timed out after {timeout:?}"))?
+}
+
+/// Run until cancelled.
+pub async fn run_scraper(
+    core: Arc<PickerCore>,
+    settings: ScrapeSettings,
+    cancel: CancellationToken,
+) {
+    let mut last_ok: HashMap<EndpointId, u64> = HashMap::new();
+    let mut first_seen: HashMap<EndpointId, u64> = HashMap::new();
+    let mut budgets: HashMap<EndpointId, u64> = HashMap::new();
+    let limits = ParseLimits::default();
+    let mut ticker = tokio::time::interval(settings.interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let ts = targets(&core, &settings);
+        let results: Vec<(Target, Result<String, String>)> = futures::stream::iter(ts)
+            .map(|t| {
+                let core = &core;
+                async move {
+                    let r = scrape(core, &t, settings.timeout).await;
+                    (t, r)
+                }
+            })
+            .buffer_unordered(MAX_CONCURRENT_SCRAPES)
+            .collect()
+            .await;
+        let now = core.now_ms();
+        let mut capacity_updates = Vec::new();
+        {
+            let mut loads = core.loads.write();
+            for (t, r) in &results {
+                let parsed = r.as_ref().map_err(Clone::clone).and_then(|text| {
+                    parse_engine_metrics(text, t.engine, &limits).map_err(|e| e.to_string())
+                });
+                match parsed {
+                    Ok(m) => {
+                        for id in &t.endpoints {
+                            let Some(sample) = m.for_rank(id.rank).or_else(|| Some(m.aggregate()))
+                            else {
+                                continue;
+                            };
+                            let load =
+                                EndpointLoad::from_sample(sample, t.engine, t.block_size, now);
+                            if let Some(cap) = load.kv_capacity_blocks
+                                && budgets.get(id) != Some(&cap)
+                            {
+                                budgets.insert(*id, cap);
+                                capacity_updates.push((*id, cap));
+                            }
+                            loads.update(*id, load);
+                            last_ok.insert(*id, now);
+                        }
+                    }
+                    Err(e) => {
+                        core.metrics.scrape_failures.inc();
+                        tracing::debug!(url = %t.url, error = %e, "scrape failed");
+                    }
+                }
+            }
+        }
+        // learned KV capacities bound the index per endpoint
+        if !capacity_updates.is_empty() {
+            let mut index = core.index.write();
+            for (id, cap) in capacity_updates {
+                if let Some(slot) = index.slot(&id)
+                    && let Some(mode) = index.mode(slot)
+                {
+                    let budget = match mode {
+                        crate::index::IndexMode::Precise => {
+                            cap.saturating_mul(core.index_settings.precise_slack.max(1))
+                        }
+                        crate::index::IndexMode::Approximate { .. } => cap,
+                    };
+                    let _ = index.add_endpoint(id, mode, budget as usize);
+                }
+            }
+        }
+        // staleness: marked and recovered automatically
+        let threshold = core.routing().staleness_threshold.as_millis() as u64;
+        let snap = core.endpoints.load();
+        let mut patches = Vec::new();
+        let mut stale = 0;
+        for e in snap.endpoints() {
+            let seen = *first_seen.entry(e.id).or_insert(now);
+            let fresh_since = last_ok.get(&e.id).copied().unwrap_or(seen);
+            let is_stale = now.saturating_sub(fresh_since) > threshold
+                || (!last_ok.contains_key(&e.id) && now.saturating_sub(seen) > threshold);
+            stale += usize::from(is_stale);
+            match (e.state, is_stale) {
+                (EndpointState::Ready, true) => {
+                    tracing::warn!(endpoint = %e.id, "endpoint is stale: no good metrics scrape within the threshold");
+                    patches.push(EndpointPatch::SetState(e.id, EndpointState::Stale));
+                }
+                (EndpointState::Stale, false) => {
+                    tracing::info!(endpoint = %e.id, "endpoint recovered");
+                    patches.push(EndpointPatch::SetState(e.id, EndpointState::Ready));
+                }
+                _ => {}
+            }
+        }
+        if !patches.is_empty() {
+            core.endpoints.patch(&patches);
+        }
+        core.metrics.stale_endpoints.set(stale as i64);
+        core.metrics
+            .index_blocks
+            .set(core.index.read().live_blocks() as i64);
+        if !snap.is_empty() {
+            core.first_metrics.store(true, Ordering::Relaxed);
+        }
+        // forget endpoints that left the set
+        last_ok.retain(|id, _| snap.get(id).is_some());
+        first_seen.retain(|id, _| snap.get(id).is_some());
+        budgets.retain(|id, _| snap.get(id).is_some());
+        // approximate entries past their TTL
+        core.index.write().expire(now);
+    }
+}

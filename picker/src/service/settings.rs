@@ -1,0 +1,293 @@
+//! The picker's configuration file (`--config picker.yaml`).
+//!
+//! `modelConfigs`, `routing` and `tenancy` are the same types as the `InferencePool` resource's
+//! spec; `endpoints` is only used standalone (in a cluster, endpoints come from the operator's
+//! EndpointSlices).
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{RoutingConfig, duration_str};
+use crate::pool::{ModelConfigSpec, TenancySpec};
+
+/// Where the picker listens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Listen {
+    /// OpenAI-compatible proxy: only inference endpoints and health.
+    pub http: SocketAddr,
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub metrics: SocketAddr,
+    /// `/v1/pick` and `/debug/*`: they reveal where prefixes are cached, so loopback by
+    /// default (or protected by `adminToken`).
+    pub admin: SocketAddr,
+    /// Envoy ext_proc (Gateway API Inference Extension endpoint picker) and gRPC health;
+    /// `null` disables it.
+    pub ext_proc: Option<SocketAddr>,
+    /// Bearer token required on the admin listener when set (file path).
+    pub admin_token_file: Option<String>,
+}
+
+impl Default for Listen {
+    fn default() -> Self {
+        Self {
+            http: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            metrics: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            admin: SocketAddr::from(([127, 0, 0, 1], 9091)),
+            ext_proc: Some(SocketAddr::from(([0, 0, 0, 0], 9002))),
+            admin_token_file: None,
+        }
+    }
+}
+
+/// A statically configured model server (standalone mode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticEndpoint {
+    pub address: IpAddr,
+    /// Name of the model config it serves.
+    pub model_config: String,
+    /// Overrides the model config's port.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// Labels, matched by tenant selectors.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Bounds on what a request may cost the picker. Each returns a clear error when hit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// Largest prompt in tokens (400 above).
+    pub max_prompt_tokens: usize,
+    /// Most chat messages in one request (400 above).
+    pub max_messages: usize,
+    /// Time to connect to an engine.
+    #[serde(with = "duration_str")]
+    pub connect_timeout: Duration,
+    /// Time to the first response byte from an engine (504 after).
+    #[serde(with = "duration_str")]
+    pub upstream_timeout: Duration,
+    /// Longest silence inside a streamed response before it is cut.
+    #[serde(with = "duration_str")]
+    pub idle_timeout: Duration,
+    /// Requests this picker keeps in flight on one endpoint; past it, requests are shed
+    /// with 429 when every candidate is full.
+    pub max_inflight_per_endpoint: u64,
+    /// Requests in flight through this picker in total (429 above).
+    pub max_inflight_total: usize,
+    /// Concurrent calls to engines' render endpoints for tokenization.
+    pub max_render_concurrency: usize,
+    #[serde(with = "duration_str")]
+    pub render_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 16 << 20,
+            max_prompt_tokens: 512 * 1024,
+            max_messages: 4096,
+            connect_timeout: Duration::from_secs(2),
+            upstream_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(300),
+            max_inflight_per_endpoint: 2048,
+            max_inflight_total: 16_384,
+            max_render_concurrency: 64,
+            render_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Engine metrics scraping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ScrapeSettings {
+    #[serde(with = "duration_str")]
+    pub interval: Duration,
+    #[serde(with = "duration_str")]
+    pub timeout: Duration,
+    /// Path of the Prometheus endpoint (`/metrics` for vLLM and SGLang,
+    /// `/prometheus/metrics` for TRT-LLM serve).
+    pub path: Option<String>,
+}
+
+impl Default for ScrapeSettings {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_millis(500),
+            path: None,
+        }
+    }
+}
+
+/// KV index bounds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct IndexSettings {
+    pub max_endpoints: usize,
+    /// Blocks assumed per endpoint until its metrics report the KV capacity.
+    pub default_kv_capacity_blocks: u64,
+    /// Precise endpoints may hold this many times their capacity before they are considered
+    /// out of sync (missed removals) and rebuilt.
+    pub precise_slack: u64,
+    /// Approximate entries expire after this long without use.
+    #[serde(with = "duration_str")]
+    pub approximate_ttl: Duration,
+}
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        Self {
+            max_endpoints: 4096,
+            default_kv_capacity_blocks: 32_768,
+            precise_slack: 2,
+            approximate_ttl: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PickerConfig {
+    #[serde(default)]
+    pub listen: Listen,
+    pub model_configs: Vec<ModelConfigSpec>,
+    #[serde(default)]
+    pub endpoints: Vec<StaticEndpoint>,
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    #[serde(default)]
+    pub tenancy: TenancySpec,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub scrape: ScrapeSettings,
+    #[serde(default)]
+    pub index: IndexSettings,
+}
+
+impl PickerConfig {
+    pub fn from_yaml(text: &str) -> Result<Self, String> {
+        let c: Self = serde_yaml_ng::from_str(text).map_err(|e| format!("invalid config: {e}"))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        Self::from_yaml(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Cross-field checks; errors name the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.model_configs.is_empty() {
+            return Err("modelConfigs must list at least one model config".into());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, mc) in self.model_configs.iter().enumerate() {
+            mc.validate(i)?;
+            if !names.insert(mc.name.as_str()) {
+                return Err(format!(
+                    "modelConfigs[{i}].name {:?} is duplicated",
+                    mc.name
+                ));
+            }
+        }
+        for (i, e) in self.endpoints.iter().enumerate() {
+            if !names.contains(e.model_config.as_str()) {
+                return Err(format!(
+                    "endpoints[{i}].modelConfig {:?} names no entry of modelConfigs",
+                    e.model_config
+                ));
+            }
+            if e.port == Some(0) {
+                return Err(format!("endpoints[{i}].port must be 1-65535"));
+            }
+        }
+        self.routing.validate()?;
+        self.tenancy.validate()?;
+        let l = &self.limits;
+        for (name, v) in [
+            ("limits.maxBodyBytes", l.max_body_bytes),
+            ("limits.maxPromptTokens", l.max_prompt_tokens),
+            ("limits.maxMessages", l.max_messages),
+            ("limits.maxInflightTotal", l.max_inflight_total),
+            ("limits.maxRenderConcurrency", l.max_render_concurrency),
+            ("index.maxEndpoints", self.index.max_endpoints),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if l.max_inflight_per_endpoint == 0 {
+            return Err("limits.maxInflightPerEndpoint must be positive".into());
+        }
+        if self.scrape.interval.is_zero() || self.scrape.timeout.is_zero() {
+            return Err("scrape.interval and scrape.timeout must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = r#"
+modelConfigs:
+  - name: llama
+    model: meta-llama/Llama-3.1-8B-Instruct
+    engine: vllm
+    port: 8000
+    dataParallel: {size: 2, rankSelection: Header}
+    kvEvents: {port: 5557, topic: kv}
+endpoints:
+  - {address: 127.0.0.1, modelConfig: llama}
+routing:
+  strategy: Weighted
+  weights: {prefixCache: 3, queue: 2}
+limits:
+  upstreamTimeout: 30s
+"#;
+
+    #[test]
+    fn sample_parses_with_defaults() {
+        let c = PickerConfig::from_yaml(SAMPLE).expect("valid");
+        assert_eq!(c.model_configs[0].data_parallel.size, 2);
+        assert_eq!(c.limits.upstream_timeout, Duration::from_secs(30));
+        assert_eq!(c.scrape.interval, Duration::from_millis(100));
+        assert_eq!(c.listen.admin.ip(), IpAddr::from([127, 0, 0, 1]));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let bad = SAMPLE.replace("modelConfig: llama", "modelConfig: mistral");
+        let e = PickerConfig::from_yaml(&bad).expect_err("dangling");
+        assert!(e.contains("endpoints[0].modelConfig"), "{e}");
+        let bad = SAMPLE.replace("queue: 2", "queue: -2");
+        let e = PickerConfig::from_yaml(&bad).expect_err("negative");
+        assert!(e.contains("routing.weights.queue"), "{e}");
+        let bad = SAMPLE.replace("upstreamTimeout: 30s", "upstreamTimeout: soon");
+        let e = PickerConfig::from_yaml(&bad).expect_err("duration");
+        assert!(
+            e.contains("upstreamTimeout") || e.contains("invalid duration"),
+            "{e}"
+        );
+        let bad = SAMPLE.replace("port: 8000", "port: 8000\n    blockSize: 12");
+        let e = PickerConfig::from_yaml(&bad).expect_err("block");
+        assert!(e.contains("modelConfigs[0].blockSize"), "{e}");
+        let e = PickerConfig::from_yaml("modelConfigs: []").expect_err("empty");
+        assert!(e.contains("modelConfigs"), "{e}");
+    }
+}

@@ -1,0 +1,457 @@
+//! Black-box tests of the picker service against fake engines on loopback.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvroute_picker::endpoint::EndpointState;
+use serde_json::{Value, json};
+use support::*;
+
+fn one_engine_yaml(port: u16, extra: &str) -> String {
+    format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {port}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+{extra}"#
+    )
+}
+
+async fn post(url: String, body: Value) -> reqwest::Response {
+    client().post(url).json(&body).send().await.unwrap()
+}
+
+async fn error_of(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn streams_pass_through_byte_for_byte() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_yaml(engine.addr.port(), "")).await;
+    let resp = post(
+        format!("http://{}/v1/completions", picker.addrs.http),
+        json!({"model": "llama", "prompt": "hello world", "stream": true}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    // chunks arrive as the engine sends them (not buffered to the end)
+    let mut stream = resp.bytes_stream();
+    let mut got = Vec::new();
+    let mut pieces = 0;
+    use futures::StreamExt;
+    while let Some(c) = stream.next().await {
+        got.extend_from_slice(&c.unwrap());
+        pieces += 1;
+    }
+    assert_eq!(String::from_utf8(got).unwrap(), sse_chunks().concat());
+    assert!(pieces >= 3, "streamed in {pieces} pieces");
+    // in-flight accounting went back to zero after completion
+    let core = picker.core.clone();
+    eventually(Duration::from_secs(2), || {
+        core.endpoints
+            .load()
+            .endpoints()
+            .iter()
+            .all(|e| core.inflight.get(&e.id).requests == 0)
+    })
+    .await;
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn rank_goes_in_the_header_for_vllm_and_the_body_for_sglang() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    for (engine_kind, header) in [("vllm", true), ("sglang", false)] {
+        let yaml = format!(
+            r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    engine: {engine_kind}
+    port: {}
+    dataParallel: {{size: 2, rankSelection: Header}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+"#,
+            engine.addr.port()
+        );
+        let picker = start_picker(&yaml).await;
+        let resp = post(
+            format!("http://{}/v1/completions", picker.addrs.http),
+            json!({"model": "llama", "prompt": "abc"}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        let headers = engine.state.last_headers.lock().clone().unwrap();
+        let body = engine.state.last_body.lock().clone().unwrap();
+        if header {
+            let rank: u32 = headers["x-data-parallel-rank"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(rank < 2);
+            assert!(body.get("data_parallel_rank").is_none());
+        } else {
+            assert!(headers.get("x-data-parallel-rank").is_none());
+            assert!(body["data_parallel_rank"].as_u64().unwrap() < 2);
+        }
+        assert_eq!(body["prompt"], "abc", "the rest of the body is untouched");
+        picker.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_retried_on_the_next_fallback() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let dead = refused_port().await;
+    let yaml = format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.1, modelConfig: llama, port: {dead}}}
+routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
+"#,
+        engine.addr.port()
+    );
+    let picker = start_picker(&yaml).await;
+    for i in 0..6 {
+        let resp = post(
+            format!("http://{}/v1/completions", picker.addrs.http),
+            json!({"model": "llama", "prompt": format!("request {i}")}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200, "request {i}");
+    }
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), 6);
+    assert!(
+        picker.core.metrics.retries.get() >= 2,
+        "round robin hit the dead endpoint"
+    );
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn errors_are_openai_json_with_the_right_status() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_yaml(
+        engine.addr.port(),
+        "limits: {maxBodyBytes: 2048, upstreamTimeout: 300ms}",
+    ))
+    .await;
+    let url = format!("http://{}/v1/completions", picker.addrs.http);
+    let c = client();
+
+    let (s, e) = error_of(c.post(&url).body("{not json").send().await.unwrap()).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (400, Some("invalid_json"))
+    );
+    assert!(e["error"]["message"].is_string() && e["error"]["type"].is_string());
+
+    let (s, e) = error_of(post(url.clone(), json!({"model": "llama"})).await).await;
+    assert_eq!(s, 400);
+    assert!(e["error"]["message"].as_str().unwrap().contains("prompt"));
+
+    let (s, e) = error_of(post(url.clone(), json!({"prompt": "x"})).await).await;
+    assert_eq!(s, 400);
+    assert!(e["error"]["message"].as_str().unwrap().contains("model"));
+
+    let (s, e) = error_of(post(url.clone(), json!({"model": "gpt-9", "prompt": "x"})).await).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+
+    let big = "x".repeat(4096);
+    let (s, e) = error_of(post(url.clone(), json!({"model": "llama", "prompt": big})).await).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (413, Some("body_too_large"))
+    );
+
+    let (s, e) = error_of(
+        post(
+            format!("http://{}/v1/chat/completions", picker.addrs.http),
+            json!({"model": "llama", "messages": []}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+
+    // 504: the engine hangs past upstreamTimeout
+    engine.state.hang.store(true, Ordering::SeqCst);
+    let (s, e) = error_of(post(url.clone(), json!({"model": "llama", "prompt": "x"})).await).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (504, Some("upstream_timeout"))
+    );
+    engine.state.hang.store(false, Ordering::SeqCst);
+
+    // unknown paths on the proxy are JSON 404s, and the pick API is not exposed there
+    let (s, _) =
+        error_of(post(format!("http://{}/v1/pick", picker.addrs.http), json!({})).await).await;
+    assert_eq!(s, 404);
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_endpoint_is_503_with_retry_after_and_dead_upstreams_are_502() {
+    let dead = refused_port().await;
+    let yaml = format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {dead}
+  - name: other
+    model: other
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+routing: {{stalenessThreshold: 1m}}
+"#
+    );
+    let picker = start_picker(&yaml).await;
+    let url = format!("http://{}/v1/completions", picker.addrs.http);
+    let resp = post(url.clone(), json!({"model": "other", "prompt": "x"})).await;
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let (s, e) = error_of(resp).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (503, Some("no_eligible_endpoint"))
+    );
+    let (s, e) = error_of(post(url, json!({"model": "llama", "prompt": "x"})).await).await;
+    assert_eq!(
+        (s, e["error"]["code"].as_str()),
+        (502, Some("upstream_failed"))
+    );
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn requests_over_the_inflight_bound_are_shed_with_429() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.hang.store(true, Ordering::SeqCst);
+    let picker = start_picker(&one_engine_yaml(
+        engine.addr.port(),
+        "limits: {maxInflightTotal: 1, upstreamTimeout: 5s}",
+    ))
+    .await;
+    let url = format!("http://{}/v1/completions", picker.addrs.http);
+    let first = tokio::spawn(post(url.clone(), json!({"model": "llama", "prompt": "a"})));
+    let core = picker.core.clone();
+    eventually(Duration::from_secs(2), || {
+        core.endpoints
+            .load()
+            .endpoints()
+            .iter()
+            .any(|e| core.inflight.get(&e.id).requests == 1)
+    })
+    .await;
+    let resp = post(url, json!({"model": "llama", "prompt": "b"})).await;
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let (s, e) = error_of(resp).await;
+    assert_eq!((s, e["error"]["code"].as_str()), (429, Some("overloaded")));
+    first.abort();
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn pick_api_explains_and_a_live_reload_changes_the_decision() {
+    let a = FakeEngine::start("127.0.0.1").await;
+    let b = FakeEngine::start("127.0.0.2").await;
+    let dir = std::env::temp_dir().join(format!("kvroute-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("picker.yaml");
+    let write = |strategy: &str| {
+        let yaml = loopback_listen(&format!(
+            r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.2, modelConfig: llama, port: {}}}
+routing: {{strategy: {strategy}}}
+scrape: {{interval: 50ms}}
+"#,
+            a.addr.port(),
+            b.addr.port()
+        ));
+        // write-then-rename so the watcher never sees a half-written file
+        let tmp = dir.join("picker.yaml.tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    };
+    write("CostModel");
+    let picker = start_picker_file(path.clone()).await;
+    let core = picker.core.clone();
+    eventually(Duration::from_secs(3), || core.endpoints.load().len() == 2).await;
+    let pick_url = format!("http://{}/v1/pick", picker.addrs.admin);
+    let pick = |body: Value| {
+        let url = pick_url.clone();
+        async move { post(url, body).await.json::<Value>().await.unwrap() }
+    };
+    let p = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
+    assert_eq!(p["policy"], "cost-model");
+    assert_eq!(p["candidates"].as_array().unwrap().len(), 2);
+    assert!(p["candidates"][0]["features"]["uncached_tokens"].is_number());
+    assert_eq!(p["fallbacks"].as_array().unwrap().len(), 1);
+
+    // round robin after the reload: two picks of the same prompt go to different endpoints
+    write("RoundRobin");
+    eventually(Duration::from_secs(5), || {
+        core.router().policy_name() == "round-robin"
+    })
+    .await;
+    let x = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
+    let y = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
+    assert_eq!(x["policy"], "round-robin");
+    assert_ne!(x["endpoint"], y["endpoint"]);
+
+    // a broken edit is rejected and the running config stays
+    std::fs::write(&path, "modelConfigs: [").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(core.router().policy_name(), "round-robin");
+    assert_eq!(core.endpoints.load().len(), 2);
+    picker.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_stale_endpoint_is_excluded_then_recovers() {
+    let a = FakeEngine::start("127.0.0.1").await;
+    let b = FakeEngine::start("127.0.0.2").await;
+    let yaml = format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.2, modelConfig: llama, port: {}}}
+routing: {{strategy: RoundRobin, stalenessThreshold: 300ms}}
+scrape: {{interval: 50ms, timeout: 100ms}}
+"#,
+        a.addr.port(),
+        b.addr.port()
+    );
+    let picker = start_picker(&yaml).await;
+    let core = picker.core.clone();
+    eventually(Duration::from_secs(3), || core.is_ready()).await;
+    a.state.metrics_broken.store(true, Ordering::SeqCst);
+    eventually(Duration::from_secs(3), || {
+        core.endpoints
+            .load()
+            .endpoints()
+            .iter()
+            .any(|e| e.state == EndpointState::Stale)
+    })
+    .await;
+    let before = a.state.requests.load(Ordering::SeqCst);
+    for i in 0..4 {
+        let r = post(
+            format!("http://{}/v1/completions", picker.addrs.http),
+            json!({"model": "llama", "prompt": format!("p{i}")}),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(
+        a.state.requests.load(Ordering::SeqCst),
+        before,
+        "stale endpoint got traffic"
+    );
+    a.state.metrics_broken.store(false, Ordering::SeqCst);
+    eventually(Duration::from_secs(3), || {
+        core.endpoints
+            .load()
+            .endpoints()
+            .iter()
+            .all(|e| e.state == EndpointState::Ready)
+    })
+    .await;
+    for i in 0..4 {
+        post(
+            format!("http://{}/v1/completions", picker.addrs.http),
+            json!({"model": "llama", "prompt": format!("q{i}")}),
+        )
+        .await;
+    }
+    assert!(
+        a.state.requests.load(Ordering::SeqCst) > before,
+        "recovered endpoint gets traffic again"
+    );
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn models_health_and_metrics() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_yaml(engine.addr.port(), "")).await;
+    let c = client();
+    let models: Value = c
+        .get(format!("http://{}/v1/models", picker.addrs.http))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "llama");
+    let core = picker.core.clone();
+    eventually(Duration::from_secs(3), || core.is_ready()).await;
+    let r = c
+        .get(format!("http://{}/readyz", picker.addrs.metrics))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    post(
+        format!("http://{}/v1/completions", picker.addrs.http),
+        json!({"model": "llama", "prompt": "count me"}),
+    )
+    .await;
+    let text = c
+        .get(format!("http://{}/metrics", picker.addrs.metrics))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("kvroute_picker_decisions_total{"), "{text}");
+    assert!(
+        text.contains("kvroute_picker_decision_seconds_bucket"),
+        "{text}"
+    );
+    let dbg: Value = c
+        .get(format!("http://{}/debug/endpoints", picker.addrs.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(dbg["endpoints"][0]["state"], "ready");
+    assert!(dbg["endpoints"][0]["cached_blocks"].as_u64().is_some());
+    picker.shutdown().await;
+}

@@ -1,0 +1,203 @@
+//! Test support: a small fake engine (vLLM-shaped HTTP + /metrics) on 127.0.0.1:0, and a
+//! picker started in-process from a config.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use kvroute_picker::service::settings::PickerConfig;
+use kvroute_picker::service::source::EndpointSource;
+use kvroute_picker::service::{Running, start};
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+
+/// What a fake engine saw and how it behaves.
+#[derive(Default)]
+pub struct EngineState {
+    pub requests: AtomicU64,
+    pub last_headers: Mutex<Option<HeaderMap>>,
+    pub last_body: Mutex<Option<serde_json::Value>>,
+    /// `/metrics` answers 500 while set.
+    pub metrics_broken: AtomicBool,
+    /// Completions never answer while set.
+    pub hang: AtomicBool,
+    pub waiting: AtomicU64,
+}
+
+pub struct FakeEngine {
+    pub addr: SocketAddr,
+    pub state: Arc<EngineState>,
+    cancel: CancellationToken,
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// The SSE chunks the fake engine streams, exactly.
+pub fn sse_chunks() -> Vec<String> {
+    (0..5)
+        .map(|i| {
+            format!(
+                "data: {{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\"text\":\"tok{i} \"}}]}}\n\n"
+            )
+        })
+        .chain(std::iter::once("data: [DONE]\n\n".to_string()))
+        .collect()
+}
+
+async fn completion(
+    State(s): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    s.requests.fetch_add(1, Ordering::SeqCst);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    *s.last_headers.lock() = Some(headers);
+    *s.last_body.lock() = Some(v.clone());
+    if s.hang.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
+        let stream = futures::stream::iter(sse_chunks()).then(|c| async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, std::io::Error>(Bytes::from(c))
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    axum::Json(serde_json::json!({
+        "id": "cmpl-1", "object": "text_completion",
+        "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    }))
+    .into_response()
+}
+
+use futures::StreamExt;
+
+async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
+    if s.metrics_broken.load(Ordering::SeqCst) {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    }
+    let w = s.waiting.load(Ordering::SeqCst);
+    let text = format!(
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"m\",engine=\"0\"}} {w}\n\
+         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\",engine=\"0\"}} 0\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"m\",engine=\"0\"}} 0.1\n\
+         vllm:num_requests_waiting{{model_name=\"m\",engine=\"1\"}} {w}\n\
+         vllm:num_requests_running{{model_name=\"m\",engine=\"1\"}} 0\n\
+         vllm:kv_cache_usage_perc{{model_name=\"m\",engine=\"1\"}} 0.1\n"
+    );
+    text.into_response()
+}
+
+impl FakeEngine {
+    pub async fn start(ip: &str) -> Self {
+        let state = Arc::new(EngineState::default());
+        let app = Router::new()
+            .route("/v1/completions", post(completion))
+            .route("/v1/chat/completions", post(completion))
+            .route("/metrics", get(metrics))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind(format!("{ip}:0"))
+            .await
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        let c = cancel.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { c.cancelled().await })
+                .await;
+        });
+        Self {
+            addr,
+            state,
+            cancel,
+        }
+    }
+}
+
+/// A port on 127.0.0.1 that refuses connections (bound, then released).
+pub async fn refused_port() -> u16 {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Listeners on port 0 of loopback.
+pub fn loopback_listen(yaml: &str) -> String {
+    format!(
+        "listen:\n  http: 127.0.0.1:0\n  admin: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n  extProc: 127.0.0.1:0\n{yaml}"
+    )
+}
+
+/// Start a picker from YAML (listen section added) with a static source.
+pub async fn start_picker(yaml: &str) -> Running {
+    let config = PickerConfig::from_yaml(&loopback_listen(yaml)).expect("valid config");
+    let view = kvroute_picker::service::source::view_from_config(&config);
+    let source = Box::new(StaticSource(view));
+    start(config, source, CancellationToken::new())
+        .await
+        .expect("picker starts")
+}
+
+/// Start a picker that watches `path` (for reload tests).
+pub async fn start_picker_file(path: std::path::PathBuf) -> Running {
+    let config = PickerConfig::load(&path).expect("valid config");
+    let source = Box::new(kvroute_picker::service::source::FileSource::new(
+        path,
+        Duration::from_millis(50),
+    ));
+    start(config, source, CancellationToken::new())
+        .await
+        .expect("picker starts")
+}
+
+pub struct StaticSource(pub kvroute_picker::service::core::PoolView);
+
+impl EndpointSource for StaticSource {
+    fn name(&self) -> &'static str {
+        "static"
+    }
+    fn run(
+        self: Box<Self>,
+        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::core::PoolView>>,
+        cancel: CancellationToken,
+    ) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let _ = tx.send(Some(self.0));
+            cancel.cancelled().await;
+        })
+    }
+}
+
+/// Wait until `f` holds, polling; panics after `timeout`.
+pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut f: F) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
