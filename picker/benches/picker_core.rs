@@ -183,5 +183,71 @@ fn bench_decision(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_longest_prefix, bench_hashing, bench_decision);
+/// Tokenization of a completion prompt and of a chat rendered through its template, with the
+/// test tokenizer (a small byte-level BPE; see BENCHMARKS.md for what that means).
+fn bench_tokenize(c: &mut Criterion) {
+    use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
+    let tok = PromptTokenizer::from_hf_files(
+        Some(include_bytes!("../tests/fixtures/tokenizer/tokenizer.json")),
+        Some(include_str!(
+            "../tests/fixtures/tokenizer/tokenizer_config.json"
+        )),
+        PromptTokenizerOptions::default(),
+    )
+    .expect("fixture tokenizer");
+    let mut g = c.benchmark_group("tokenize");
+    g.measurement_time(Duration::from_secs(3)).sample_size(10);
+    let sentence = "KV-cache aware routing sends requests that share a prompt prefix to the same \
+                    server, unless the queue there costs more than the prefill it saves. ";
+    for target in [8 * 1024usize, 128 * 1024] {
+        let mut text = String::new();
+        let mut n = 0;
+        while tok
+            .tokenize(PromptInput::Text(&text))
+            .map_or(0, |t| t.ids.len())
+            < target
+        {
+            for _ in 0..64 {
+                text.push_str(sentence);
+                text.push_str(&n.to_string());
+                text.push(' ');
+                n += 1;
+            }
+        }
+        let label = format!("{}k", target / 1024);
+        let n_tokens = tok
+            .tokenize(PromptInput::Text(&text))
+            .map_or(0, |t| t.ids.len());
+        g.throughput(Throughput::Elements(n_tokens as u64));
+        g.bench_function(BenchmarkId::new("text", &label), |b| {
+            b.iter(|| {
+                black_box(tok.tokenize(PromptInput::Text(black_box(&text)))).map(|t| t.ids.len())
+            })
+        });
+        let messages = serde_json::json!([
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": text},
+        ]);
+        g.bench_function(BenchmarkId::new("chat_template", &label), |b| {
+            b.iter(|| {
+                black_box(tok.tokenize(PromptInput::Chat {
+                    messages: black_box(&messages),
+                    tools: None,
+                    add_generation_prompt: true,
+                    extra: None,
+                }))
+                .map(|t| t.ids.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_longest_prefix,
+    bench_hashing,
+    bench_decision,
+    bench_tokenize
+);
 criterion_main!(benches);

@@ -291,3 +291,16 @@ limits:
         assert!(e.contains("modelConfigs"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod sample_tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_sample_config_is_valid() {
+        let c = PickerConfig::from_yaml(include_str!("../../../config/picker.yaml"))
+            .expect("config/picker.yaml is valid");
+        assert_eq!(c.model_configs[0].data_parallel.size, 2);
+        assert_eq!(c.endpoints.len(), 2);
+    }
+}
