@@ -1,2 +1,4 @@
 //! kvroute's instruments: a vLLM-compatible engine simulator, the trace replay benchmark, and
 //! the end-to-end harness.
+
+pub mod sim;

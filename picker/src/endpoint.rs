@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use schemars::JsonSchema;
+use kvroute_crds::pool::ModelConfigSpec;
 use serde::{Deserialize, Serialize};
 
 /// Where a request goes: a model-server address, its HTTP port and the data-parallel rank.
@@ -43,36 +43,7 @@ impl fmt::Display for EndpointId {
     }
 }
 
-/// The serving engine behind an endpoint; decides metric names and how the rank is selected.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    #[default]
-    Vllm,
-    Sglang,
-    Trtllm,
-}
-
-impl EngineKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::Trtllm => "trtllm",
-        }
-    }
-}
-
-/// How a data-parallel rank is addressed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
-pub enum RankSelection {
-    /// One HTTP server for all ranks; the rank travels in `X-data-parallel-rank` (vLLM) or in
-    /// the `data_parallel_rank` body field (SGLang).
-    #[default]
-    Header,
-    /// One HTTP server per rank, listening on `port + rank`.
-    Port,
-}
+pub use kvroute_crds::pool::{EngineKind, RankSelection};
 
 /// What the picker needs to know about the model configuration an endpoint serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +91,38 @@ impl ModelConfig {
             None
         }
     }
+}
+
+impl From<&ModelConfigSpec> for ModelConfig {
+    fn from(spec: &ModelConfigSpec) -> Self {
+        Self {
+            name: spec.name.as_str().into(),
+            model: spec.model.as_str().into(),
+            engine: spec.engine,
+            block_size: spec.block_size,
+            dp_size: spec.data_parallel.size,
+            rank_selection: spec.data_parallel.rank_selection,
+            lora_adapters: spec
+                .lora_adapters
+                .iter()
+                .map(|a| Arc::from(a.as_str()))
+                .collect(),
+            tokenizer: spec
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.path.as_deref().or(t.config_map.as_deref()))
+                .map(Arc::from),
+        }
+    }
+}
+
+/// The endpoints one pod (or host) at `address` contributes for a model config: one per
+/// data-parallel rank.
+pub fn rank_endpoints(spec: &ModelConfigSpec, address: IpAddr) -> Vec<EndpointId> {
+    spec.rank_ports()
+        .into_iter()
+        .map(|(port, rank)| EndpointId::new(address, port, rank))
+        .collect()
 }
 
 /// Whether an endpoint may take new requests.

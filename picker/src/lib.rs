@@ -6,16 +6,23 @@
 
 pub mod block_keys;
 pub mod cli;
-pub mod config;
+/// Routing configuration (shared with the `InferencePool` resource).
+pub mod config {
+    pub use kvroute_crds::routing::*;
+}
 pub mod endpoint;
 pub mod engine_metrics;
+pub mod feeds;
 pub mod index;
 pub mod inflight;
 pub mod ingest;
 pub mod kv_events;
 pub mod load;
 pub mod policy;
-pub mod pool;
+/// Pool specification types (shared with the `InferencePool` resource).
+pub mod pool {
+    pub use kvroute_crds::pool::*;
+}
 pub mod router;
 pub mod service;
 pub mod session;

@@ -23,6 +23,27 @@
 //! both are treated as hostile: templates run with a fuel budget, a recursion limit and an
 //! output cap, inputs are bounded in bytes, tokens and messages, and every failure is an
 //! [`TokenizeError`] rather than a panic or a hang.
+//!
+//! # Where the result can still differ from the engine
+//!
+//! The test fixtures are rendered by `transformers` itself and compared byte for byte; what is
+//! known not to match:
+//!
+//! * Object key order is kept only if the request JSON kept it: `serde_json` must be built with
+//!   `preserve_order`, otherwise tool schemas print with sorted keys.
+//! * Non-string values printed through `~`, `join` or string methods use minijinja's spelling
+//!   (`none`, `true`); `{{ x }}`, `|string`, `|tojson` use Python's. `dict.items()` yields lists,
+//!   so its repr shows `['k', 1]` where Python shows `('k', 1)`.
+//! * Engine-side request rewriting is not reproduced: vLLM may flatten text-part arrays into a
+//!   string for templates that expect one, and its request models can add `null` fields to
+//!   tools. `continue_final_message` is not supported.
+//! * `strftime_now` uses UTC; Python uses the server's local time zone.
+//!
+//! A template that deliberately builds a value nested tens of thousands of levels deep (for
+//! instance `{% set ns.x = [ns.x] %}` in a loop) can still overflow the thread's stack inside
+//! minijinja, whose `Drop` and `Display` of values recurse; fuel does not stop it because each
+//! level costs only a few units. Request data cannot do this (its nesting is capped at 128
+//! levels), so this is a matter of trusting the template's author, not the client.
 
 use std::borrow::Cow;
 use std::fmt::{self, Write as _};
@@ -500,7 +521,8 @@ impl PromptTokenizer {
     ///
     /// With a chat template, the template receives `messages`, `tools` (or `none`),
     /// `add_generation_prompt`, `bos_token`, `eos_token` and the keys of `extra`, like
-    /// `transformers`' `apply_chat_template`.
+    /// `transformers`' `apply_chat_template`, which also drops `null`-valued message fields and
+    /// copies reasoning text to both `thinking` and `reasoning_content`.
     ///
     /// Without one, a fixed fallback format is used so that chats still map to stable,
     /// prefix-preserving text: `<|tools|>\n{tools as compact JSON}\n` when tools are given, then
@@ -680,7 +702,13 @@ fn compile_template(
     env.set_formatter(python_formatter);
     env.set_fuel(Some(limits.template_fuel));
     env.set_recursion_limit(limits.template_recursion);
-    env.add_filter("tojson", tojson_filter);
+    let tojson_cap = limits.max_rendered_bytes;
+    env.add_filter(
+        "tojson",
+        move |state: &State, value: &Value, kwargs: Kwargs| {
+            tojson_filter(state, value, kwargs, tojson_cap)
+        },
+    );
     // Python's `str()` / `pprint` of a container is its repr (`['a', None]`); minijinja's
     // versions print JSON-like text (`["a", none]`) through unbounded recursion.
     env.add_filter("string", string_filter);
@@ -711,16 +739,19 @@ impl CompiledTemplate {
         limits: &TokenizeLimits,
     ) -> Result<String, TokenizeError> {
         let mut budget = ByteBudget::new(limits.max_prompt_bytes);
-        let messages = json_to_value(messages, 0, &mut budget)?;
+        let messages = messages_to_value(messages, &mut budget)?;
         let tools = match tools {
             Some(tools) => json_to_value(tools, 0, &mut budget)?,
             None => Value::from(()),
         };
         // Same precedence as transformers: special tokens first, caller kwargs may override
-        // them, and the three request fields always win.
+        // them, and the three request fields always win. `documents` is always defined (as
+        // `none` unless given), because transformers passes it and `documents is not none`
+        // is true for an undefined name.
         let mut context: Vec<(Value, Value)> = Vec::with_capacity(8);
         context.push((Value::from("bos_token"), self.bos_token.clone()));
         context.push((Value::from("eos_token"), self.eos_token.clone()));
+        context.push((Value::from("documents"), Value::from(())));
         if let Some(Json::Object(extra)) = extra {
             for (key, value) in extra {
                 budget.charge(key.len())?;
@@ -786,6 +817,56 @@ impl ByteBudget {
         }
         Ok(())
     }
+}
+
+/// Message fields that carry reasoning, in the order `transformers` looks for them.
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// Converts the messages the way `transformers`' `apply_chat_template` (5.x) prepares them:
+/// keys whose value is `null` are dropped (OpenAI clients send `"content": null` next to
+/// `tool_calls`; a template then sees an undefined field rather than printing `None`), and a
+/// message with reasoning under any of its names gets it under both `thinking` and
+/// `reasoning_content` (as `{"thinking": r, **message, "reasoning_content": r}`), since
+/// templates read one or the other.
+fn messages_to_value(messages: &Json, budget: &mut ByteBudget) -> Result<Value, TokenizeError> {
+    let Json::Array(list) = messages else {
+        return json_to_value(messages, 0, budget);
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for message in list {
+        let Json::Object(map) = message else {
+            out.push(json_to_value(message, 1, budget)?);
+            continue;
+        };
+        let reasoning = REASONING_FIELDS
+            .iter()
+            .find_map(|&key| map.get(key).filter(|v| !v.is_null()).map(|v| (key, v)));
+        let reasoning = match reasoning {
+            Some((key, value)) => Some((key, json_to_value(value, 2, budget)?)),
+            None => None,
+        };
+        let mut pairs: Vec<(Value, Value)> = Vec::with_capacity(map.len() + 2);
+        if let Some((_, value)) = &reasoning {
+            pairs.push((Value::from("thinking"), value.clone()));
+        }
+        for (key, value) in map {
+            if value.is_null() {
+                continue;
+            }
+            budget.charge(key.len())?;
+            let value = match &reasoning {
+                Some((source, converted)) if source == key => converted.clone(),
+                _ => json_to_value(value, 2, budget)?,
+            };
+            pairs.push((Value::from(key.as_str()), value));
+        }
+        if let Some((_, value)) = reasoning {
+            pairs.push((Value::from("reasoning_content"), value));
+        }
+        // Later pairs overwrite earlier ones in place, like keys in a Python dict literal.
+        out.push(Value::from_pairs(pairs));
+    }
+    Ok(Value::from(out))
 }
 
 /// Converts request JSON to template values, keeping object key order (minijinja's
@@ -877,11 +958,29 @@ impl fmt::Display for RaisedByTemplate {
 
 impl std::error::Error for RaisedByTemplate {}
 
+/// Marks an error raised because a filter's output would exceed `max_rendered_bytes`.
+#[derive(Debug)]
+struct RenderedBytesExceeded;
+
+impl fmt::Display for RenderedBytesExceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("output exceeds max_rendered_bytes")
+    }
+}
+
+impl std::error::Error for RenderedBytesExceeded {}
+
 fn classify_render_error(err: &minijinja::Error, limits: &TokenizeLimits) -> TokenizeError {
     let mut current: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = current {
         if let Some(raised) = e.downcast_ref::<RaisedByTemplate>() {
             return TokenizeError::TemplateRaised(raised.0.clone());
+        }
+        if e.downcast_ref::<RenderedBytesExceeded>().is_some() {
+            return TokenizeError::TemplateLimit {
+                limit: TemplateLimit::RenderedBytes,
+                max: limits.max_rendered_bytes as u64,
+            };
         }
         if let Some(jinja) = e.downcast_ref::<minijinja::Error>() {
             if jinja.kind() == ErrorKind::OutOfFuel {
@@ -1302,7 +1401,12 @@ fn push_python_float(out: &mut String, f: f64, nan: &str, inf: &str) {
 /// separators=None, sort_keys=False)`. Unlike Jinja's and minijinja's built-in `tojson` it does
 /// not HTML-escape, keeps key order, and puts a space after `,` and `:` (no space after `,`
 /// when indenting), and the keyword arguments mean what they mean for `json.dumps`.
-fn tojson_filter(state: &State, value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+fn tojson_filter(
+    state: &State,
+    value: &Value,
+    kwargs: Kwargs,
+    cap: usize,
+) -> Result<Value, minijinja::Error> {
     let indent: Option<String> = match kwargs.get::<Option<Value>>("indent")? {
         None => None,
         Some(v) if v.is_none() => None,
@@ -1347,11 +1451,48 @@ fn tojson_filter(state: &State, value: &Value, kwargs: Kwargs) -> Result<Value, 
     };
     kwargs.assert_all_used()?;
     let mut out = String::new();
-    options.write(&mut out, value, 0)?;
-    // minijinja charges fuel for the string once it is returned, but not for the walk itself;
-    // charging per 64 bytes up front bounds templates that serialize large values in a loop.
-    state.consume_fuel((out.len() / 64) as u64)?;
+    let mut meter = OutputMeter {
+        state,
+        charged: 0,
+        cap,
+    };
+    options.write(&mut out, &mut meter, value, 0)?;
+    meter.finish(out.len())?;
     Ok(Value::from(out))
+}
+
+/// Charges fuel while `tojson` output grows and caps it at `max_rendered_bytes`.
+///
+/// minijinja charges a filter's result only once it is returned. Indentation multiplies the
+/// input (every line repeats the indent once per nesting level), so a request with deeply
+/// nested tool schemas under `tojson(indent=4)` could otherwise allocate hundreds of times its
+/// own size before any limit applied.
+struct OutputMeter<'s, 't, 'e> {
+    state: &'s State<'t, 'e>,
+    charged: usize,
+    cap: usize,
+}
+
+impl OutputMeter<'_, '_, '_> {
+    fn check(&mut self, len: usize) -> Result<(), minijinja::Error> {
+        if len > self.cap {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson output exceeds max_rendered_bytes",
+            )
+            .with_source(RenderedBytesExceeded));
+        }
+        if len - self.charged.min(len) >= 4096 {
+            self.finish(len)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, len: usize) -> Result<(), minijinja::Error> {
+        let units = len.saturating_sub(self.charged) / 64;
+        self.charged += units * 64;
+        self.state.consume_fuel(units as u64)
+    }
 }
 
 struct JsonDumps {
@@ -1363,16 +1504,30 @@ struct JsonDumps {
 }
 
 impl JsonDumps {
-    fn newline(&self, out: &mut String, depth: usize) {
+    fn newline(
+        &self,
+        out: &mut String,
+        meter: &mut OutputMeter,
+        depth: usize,
+    ) -> Result<(), minijinja::Error> {
         if let Some(indent) = &self.indent {
             out.push('\n');
             for _ in 0..depth {
                 out.push_str(indent);
+                meter.check(out.len())?;
             }
         }
+        Ok(())
     }
 
-    fn write(&self, out: &mut String, value: &Value, depth: usize) -> Result<(), minijinja::Error> {
+    fn write(
+        &self,
+        out: &mut String,
+        meter: &mut OutputMeter,
+        value: &Value,
+        depth: usize,
+    ) -> Result<(), minijinja::Error> {
+        meter.check(out.len())?;
         if depth > MAX_RENDER_DEPTH {
             return Err(too_deep());
         }
@@ -1399,10 +1554,10 @@ impl JsonDumps {
                     if i > 0 {
                         out.push_str(&self.item_sep);
                     }
-                    self.newline(out, depth + 1);
-                    self.write(out, item, depth + 1)?;
+                    self.newline(out, meter, depth + 1)?;
+                    self.write(out, meter, item, depth + 1)?;
                 }
-                self.newline(out, depth);
+                self.newline(out, meter, depth)?;
                 out.push(']');
             }
             ValueKind::Map => {
@@ -1423,12 +1578,12 @@ impl JsonDumps {
                     if i > 0 {
                         out.push_str(&self.item_sep);
                     }
-                    self.newline(out, depth + 1);
+                    self.newline(out, meter, depth + 1)?;
                     self.write_str(out, key);
                     out.push_str(&self.key_sep);
-                    self.write(out, item, depth + 1)?;
+                    self.write(out, meter, item, depth + 1)?;
                 }
-                self.newline(out, depth);
+                self.newline(out, meter, depth)?;
                 out.push('}');
             }
             kind => {
@@ -1746,10 +1901,12 @@ mod tests {
             "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n\
              You may call one or more functions to assist with the user query.\n\n\
              You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n\
-             {\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {}}}\n</tools>\n\n\
+             {\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {}}}\n\
+             </tools>\n\n\
              For each function call, return a json object with function name and arguments within \
              <tool_call></tool_call> XML tags:\n<tool_call>\n\
-             {\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n\
+             {\"name\": <function-name>, \"arguments\": <args-json-object>}\n\
+             </tool_call><|im_end|>\n\
              <|im_start|>user\nTime?<|im_end|>\n<|im_start|>assistant\n"
         );
         // `tools: null` is the same as no tools.
@@ -1768,8 +1925,14 @@ mod tests {
         let tok = with_template(LLAMA3);
         let extra = json!({"date_string": "26 Jul 2024"});
         let system = "You are a helpful assistant. Answer the user's questions concisely.";
-        let a = json!([{"role": "system", "content": system}, {"role": "user", "content": "What is the weather like in Paris?"}]);
-        let b = json!([{"role": "system", "content": system}, {"role": "user", "content": "The quick brown fox jumps"}]);
+        let a = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "What is the weather like in Paris?"},
+        ]);
+        let b = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "The quick brown fox jumps"},
+        ]);
         let run = |m: &Json| {
             tok.tokenize(PromptInput::Chat {
                 messages: m,
@@ -1857,7 +2020,10 @@ mod tests {
         // Chats without template: the documented fallback rendering.
         let messages = json!([
             {"role": "system", "content": "sys"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "u"}},
+            ]},
             {"role": "assistant", "content": null, "tool_calls": [{"id": "1"}]},
         ]);
         let tools = json!([{"name": "t"}]);
@@ -2104,7 +2270,11 @@ mod tests {
             }
         );
 
-        let three = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]);
+        let three = json!([
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]);
         let err = tok.tokenize(chat(&three, true)).unwrap_err();
         assert_eq!(
             err,
@@ -2182,12 +2352,14 @@ mod tests {
         assert_limited("{{ 'x' * 10**12 }}", limits, TemplateLimit::Fuel);
         // Exponential growth by doubling a string in a namespace.
         assert_limited(
-            "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+            "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
+             {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
             limits,
             TemplateLimit::Fuel,
         );
         // Deeply nested values: tojson and printing refuse instead of overflowing the stack.
-        let nest = "{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}";
+        let nest = "{% set ns = namespace(x=[]) %}\
+                    {% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}";
         for tail in ["{{ ns.x | tojson }}", "{{ ns.x }}", "{{ ns.x | string }}"] {
             let tok = template_only(&format!("{nest}{tail}"), limits);
             let err = tok.render_chat(&json!([]), None, false, None).unwrap_err();
@@ -2199,14 +2371,59 @@ mod tests {
     }
 
     #[test]
+    fn tojson_indent_blowup_is_bounded() {
+        // 128-deep tool schemas under `tojson(indent=...)`: every line repeats the indent per
+        // level, so the output is far larger than the request. It must stop at a limit.
+        let mut deep = json!(1);
+        for _ in 0..100 {
+            deep = json!([deep]);
+        }
+        for _ in 0..12 {
+            deep = json!([deep, deep.clone()]);
+        }
+        // About 0.8 MB of request; about 3 GB once indented.
+        assert!(deep.to_string().len() < 1 << 20);
+        let tools = json!([deep]);
+        let messages = json!([{"role": "user", "content": "x"}]);
+        for (fuel, max_rendered_bytes, expected) in [
+            (u64::MAX / 128, 4 << 20, TemplateLimit::RenderedBytes),
+            (
+                TokenizeLimits::default().template_fuel,
+                1 << 30,
+                TemplateLimit::Fuel,
+            ),
+        ] {
+            let limits = TokenizeLimits {
+                template_fuel: fuel,
+                max_rendered_bytes,
+                ..Default::default()
+            };
+            let tok = template_only("{{ tools | tojson(indent=40) | length }}", limits);
+            let started = Instant::now();
+            let err = tok
+                .render_chat(&messages, Some(&tools), false, None)
+                .unwrap_err();
+            assert!(
+                matches!(&err, TokenizeError::TemplateLimit { limit, .. } if *limit == expected),
+                "{err:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(10));
+        }
+    }
+
+    #[test]
     fn python_isms() {
         let tok = template_only(
-            "{{ none }}|{{ true }}|{{ [1, 'a', none, 1.5, {'k': false}] }}|{{ 1e20 }}|{{ 0.1 + 0.2 }}|\
+            "{{ none }}|{{ true }}|{{ [1, 'a', none, 1.5, {'k': false}] }}|{{ 1e20 }}|\
+             {{ 0.1 + 0.2 }}|\
              {{ ' a '.strip() }}|{{ 'a,b'.split(',') }}|{{ {'x': 1}.keys() | list }}|\
-             {{ 'abc'.startswith('ab') }}|{{ \"it's\" ~ '' }}|{{ [\"it's\"] }}|{{ {'a': 1}.get('b', 2) }}|\
-             {{ {'é': 'ü', 'n': [1.0, 2], 't': true} | tojson }}|{{ 'é' | tojson(ensure_ascii=true) }}|\
-             {{ {'b': 1, 'a': [] } | tojson(sort_keys=true, separators=(',', ':')) }}|{{ [1] | tojson(indent=2) }}|\
-             {{ dict(a=1) | tojson }}|{{ [none, 'x'] | string }}|{{ 2 | string }}|{{ undefined_name | string }}",
+             {{ 'abc'.startswith('ab') }}|{{ \"it's\" ~ '' }}|{{ [\"it's\"] }}|\
+             {{ {'a': 1}.get('b', 2) }}|\
+             {{ {'é': 'ü', 'n': [1.0, 2], 't': true} | tojson }}|\
+             {{ 'é' | tojson(ensure_ascii=true) }}|\
+             {{ {'b': 1, 'a': [] } | tojson(sort_keys=true, separators=(',', ':')) }}|\
+             {{ [1] | tojson(indent=2) }}|{{ dict(a=1) | tojson }}|{{ [none, 'x'] | string }}|\
+             {{ 2 | string }}|{{ undefined_name | string }}",
             TokenizeLimits::default(),
         );
         let got = tok.render_chat(&json!([]), None, false, None).unwrap();
@@ -2217,6 +2434,23 @@ mod tests {
              {\"é\": \"ü\", \"n\": [1.0, 2], \"t\": true}|\"\\u00e9\"|\
              {\"a\":[],\"b\":1}|[\n  1\n]|{\"a\": 1}|[None, 'x']|2|"
         );
+    }
+
+    #[test]
+    fn context_precedence() {
+        let tok = with_template(
+            "{{ bos_token }}|{{ eos_token }}|{{ documents is none }}|{{ add_generation_prompt }}|\
+             {{ tools is none }}|{{ messages | length }}",
+        );
+        let messages = json!([{"role": "user", "content": "x"}]);
+        let plain = tok.render_chat(&messages, None, true, None).unwrap();
+        assert_eq!(plain, "<|begin_of_text|>|<|eot_id|>|True|True|True|1");
+        let extra =
+            json!({"bos_token": "B", "documents": [], "add_generation_prompt": 0, "messages": []});
+        let overridden = tok
+            .render_chat(&messages, None, true, Some(&extra))
+            .unwrap();
+        assert_eq!(overridden, "B|<|eot_id|>|False|True|True|1");
     }
 
     #[test]
@@ -2300,49 +2534,5 @@ mod tests {
     fn prompt_tokenizer_is_shareable() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<PromptTokenizer>();
-    }
-
-    /// Rough timings; run with `cargo test --release -- --ignored --nocapture timings`.
-    #[test]
-    #[ignore]
-    fn timings() {
-        let tok = with_template(CHATML);
-        let sentence = "KV-cache aware routing sends requests that share a prompt prefix to the same server. \
-                        Ünïcödé text: café, naïve, 日本語, emoji 🚀 should round-trip through bytes. ";
-        let per_sentence = tok.tokenize(PromptInput::Text(sentence)).unwrap().ids.len() - 1;
-        for target in [8_192usize, 131_072] {
-            // Distinct numbers keep the BPE word cache from making repeats free.
-            let mut text = String::new();
-            let mut n = 0;
-            while text.len() / sentence.len() * per_sentence < target {
-                text.push_str(sentence);
-                text.push_str(&n.to_string());
-                text.push(' ');
-                n += 1;
-            }
-            let runs = 5;
-            let started = Instant::now();
-            let mut len = 0;
-            for _ in 0..runs {
-                len = tok.tokenize(PromptInput::Text(&text)).unwrap().ids.len();
-            }
-            let text_time = started.elapsed() / runs;
-            let messages = json!([{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]);
-            let started = Instant::now();
-            let mut chat_len = 0;
-            for _ in 0..runs {
-                chat_len = tok.tokenize(chat(&messages, true)).unwrap().ids.len();
-            }
-            let chat_time = started.elapsed() / runs;
-            let started = Instant::now();
-            for _ in 0..runs {
-                tok.render_chat(&messages, None, true, None).unwrap();
-            }
-            let render_time = started.elapsed() / runs;
-            println!(
-                "{len} tokens ({} bytes): text {text_time:?}; chat {chat_len} tokens {chat_time:?} (render alone {render_time:?})",
-                text.len()
-            );
-        }
     }
 }

@@ -82,7 +82,7 @@ impl ModelEntry {
             .map_err(|e| format!("modelConfigs {:?}: {e}", spec.name))?;
         Ok(Self {
             spec: spec.clone(),
-            config: Arc::new(spec.to_model_config()),
+            config: Arc::new(ModelConfig::from(spec)),
             tokenizer: Arc::new(tokenizer),
         })
     }

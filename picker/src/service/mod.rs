@@ -2,6 +2,7 @@
 
 pub mod core;
 pub mod errors;
+pub mod events;
 pub mod ext_proc;
 pub mod gateway;
 pub mod http;
@@ -180,6 +181,7 @@ pub async fn start(
             }
         }
     });
+    tasks.spawn(events::run_event_manager(core.clone(), cancel.clone()));
     tasks.spawn(scraper::run_scraper(
         core.clone(),
         config.scrape.clone(),

@@ -38,7 +38,7 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
         if let Some(p) = e.port {
             spec.port = p;
         }
-        for id in spec.expand_ranks(e.address) {
+        for id in crate::endpoint::rank_endpoints(&spec, e.address) {
             endpoints.push(EndpointView {
                 id,
                 model_config: spec.name.clone(),

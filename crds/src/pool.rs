@@ -4,13 +4,40 @@
 //! `InferencePool` custom resource, so doc comments are written for `kubectl explain`.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
-use std::sync::Arc;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::endpoint::{EndpointId, EngineKind, ModelConfig, RankSelection};
+/// The serving engine behind an endpoint; decides metric names and how the rank is selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+    Trtllm,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+        }
+    }
+}
+
+/// How a data-parallel rank is addressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum RankSelection {
+    /// One HTTP server for all ranks; the rank travels in `X-data-parallel-rank` (vLLM) or in
+    /// the `data_parallel_rank` body field (SGLang).
+    #[default]
+    Header,
+    /// One HTTP server per rank, listening on `port + rank`.
+    Port,
+}
 
 /// Data parallelism of the engine in each pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -194,38 +221,16 @@ impl ModelConfigSpec {
         Ok(())
     }
 
-    /// The routing core's view of this configuration.
-    pub fn to_model_config(&self) -> ModelConfig {
-        ModelConfig {
-            name: self.name.as_str().into(),
-            model: self.model.as_str().into(),
-            engine: self.engine,
-            block_size: self.block_size,
-            dp_size: self.data_parallel.size,
-            rank_selection: self.data_parallel.rank_selection,
-            lora_adapters: self
-                .lora_adapters
-                .iter()
-                .map(|a| Arc::from(a.as_str()))
-                .collect(),
-            tokenizer: self
-                .tokenizer
-                .as_ref()
-                .and_then(|t| t.path.as_deref().or(t.config_map.as_deref()))
-                .map(Arc::from),
-        }
-    }
-
-    /// The endpoints one pod (or host) at `address` contributes: one per DP rank. Header
-    /// selection shares the port; port selection uses `port + rank`.
-    pub fn expand_ranks(&self, address: IpAddr) -> Vec<EndpointId> {
+    /// `(port, rank)` of every data-parallel rank of one pod: header-selected ranks share
+    /// the port, port-selected ranks use `port + rank`.
+    pub fn rank_ports(&self) -> Vec<(u16, u32)> {
         (0..self.data_parallel.size)
             .map(|rank| {
                 let port = match self.data_parallel.rank_selection {
                     RankSelection::Header => self.port,
                     RankSelection::Port => self.port.saturating_add(rank as u16),
                 };
-                EndpointId::new(address, port, rank)
+                (port, rank)
             })
             .collect()
     }
@@ -339,24 +344,14 @@ mod tests {
 
     #[test]
     fn ranks_expand_by_header_or_port() {
-        let ip: IpAddr = "10.1.2.3".parse().expect("ip");
         let mut s = spec();
         s.data_parallel = DataParallel {
             size: 3,
             rank_selection: RankSelection::Header,
         };
-        let ports: Vec<_> = s
-            .expand_ranks(ip)
-            .iter()
-            .map(|e| (e.port, e.rank))
-            .collect();
-        assert_eq!(ports, [(8000, 0), (8000, 1), (8000, 2)]);
+        assert_eq!(s.rank_ports(), [(8000, 0), (8000, 1), (8000, 2)]);
         s.data_parallel.rank_selection = RankSelection::Port;
-        let ports: Vec<_> = s
-            .expand_ranks(ip)
-            .iter()
-            .map(|e| (e.port, e.rank))
-            .collect();
+        let ports = s.rank_ports();
         assert_eq!(ports, [(8000, 0), (8001, 1), (8002, 2)]);
     }
 

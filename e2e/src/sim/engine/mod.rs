@@ -1,0 +1,860 @@
+//! The pure engine model: one [`Rank`] is one vLLM engine core (one data-parallel rank).
+//!
+//! No I/O and no wall clock: the rank keeps its own virtual clock in milliseconds, advanced by
+//! the duration of each step it runs ([`Rank::next_step`]) and by the caller for idle time
+//! ([`Rank::advance_to`]). The real-time server sleeps each step's duration (divided by its
+//! speed-up); an offline discrete-event benchmark can drive the same code in virtual time.
+//!
+//! What is modelled, following vLLM v1's scheduler and KV cache manager:
+//! * A paged KV cache of `num_blocks` blocks of `block_size` tokens. Full blocks are hashed
+//!   in a chain (each hash covers the whole prefix up to its block; the cache salt and the LoRA
+//!   adapter are folded into the first block's parent), registered as soon as they are
+//!   scheduled, and reused by later requests with the same prefix. A hit never covers the
+//!   prompt's last token (vLLM recomputes it to get logits), so a fully cached prompt still
+//!   recomputes its last block.
+//! * Blocks freed by a finished or preempted request keep their hash and join the tail of the
+//!   eviction queue, tail blocks of the request first; they are evicted (and reported with
+//!   `BlockRemoved`) only when an allocation needs their space.
+//! * Continuous batching: each step first advances the running requests (decode, or the next
+//!   chunk of a chunked prefill), preempting the newest running request (recompute) when KV
+//!   space runs out, then admits waiting requests first-come-first-served while the token
+//!   budget (`max_num_batched_tokens`), `max_num_seqs` and KV space allow. No waiting request
+//!   is admitted in a step that preempted.
+//! * Step time from [`StepTimeModel`].
+//! * KV events exactly when blocks are registered (`BlockStored`, with parent hash and token
+//!   ids) and evicted (`BlockRemoved`), and `AllBlocksCleared` on [`Rank::reset`].
+//!
+//! # Driving it in virtual time
+//!
+//! A discrete-event loop keeps, per rank, the time its current step ends. At a step boundary
+//! `t` it submits the requests that arrived up to `t` (with [`Rank::submit_at`] and their
+//! arrival times, after [`Rank::advance_to`]`(arrival)` when the rank was idle), then calls
+//! [`Rank::next_step`]: the step covers `[t, outcome.end_ms]`, its tokens, first tokens and
+//! finished requests happen at `end_ms`, and its KV events are one published batch. An idle
+//! rank (`next_step` returned `None`) waits for the next arrival. [`FinishedRequest`] carries
+//! arrival, first-token and finish times, so TTFT and latency come straight out.
+//!
+//! Output tokens are pseudo-text: each token id is the code point of one character (lowercase
+//! letters and spaces), so a client that sends the generated text back in its next turn gets
+//! exactly the same ids from the character tokenizer, and the output blocks are reused like in
+//! a real multi-turn conversation.
+
+mod pool;
+
+use std::collections::VecDeque;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use kvroute_picker::kv_events::KvEvent;
+use rustc_hash::FxHashMap;
+use thiserror::Error;
+
+use pool::{BlockId, BlockPool};
+
+/// Engine-side request identifier (the server maps its string ids onto these).
+pub type RequestId = u64;
+
+/// Storage tier reported in events, as vLLM reports GPU blocks.
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// Step-time model in milliseconds. Defaults are the published fit in DESIGN.md §10.
+///
+/// * prefill part (when the step schedules any prefill tokens, `T` of them):
+///   `prefill_a·T² + prefill_b·T + prefill_c + prefill_context·Σ cᵢ·pᵢ`, where request `i`
+///   prefills `cᵢ` new tokens after `pᵢ` already computed (cached or earlier chunks) ones. The
+///   last term is 0 by default; setting it to `2·prefill_a` makes a chunked or cache-hit prompt
+///   pay for attention over its earlier context the way an unchunked prompt does in the fit.
+/// * decode part (when any request decodes): `max(decode_floor, decode_a + decode_b·u +
+///   decode_c·u²)` at KV usage `u` in 0..=1.
+/// * A step with both pays both; the total is multiplied by `slowdown` (a fault knob).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTimeModel {
+    pub prefill_a: f64,
+    pub prefill_b: f64,
+    pub prefill_c: f64,
+    pub prefill_context: f64,
+    pub decode_a: f64,
+    pub decode_b: f64,
+    pub decode_c: f64,
+    pub decode_floor: f64,
+}
+
+impl Default for StepTimeModel {
+    fn default() -> Self {
+        Self {
+            prefill_a: 4.21e-7,
+            prefill_b: 1.52e-2,
+            prefill_c: 16.5,
+            prefill_context: 0.0,
+            decode_a: 5.7,
+            decode_b: 54.0,
+            decode_c: -25.7,
+            decode_floor: 1.0,
+        }
+    }
+}
+
+impl StepTimeModel {
+    /// Prefill part for `tokens` batched prefill tokens and `context` = Σ cᵢ·pᵢ.
+    pub fn prefill_ms(&self, tokens: u64, context: f64) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let t = tokens as f64;
+        (self.prefill_a * t * t
+            + self.prefill_b * t
+            + self.prefill_c
+            + self.prefill_context * context)
+            .max(0.0)
+    }
+
+    /// Decode part at KV usage `usage`.
+    pub fn decode_ms(&self, usage: f64) -> f64 {
+        let u = usage.clamp(0.0, 1.0);
+        (self.decode_a + self.decode_b * u + self.decode_c * u * u).max(self.decode_floor)
+    }
+}
+
+/// Static configuration of one rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV capacity in blocks (vLLM's `num_gpu_blocks`).
+    pub num_blocks: u32,
+    /// Most requests in the running batch.
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks plus decodes).
+    pub max_num_batched_tokens: u32,
+    /// Longest prompt + output, in tokens; `None` = the whole KV capacity.
+    pub max_model_len: Option<u32>,
+    /// Reuse cached blocks across requests (vLLM's `enable_prefix_caching`).
+    pub enable_prefix_caching: bool,
+    pub step_time: StepTimeModel,
+    /// Seed of the block hash (like `PYTHONHASHSEED`: hashes are comparable only within one
+    /// seed) and of the pseudo-text.
+    pub hash_seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 8192,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+            enable_prefix_caching: true,
+            step_time: StepTimeModel::default(),
+            hash_seed: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The effective longest sequence: `max_model_len` bounded by the KV capacity, since a
+    /// request that cannot fit in an empty cache would never finish.
+    pub fn effective_max_model_len(&self) -> u64 {
+        let capacity = u64::from(self.num_blocks) * u64::from(self.block_size.max(1));
+        self.max_model_len
+            .map_or(capacity, |m| u64::from(m).min(capacity))
+    }
+}
+
+/// A request as the engine receives it (already tokenized).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub id: RequestId,
+    pub token_ids: Vec<u32>,
+    /// Output tokens to generate (exactly this many: the pseudo-model never stops early).
+    pub max_tokens: u32,
+    /// Tenant salt: requests with different salts never share blocks.
+    pub cache_salt: Option<String>,
+    /// LoRA adapter name; blocks of different adapters are never shared.
+    pub lora: Option<String>,
+}
+
+/// Why [`Rank::submit`] refused a request (the server maps these to HTTP 400).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SubmitError {
+    #[error("request {0} is already in the engine")]
+    DuplicateId(RequestId),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens; the request has \
+         {prompt} prompt tokens and asks for {max_tokens} output tokens"
+    )]
+    TooLong {
+        prompt: usize,
+        max_tokens: u32,
+        max_model_len: u64,
+    },
+}
+
+/// A request that completed in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishedRequest {
+    pub id: RequestId,
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache when the request was first scheduled.
+    pub cached_tokens: u32,
+    pub output_tokens: u32,
+    pub arrival_ms: f64,
+    pub first_token_ms: f64,
+    pub finish_ms: f64,
+    pub preemptions: u32,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepOutcome {
+    /// Virtual time the step took.
+    pub duration_ms: f64,
+    /// Virtual time at the end of the step (the rank's clock after it).
+    pub end_ms: f64,
+    /// Prefill tokens batched in the step.
+    pub prefill_tokens: u32,
+    /// Requests that decoded one token in the step.
+    pub decode_requests: u32,
+    /// Requests whose first output token was produced in this step.
+    pub first_tokens: Vec<RequestId>,
+    /// The output token each request produced in this step, in schedule order.
+    pub tokens: Vec<(RequestId, u32)>,
+    /// Requests that finished in this step (their blocks are already released).
+    pub finished: Vec<FinishedRequest>,
+    /// Requests preempted (sent back to the waiting queue) in this step.
+    pub preempted: Vec<RequestId>,
+    /// KV events of this step, in order: one batch per step.
+    pub kv_events: Vec<KvEvent>,
+}
+
+/// Monotonic counters and gauges for `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineStats {
+    pub waiting: usize,
+    pub running: usize,
+    /// Fraction of blocks referenced by requests (vLLM's `kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    pub num_blocks: u32,
+    pub block_size: u32,
+    /// Distinct block hashes currently cached (used or evictable).
+    pub cached_blocks: usize,
+    /// Prompt tokens looked up in the prefix cache (counter, tokens).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (counter, tokens).
+    pub prefix_cache_hits: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub preemptions: u64,
+    pub finished_requests: u64,
+    pub aborted_requests: u64,
+    pub steps: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    tokens: Vec<u32>,
+    prompt_len: u32,
+    max_tokens: u32,
+    /// Parent of the first block's hash: the seed, the salt and the adapter.
+    root: u64,
+    lora_name: Option<Arc<str>>,
+    lora_id: Option<i64>,
+    /// Chained engine hash of every full block of `tokens`.
+    block_hashes: Vec<u64>,
+    /// Physical blocks holding the request's KV, in order.
+    blocks: Vec<BlockId>,
+    /// Leading blocks of `blocks` already registered in the cache.
+    num_cached_blocks: usize,
+    num_computed: u32,
+    output_tokens: u32,
+    cached_tokens: u32,
+    scheduled_once: bool,
+    arrival_ms: f64,
+    first_token_ms: Option<f64>,
+    preemptions: u32,
+    text_seed: u64,
+}
+
+impl Req {
+    fn num_tokens(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+}
+
+/// One vLLM engine core. See the module docs.
+#[derive(Debug, Clone)]
+pub struct Rank {
+    config: EngineConfig,
+    pool: BlockPool,
+    requests: FxHashMap<RequestId, Req>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    now_ms: f64,
+    slowdown: f64,
+    stats: EngineStats,
+    lora_ids: FxHashMap<Arc<str>, i64>,
+}
+
+impl Rank {
+    /// A rank with an empty cache and its clock at 0. Out-of-range sizes are raised to 1 so
+    /// that a bad configuration cannot make the model divide by zero or never progress.
+    pub fn new(mut config: EngineConfig) -> Self {
+        config.block_size = config.block_size.max(1);
+        config.num_blocks = config.num_blocks.max(1);
+        config.max_num_seqs = config.max_num_seqs.max(1);
+        config.max_num_batched_tokens = config.max_num_batched_tokens.max(1);
+        let stats = EngineStats {
+            num_blocks: config.num_blocks,
+            block_size: config.block_size,
+            ..EngineStats::default()
+        };
+        Self {
+            pool: BlockPool::new(config.num_blocks),
+            config,
+            requests: FxHashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            now_ms: 0.0,
+            slowdown: 1.0,
+            stats,
+            lora_ids: FxHashMap::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The rank's virtual clock.
+    pub fn now_ms(&self) -> f64 {
+        self.now_ms
+    }
+
+    /// Move the clock forward to `t` (idle time); never backwards.
+    pub fn advance_to(&mut self, t_ms: f64) {
+        if t_ms > self.now_ms {
+            self.now_ms = t_ms;
+        }
+    }
+
+    /// Multiply every step's duration by `factor` (>= 0.01), a fault knob.
+    pub fn set_slowdown(&mut self, factor: f64) {
+        self.slowdown = if factor.is_finite() {
+            factor.max(0.01)
+        } else {
+            1.0
+        };
+    }
+
+    pub fn slowdown(&self) -> f64 {
+        self.slowdown
+    }
+
+    /// Whether a step would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Fraction of blocks referenced by requests.
+    pub fn kv_usage(&self) -> f64 {
+        self.pool.num_used() as f64 / self.pool.num_blocks() as f64
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            kv_usage: self.kv_usage(),
+            cached_blocks: self.pool.num_cached_hashes(),
+            ..self.stats
+        }
+    }
+
+    /// Prompt tokens of an in-flight request served from the prefix cache (known once it has
+    /// been scheduled; 0 before).
+    pub fn cached_tokens(&self, id: RequestId) -> Option<u32> {
+        self.requests.get(&id).map(|r| r.cached_tokens)
+    }
+
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    /// Tokens of `token_ids` that a request would find in the cache right now (a full-block
+    /// count times the block size, capped below the last token like a real lookup).
+    pub fn probe_prefix(
+        &self,
+        token_ids: &[u32],
+        cache_salt: Option<&str>,
+        lora: Option<&str>,
+    ) -> u32 {
+        if !self.config.enable_prefix_caching || token_ids.is_empty() {
+            return 0;
+        }
+        let bs = self.config.block_size as usize;
+        let max_blocks = (token_ids.len() - 1) / bs;
+        let mut parent = self.root_hash(cache_salt, lora);
+        let mut hit = 0;
+        for block in token_ids.chunks_exact(bs).take(max_blocks) {
+            parent = self.block_hash(parent, block);
+            if self.pool.lookup(parent).is_none() {
+                break;
+            }
+            hit += 1;
+        }
+        (hit * bs) as u32
+    }
+
+    /// Queue a request (arriving now).
+    ///
+    /// # Errors
+    /// [`SubmitError`] when the id is in use, the prompt is empty, `max_tokens` is 0, or
+    /// prompt + output exceed the model length.
+    pub fn submit(&mut self, request: Request) -> Result<(), SubmitError> {
+        let now = self.now_ms;
+        self.submit_at(request, now)
+    }
+
+    /// Queue a request that arrived at `arrival_ms` (for TTFT accounting; may be earlier than
+    /// the clock when the caller's clock and the rank's drift apart).
+    ///
+    /// # Errors
+    /// As [`Self::submit`].
+    pub fn submit_at(&mut self, request: Request, arrival_ms: f64) -> Result<(), SubmitError> {
+        if self.requests.contains_key(&request.id) {
+            return Err(SubmitError::DuplicateId(request.id));
+        }
+        if request.token_ids.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if request.max_tokens == 0 {
+            return Err(SubmitError::ZeroMaxTokens);
+        }
+        let max_model_len = self.config.effective_max_model_len();
+        let total = request.token_ids.len() as u64 + u64::from(request.max_tokens);
+        if total > max_model_len {
+            return Err(SubmitError::TooLong {
+                prompt: request.token_ids.len(),
+                max_tokens: request.max_tokens,
+                max_model_len,
+            });
+        }
+        let lora_name: Option<Arc<str>> = request.lora.as_deref().map(Arc::from);
+        let lora_id = lora_name.as_ref().map(|name| {
+            let next = self.lora_ids.len() as i64 + 1;
+            *self.lora_ids.entry(name.clone()).or_insert(next)
+        });
+        let root = self.root_hash(request.cache_salt.as_deref(), request.lora.as_deref());
+        let mut req = Req {
+            prompt_len: request.token_ids.len() as u32,
+            tokens: request.token_ids,
+            max_tokens: request.max_tokens,
+            root,
+            lora_name,
+            lora_id,
+            block_hashes: Vec::new(),
+            blocks: Vec::new(),
+            num_cached_blocks: 0,
+            num_computed: 0,
+            output_tokens: 0,
+            cached_tokens: 0,
+            scheduled_once: false,
+            arrival_ms,
+            first_token_ms: None,
+            preemptions: 0,
+            text_seed: mix(self.config.hash_seed ^ mix(request.id.wrapping_add(0x5eed))),
+        };
+        self.extend_block_hashes(&mut req);
+        self.requests.insert(request.id, req);
+        self.waiting.push_back(request.id);
+        Ok(())
+    }
+
+    /// Remove a request wherever it is (client went away), releasing its blocks. Returns
+    /// whether it was known.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(mut req) = self.requests.remove(&id) else {
+            return false;
+        };
+        if let Some(pos) = self.running.iter().position(|&r| r == id) {
+            self.running.remove(pos);
+        } else if let Some(pos) = self.waiting.iter().position(|&r| r == id) {
+            self.waiting.remove(pos);
+        }
+        self.release_blocks(&mut req);
+        self.stats.aborted_requests += 1;
+        true
+    }
+
+    /// Drop every request and the whole cache, as a restarted engine (or vLLM's
+    /// `reset_prefix_cache`) would. Returns the aborted requests and the event to publish
+    /// (`AllBlocksCleared`). With `reset_counters` the metrics counters start over too, as in a
+    /// new process.
+    pub fn reset(&mut self, reset_counters: bool) -> (Vec<RequestId>, Vec<KvEvent>) {
+        let mut aborted: Vec<RequestId> = self.running.drain(..).collect();
+        aborted.extend(self.waiting.drain(..));
+        self.requests.clear();
+        self.pool.reset(self.config.num_blocks);
+        if reset_counters {
+            self.stats = EngineStats {
+                num_blocks: self.config.num_blocks,
+                block_size: self.config.block_size,
+                ..EngineStats::default()
+            };
+        } else {
+            self.stats.aborted_requests += aborted.len() as u64;
+        }
+        (aborted, vec![KvEvent::AllBlocksCleared])
+    }
+
+    /// Run one scheduler step: schedule, advance the clock by the modelled duration, and
+    /// apply its results. `None` when there is nothing to do.
+    pub fn next_step(&mut self) -> Option<StepOutcome> {
+        if !self.has_work() {
+            return None;
+        }
+        let mut out = StepOutcome::default();
+        let scheduled = self.schedule(&mut out);
+        if scheduled.is_empty() {
+            // Cannot happen for requests admitted by `submit` (each fits an empty cache), but a
+            // stuck engine must not spin: report an idle step.
+            return if out.kv_events.is_empty() && out.preempted.is_empty() {
+                None
+            } else {
+                Some(out)
+            };
+        }
+
+        // Step time.
+        let mut prefill_tokens = 0u64;
+        let mut context = 0f64;
+        let mut decodes = 0u32;
+        for &(id, n) in &scheduled {
+            let Some(req) = self.requests.get(&id) else {
+                continue;
+            };
+            let is_decode =
+                n == 1 && req.output_tokens > 0 && req.num_computed + 1 == req.num_tokens();
+            if is_decode {
+                decodes += 1;
+            } else {
+                prefill_tokens += u64::from(n);
+                context += f64::from(n) * f64::from(req.num_computed);
+            }
+        }
+        let model = &self.config.step_time;
+        let mut duration = model.prefill_ms(prefill_tokens, context);
+        if decodes > 0 {
+            duration += model.decode_ms(self.kv_usage());
+        }
+        duration = (duration * self.slowdown).max(model.decode_floor.max(0.001));
+        out.duration_ms = duration;
+        out.prefill_tokens = prefill_tokens as u32;
+        out.decode_requests = decodes;
+        self.now_ms += duration;
+        out.end_ms = self.now_ms;
+        self.stats.steps += 1;
+
+        // Results: every request whose tokens are all computed samples one token.
+        for (id, n) in scheduled {
+            let Some(mut req) = self.requests.remove(&id) else {
+                continue;
+            };
+            req.num_computed += n;
+            if req.num_computed < req.num_tokens() {
+                self.requests.insert(id, req);
+                continue;
+            }
+            let token = pseudo_token(req.text_seed, req.output_tokens);
+            req.tokens.push(token);
+            req.output_tokens += 1;
+            self.extend_block_hashes(&mut req);
+            self.stats.generation_tokens += 1;
+            out.tokens.push((id, token));
+            if req.first_token_ms.is_none() {
+                req.first_token_ms = Some(self.now_ms);
+                self.stats.prompt_tokens += u64::from(req.prompt_len);
+                out.first_tokens.push(id);
+            }
+            if req.output_tokens >= req.max_tokens {
+                if let Some(pos) = self.running.iter().position(|&r| r == id) {
+                    self.running.remove(pos);
+                }
+                self.release_blocks(&mut req);
+                self.stats.finished_requests += 1;
+                out.finished.push(FinishedRequest {
+                    id,
+                    prompt_tokens: req.prompt_len,
+                    cached_tokens: req.cached_tokens,
+                    output_tokens: req.output_tokens,
+                    arrival_ms: req.arrival_ms,
+                    first_token_ms: req.first_token_ms.unwrap_or(self.now_ms),
+                    finish_ms: self.now_ms,
+                    preemptions: req.preemptions,
+                });
+            } else {
+                self.requests.insert(id, req);
+            }
+        }
+        Some(out)
+    }
+
+    /// The scheduling half of a step: which requests compute how many tokens.
+    fn schedule(&mut self, out: &mut StepOutcome) -> Vec<(RequestId, u32)> {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled = Vec::new();
+        let mut preempted_any = false;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(mut req) = self.requests.remove(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let n = (req.num_tokens() - req.num_computed).min(budget);
+            if n == 0 {
+                self.requests.insert(id, req);
+                i += 1;
+                continue;
+            }
+            let mut placed = false;
+            loop {
+                if self.allocate(&mut req, n, &[], &mut out.kv_events) {
+                    placed = true;
+                    break;
+                }
+                // Out of KV space: preempt the newest running request.
+                let Some(victim) = self.running.pop() else {
+                    break;
+                };
+                preempted_any = true;
+                out.preempted.push(victim);
+                if victim == id {
+                    self.preempt(&mut req);
+                    break;
+                }
+                if let Some(mut v) = self.requests.remove(&victim) {
+                    self.preempt(&mut v);
+                    self.requests.insert(victim, v);
+                }
+                self.waiting.push_front(victim);
+            }
+            self.requests.insert(id, req);
+            if placed {
+                scheduled.push((id, n));
+                budget -= n;
+                i += 1;
+            } else {
+                // `id` itself was preempted (it was the last running request).
+                self.waiting.push_front(id);
+            }
+        }
+
+        if preempted_any {
+            return scheduled;
+        }
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let Some(mut req) = self.requests.remove(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let hits = if req.num_computed == 0 {
+                self.lookup_prefix(&req)
+            } else {
+                Vec::new()
+            };
+            let hit_tokens = hits.len() as u32 * self.config.block_size;
+            let n = (req.num_tokens() - hit_tokens).min(budget);
+            req.num_computed = hit_tokens;
+            if !self.allocate(&mut req, n, &hits, &mut out.kv_events) {
+                req.num_computed = 0;
+                self.requests.insert(id, req);
+                break;
+            }
+            if !req.scheduled_once {
+                req.scheduled_once = true;
+                req.cached_tokens = hit_tokens;
+                if self.config.enable_prefix_caching {
+                    self.stats.prefix_cache_queries += u64::from(req.prompt_len);
+                    self.stats.prefix_cache_hits += u64::from(hit_tokens);
+                }
+            }
+            self.requests.insert(id, req);
+            self.waiting.pop_front();
+            self.running.push(id);
+            scheduled.push((id, n));
+            budget -= n;
+        }
+        scheduled
+    }
+
+    /// Longest run of cached leading blocks, never covering the last token.
+    fn lookup_prefix(&self, req: &Req) -> Vec<BlockId> {
+        if !self.config.enable_prefix_caching {
+            return Vec::new();
+        }
+        let max_blocks = (req.num_tokens() as usize - 1) / self.config.block_size as usize;
+        req.block_hashes
+            .iter()
+            .take(max_blocks)
+            .map_while(|&h| self.pool.lookup(h))
+            .collect()
+    }
+
+    /// Give `req` room for `n` more tokens after `req.num_computed` (which already counts the
+    /// `hits`), taking references on the hit blocks, evicting cached blocks as needed and
+    /// registering the blocks this step fills. `false` (and no change) when it does not fit.
+    fn allocate(
+        &mut self,
+        req: &mut Req,
+        n: u32,
+        hits: &[BlockId],
+        events: &mut Vec<KvEvent>,
+    ) -> bool {
+        let bs = self.config.block_size as usize;
+        let total = req.num_computed as usize + n as usize;
+        let need = total.div_ceil(bs);
+        let have = req.blocks.len() + hits.len();
+        let new_blocks = need.saturating_sub(have);
+        let hits_in_free = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        if new_blocks > self.pool.num_free().saturating_sub(hits_in_free) {
+            return false;
+        }
+        for &b in hits {
+            self.pool.touch(b);
+        }
+        if !hits.is_empty() {
+            // Hits are only looked up for a request holding no blocks; they are registered.
+            req.blocks.extend_from_slice(hits);
+            req.num_cached_blocks = hits.len();
+        }
+        for _ in 0..new_blocks {
+            let Some((b, evicted)) = self.pool.pop_free() else {
+                break;
+            };
+            if let Some(h) = evicted {
+                events.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                    medium: Some(MEDIUM_GPU.to_owned()),
+                });
+            }
+            req.blocks.push(b);
+        }
+        if self.config.enable_prefix_caching {
+            let full = total.min(req.tokens.len()) / bs;
+            self.register_full_blocks(req, full, events);
+        }
+        true
+    }
+
+    fn register_full_blocks(&mut self, req: &mut Req, full: usize, events: &mut Vec<KvEvent>) {
+        let start = req.num_cached_blocks;
+        if full <= start {
+            return;
+        }
+        let bs = self.config.block_size as usize;
+        let mut hashes = Vec::with_capacity(full - start);
+        for i in start..full {
+            let h = req.block_hashes[i];
+            self.pool.register(req.blocks[i], h);
+            hashes.push(h);
+        }
+        events.push(KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent_block_hash: start.checked_sub(1).map(|p| req.block_hashes[p]),
+            token_ids: req.tokens[start * bs..full * bs].to_vec(),
+            block_size: self.config.block_size,
+            lora_id: req.lora_id,
+            medium: Some(MEDIUM_GPU.to_owned()),
+            lora_name: req.lora_name.as_deref().map(str::to_owned),
+        });
+        req.num_cached_blocks = full;
+    }
+
+    fn preempt(&mut self, req: &mut Req) {
+        self.release_blocks(req);
+        req.num_computed = 0;
+        req.preemptions += 1;
+        self.stats.preemptions += 1;
+    }
+
+    /// Release a request's blocks, last block first, so that its tail is evicted before its
+    /// head (the head is what other requests share).
+    fn release_blocks(&mut self, req: &mut Req) {
+        for &b in req.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        req.blocks.clear();
+        req.num_cached_blocks = 0;
+    }
+
+    fn extend_block_hashes(&self, req: &mut Req) {
+        let bs = self.config.block_size as usize;
+        let full = req.tokens.len() / bs;
+        while req.block_hashes.len() < full {
+            let i = req.block_hashes.len();
+            let parent = i.checked_sub(1).map_or(req.root, |p| req.block_hashes[p]);
+            let h = self.block_hash(parent, &req.tokens[i * bs..(i + 1) * bs]);
+            req.block_hashes.push(h);
+        }
+    }
+
+    /// The engine's block hash: SipHash over (seed, parent, tokens). Deliberately a different
+    /// function from the picker's block keys, so the picker has to re-key events from their
+    /// token ids exactly as it must with a real engine.
+    fn block_hash(&self, parent: u64, tokens: &[u32]) -> u64 {
+        let mut h = std::hash::DefaultHasher::new();
+        self.config.hash_seed.hash(&mut h);
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
+    }
+
+    fn root_hash(&self, salt: Option<&str>, lora: Option<&str>) -> u64 {
+        let mut h = std::hash::DefaultHasher::new();
+        self.config.hash_seed.hash(&mut h);
+        "kvroute-sim-root".hash(&mut h);
+        salt.hash(&mut h);
+        lora.hash(&mut h);
+        h.finish()
+    }
+}
+
+/// SplitMix64 finalizer.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Output token `index` of a request: the code point of a lowercase letter, or a space about
+/// once in six, so the text reads as words.
+pub fn pseudo_token(seed: u64, index: u32) -> u32 {
+    let r = mix(seed ^ u64::from(index).wrapping_mul(0xa076_1d64_78bd_642f));
+    if index > 0 && r.is_multiple_of(6) {
+        u32::from(b' ')
+    } else {
+        u32::from(b'a') + ((r >> 8) % 26) as u32
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

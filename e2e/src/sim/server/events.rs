@@ -1,0 +1,200 @@
+//! KV event publishing for one rank: a ZMQ PUB socket and an optional ROUTER replay socket, as
+//! vLLM's `ZmqEventPublisher` has.
+//!
+//! Every batch gets the next sequence number and goes out as three frames `(topic, seq as
+//! 8-byte big-endian, msgpack payload)`. The last `buffer` batches are kept for replay: a
+//! client (DEALER sending an empty delimiter first, or REQ) sends `("", start_seq)` and
+//! receives `(identity, "", seq, payload)` for every buffered batch at or after `start_seq`,
+//! then the end marker `(identity, "", -1 as 8 bytes, "")`. A DEALER that sends no delimiter
+//! gets replies without one, as newer vLLM does.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvroute_picker::kv_events::{
+    EventBatch, EventEncoding, REPLAY_END_SEQ, encode_event_batch, seq_frame,
+};
+use parking_lot::Mutex;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::{
+    Endpoint, PubSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv,
+    SocketSend, ZmqMessage,
+};
+
+/// Commands from the rank driver.
+#[derive(Debug)]
+pub(crate) enum PublishCmd {
+    Batch(EventBatch),
+    /// Start sequence numbers again at 0 and empty the replay buffer (a restarted process).
+    ResetSeq,
+}
+
+/// The drop-events fault, read by the publisher for every batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DropPolicy {
+    pub fraction: f64,
+    pub replayable: bool,
+}
+
+/// Publishing statistics (for logs and tests).
+#[derive(Debug, Default)]
+pub(crate) struct PublisherState {
+    pub drop: DropPolicy,
+    pub published: u64,
+    pub dropped: u64,
+    pub next_seq: u64,
+}
+
+pub(crate) struct PublisherConfig {
+    pub topic: Bytes,
+    pub encoding: EventEncoding,
+    pub buffer: usize,
+    pub seed: u64,
+}
+
+/// Binds `tcp://host:port` for a socket and returns the port actually bound.
+pub(crate) async fn bind_port<S: Socket>(
+    socket: &mut S,
+    host: &str,
+    port: u16,
+) -> anyhow::Result<u16> {
+    let endpoint = socket
+        .bind(&format!("tcp://{host}:{port}"))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind ZMQ socket on {host}:{port}: {e}"))?;
+    match endpoint {
+        Endpoint::Tcp(_, p) => Ok(p),
+        other => anyhow::bail!("unexpected ZMQ endpoint {other}"),
+    }
+}
+
+/// Runs the publisher until `cancel` fires or the driver goes away; the sockets close on
+/// return, which frees their ports.
+pub(crate) async fn run_publisher(
+    mut pub_socket: PubSocket,
+    replay: Option<RouterSocket>,
+    cfg: PublisherConfig,
+    state: Arc<Mutex<PublisherState>>,
+    mut rx: mpsc::Receiver<PublishCmd>,
+    cancel: CancellationToken,
+) {
+    let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::with_capacity(cfg.buffer.min(4096));
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let (mut replay_tx, mut replay_rx): (Option<RouterSendHalf>, Option<RouterRecvHalf>) =
+        match replay {
+            Some(r) => {
+                let (tx, rx) = r.split();
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
+    loop {
+        let replay_req = async {
+            match replay_rx.as_mut() {
+                Some(r) => r.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = cancel.cancelled() => break,
+            cmd = rx.recv() => match cmd {
+                None => break,
+                Some(PublishCmd::ResetSeq) => {
+                    buffer.clear();
+                    state.lock().next_seq = 0;
+                }
+                Some(PublishCmd::Batch(batch)) => {
+                    let payload = Bytes::from(encode_event_batch(&batch, cfg.encoding));
+                    let (seq, drop, keep) = {
+                        let mut st = state.lock();
+                        let seq = st.next_seq;
+                        st.next_seq += 1;
+                        let drop = st.drop.fraction > 0.0 && rng.random::<f64>() < st.drop.fraction;
+                        if drop {
+                            st.dropped += 1;
+                        } else {
+                            st.published += 1;
+                        }
+                        (seq, drop, !drop || st.drop.replayable)
+                    };
+                    if !drop {
+                        let frames = vec![
+                            cfg.topic.clone(),
+                            Bytes::copy_from_slice(&seq_frame(seq)),
+                            payload.clone(),
+                        ];
+                        if let Ok(msg) = ZmqMessage::try_from(frames)
+                            && let Err(e) = pub_socket.send(msg).await
+                        {
+                            tracing::warn!(seq, error = %e, "KV event batch not published");
+                        }
+                    } else {
+                        tracing::debug!(seq, "KV event batch dropped by fault injection");
+                    }
+                    if keep && cfg.buffer > 0 {
+                        if buffer.len() >= cfg.buffer {
+                            buffer.pop_front();
+                        }
+                        buffer.push_back((seq, payload));
+                    }
+                }
+            },
+            req = replay_req => match req {
+                Ok(msg) => {
+                    if let Some(tx) = replay_tx.as_mut() {
+                        serve_replay(tx, msg, &buffer).await;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "replay socket receive failed");
+                }
+            },
+        }
+    }
+    // Release the ports now, so that a restarted engine can bind them again.
+    let _ = pub_socket.unbind_all().await;
+}
+
+async fn serve_replay(tx: &mut RouterSendHalf, msg: ZmqMessage, buffer: &VecDeque<(u64, Bytes)>) {
+    let frames = msg.into_vec();
+    // (identity, "", start) from REQ or a DEALER with a delimiter; (identity, start) from a
+    // bare DEALER.
+    let (identity, delimited, start) = match frames.as_slice() {
+        [id, empty, start] if empty.is_empty() => (id.clone(), true, start),
+        [id, start] => (id.clone(), false, start),
+        _ => {
+            tracing::warn!(frames = frames.len(), "invalid KV event replay request");
+            return;
+        }
+    };
+    let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(u64::from_be_bytes) else {
+        tracing::warn!(len = start.len(), "replay start sequence must be 8 bytes");
+        return;
+    };
+    let reply = |seq: u64, payload: Bytes| {
+        let mut f = vec![identity.clone()];
+        if delimited {
+            f.push(Bytes::new());
+        }
+        f.push(Bytes::copy_from_slice(&seq_frame(seq)));
+        f.push(payload);
+        ZmqMessage::try_from(f)
+    };
+    let mut sent = 0usize;
+    for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
+        if let Ok(m) = reply(*seq, payload.clone()) {
+            if tx.send(m).await.is_err() {
+                return;
+            }
+            sent += 1;
+        }
+    }
+    if let Ok(m) = reply(REPLAY_END_SEQ, Bytes::new()) {
+        let _ = tx.send(m).await;
+    }
+    tracing::debug!(start, sent, "served KV event replay");
+}

@@ -1,0 +1,753 @@
+//! Interop tests of the KV-event subscriber (`feeds::kv_subscriber`, built on the pure-Rust
+//! `zeromq` crate) against libzmq, through a pyzmq publisher that behaves like vLLM's
+//! (`tests/fixtures/zmq/kv_publisher.py`), and against a `zeromq` PUB socket.
+//!
+//! Needs `python3` (or `$KVROUTE_PYTHON`) with `pyzmq` and `msgpack`
+//! (`pip install pyzmq msgpack`). Without them the tests fail with that message; they never
+//! skip. Everything binds 127.0.0.1 on ports the OS picks, and every wait has a deadline.
+
+use std::net::TcpListener;
+use std::process::Stdio;
+use std::time::Duration;
+
+use kvroute_picker::feeds::kv_subscriber::{
+    MessageError, ResyncReason, SubscriberConfig, SubscriberEvent, SubscriberStats,
+    spawn_subscriber,
+};
+use kvroute_picker::kv_events::{
+    DecodeError, EventBatch, EventEncoding, KvEvent, encode_event_batch, seq_frame,
+};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Longest wait for any single expected event or fixture answer.
+const STEP: Duration = Duration::from_secs(15);
+
+// ------------------------------------------------------------------------------------------
+// The Python publisher
+// ------------------------------------------------------------------------------------------
+
+fn python() -> String {
+    std::env::var("KVROUTE_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// Fails the test (never skips) when the Python side cannot run.
+async fn require_pyzmq() {
+    let out = Command::new(python())
+        .args(["-c", "import zmq, msgpack"])
+        .output()
+        .await;
+    match out {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "the ZMQ interop tests need Python's pyzmq and msgpack: run `pip install pyzmq \
+             msgpack` (python: {}): {}",
+            python(),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(error) => panic!(
+            "the ZMQ interop tests need `{}` with pyzmq and msgpack \
+             (`pip install pyzmq msgpack`): {error}",
+            python()
+        ),
+    }
+}
+
+struct PyPublisher {
+    _child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    pub_port: u16,
+    replay_port: Option<u16>,
+}
+
+impl PyPublisher {
+    async fn start(args: &[&str]) -> Self {
+        require_pyzmq().await;
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/zmq/kv_publisher.py"
+        );
+        let mut child = Command::new(python())
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn the python publisher");
+        let stdin = child.stdin.take().expect("stdin");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let hello = read_json(&mut lines).await;
+        let port = |v: &Value| v.as_u64().map(|p| u16::try_from(p).expect("port"));
+        Self {
+            _child: child,
+            stdin,
+            lines,
+            pub_port: port(&hello["pub"]).expect("pub port"),
+            replay_port: port(&hello["replay"]),
+        }
+    }
+
+    fn pub_endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.pub_port)
+    }
+
+    fn replay_endpoint(&self) -> Option<String> {
+        self.replay_port.map(|p| format!("tcp://127.0.0.1:{p}"))
+    }
+
+    async fn cmd(&mut self, cmd: Value) -> Value {
+        let mut line = cmd.to_string();
+        line.push('\n');
+        self.stdin
+            .write_all(line.as_bytes())
+            .await
+            .expect("write to the python publisher");
+        self.stdin.flush().await.expect("flush");
+        let answer = read_json(&mut self.lines).await;
+        assert_eq!(
+            answer["ok"],
+            json!(true),
+            "fixture answered {answer} to {cmd}"
+        );
+        answer
+    }
+
+    async fn publish(&mut self, count: u64) {
+        self.cmd(json!({"op": "publish", "count": count})).await;
+    }
+
+    async fn skip(&mut self, count: u64) {
+        self.cmd(json!({"op": "skip", "count": count})).await;
+    }
+
+    /// Re-sends the last published batch until the subscriber has received a live message
+    /// past `stats`' current count: proof that its subscription reached the publisher (ZMQ's
+    /// "slow joiner": a PUB drops what it publishes before the subscription arrives).
+    async fn warm_up(&mut self, stats: &SubscriberStats) {
+        let before = stats.snapshot().messages;
+        for _ in 0..200 {
+            self.cmd(json!({"op": "resend"})).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
+            if stats.snapshot().messages > before {
+                return;
+            }
+        }
+        panic!("the subscriber never received a live message");
+    }
+}
+
+async fn read_json(lines: &mut Lines<BufReader<ChildStdout>>) -> Value {
+    let line = tokio::time::timeout(STEP, lines.next_line())
+        .await
+        .expect("the python publisher did not answer in time")
+        .expect("read from the python publisher")
+        .expect("the python publisher exited (see its stderr above)");
+    serde_json::from_str(&line).expect("publisher output is JSON")
+}
+
+// ------------------------------------------------------------------------------------------
+// Expected batches (mirror of make_payload in kv_publisher.py)
+// ------------------------------------------------------------------------------------------
+
+fn block_hash(seq: u64, i: u64) -> u64 {
+    0x9E37_79B9_7F4A_7C15_u64.wrapping_mul(seq * 4 + i + 1)
+}
+
+fn expected(generation: u64, seq: u64) -> EventBatch {
+    let mut events = vec![KvEvent::BlockStored {
+        block_hashes: vec![block_hash(seq, 0), block_hash(seq, 1)],
+        parent_block_hash: seq.checked_sub(1).map(|p| block_hash(p, 1)),
+        token_ids: (seq * 32..seq * 32 + 32)
+            .map(|t| u32::try_from(t).expect("token"))
+            .collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".to_owned()),
+        lora_name: None,
+    }];
+    if seq % 2 == 1 {
+        events.push(KvEvent::BlockRemoved {
+            block_hashes: vec![block_hash(seq - 1, 0)],
+            medium: Some("GPU".to_owned()),
+        });
+    }
+    if seq % 7 == 6 {
+        events.push(KvEvent::AllBlocksCleared);
+    }
+    EventBatch {
+        ts: generation as f64 * 1_000_000.0 + seq as f64 + 0.25,
+        events,
+        data_parallel_rank: Some(0),
+        skipped_unknown: 0,
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The subscriber under test
+// ------------------------------------------------------------------------------------------
+
+/// A subscriber event reduced to what the assertions compare. Batches are checked against
+/// [`expected`] on arrival and recorded as `(generation, seq)`.
+#[derive(Debug, Clone, PartialEq)]
+enum Ev {
+    Batch(u64, u64),
+    Resync(ResyncReason),
+    DecodeError(Option<u64>),
+    Connected,
+    Disconnected,
+}
+
+struct Harness {
+    rx: mpsc::Receiver<SubscriberEvent>,
+    seen: Vec<Ev>,
+    cancel: CancellationToken,
+    handle: Option<JoinHandle<()>>,
+    stats: std::sync::Arc<SubscriberStats>,
+    decode_errors: Vec<MessageError>,
+}
+
+fn test_config(publisher: String, replay: Option<String>) -> SubscriberConfig {
+    let mut cfg = SubscriberConfig::new(publisher);
+    cfg.replay = replay;
+    cfg.reconnect_min = Duration::from_millis(50);
+    cfg.reconnect_max = Duration::from_millis(500);
+    cfg.connect_timeout = Duration::from_secs(2);
+    cfg.replay_timeout = Duration::from_secs(2);
+    // probes make recoveries timing-dependent; the tests that want one turn it on
+    cfg.idle_probe = None;
+    cfg.channel_capacity = 64;
+    cfg
+}
+
+impl Harness {
+    fn spawn(cfg: SubscriberConfig) -> Self {
+        let (tx, rx) = cfg.channel();
+        let stats = std::sync::Arc::clone(&cfg.stats);
+        let cancel = CancellationToken::new();
+        let handle = spawn_subscriber(cfg, tx, cancel.clone());
+        Self {
+            rx,
+            seen: Vec::new(),
+            cancel,
+            handle: Some(handle),
+            stats,
+            decode_errors: Vec::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Ev {
+        let event = match tokio::time::timeout(STEP, self.rx.recv()).await {
+            Ok(Some(event)) => event,
+            Ok(None) => panic!("subscriber stopped; events so far: {:?}", self.seen),
+            Err(_) => panic!(
+                "no subscriber event in time; events so far: {:?}",
+                self.seen
+            ),
+        };
+        let ev = match event {
+            SubscriberEvent::Batch { seq, batch } => {
+                let generation = (batch.ts / 1_000_000.0).floor() as u64;
+                assert_eq!(
+                    batch,
+                    expected(generation, seq),
+                    "batch {seq} decoded wrongly"
+                );
+                Ev::Batch(generation, seq)
+            }
+            SubscriberEvent::Resync { reason } => Ev::Resync(reason),
+            SubscriberEvent::DecodeError { seq, error } => {
+                self.decode_errors.push(error);
+                Ev::DecodeError(seq)
+            }
+            SubscriberEvent::Connected => Ev::Connected,
+            SubscriberEvent::Disconnected { .. } => Ev::Disconnected,
+        };
+        self.seen.push(ev.clone());
+        ev
+    }
+
+    /// Reads events until `want` arrives; returns those before it.
+    async fn until(&mut self, want: &Ev) -> Vec<Ev> {
+        let mut before = Vec::new();
+        loop {
+            let ev = self.next().await;
+            if &ev == want {
+                return before;
+            }
+            before.push(ev);
+        }
+    }
+
+    /// Reads until `last` and checks that the events on the way, connection events left
+    /// out, are exactly `want` (which ends with `last`).
+    async fn expect(&mut self, want: &[Ev]) {
+        let last = want.last().expect("non-empty expectation").clone();
+        let mut got: Vec<Ev> = self
+            .until(&last)
+            .await
+            .into_iter()
+            .filter(|e| !matches!(e, Ev::Connected | Ev::Disconnected))
+            .collect();
+        got.push(last);
+        assert_eq!(got, want, "all events: {:?}", self.seen);
+    }
+
+    async fn stop(mut self) {
+        self.cancel.cancel();
+        let handle = self.handle.take().expect("handle");
+        tokio::time::timeout(Duration::from_secs(5), handle)
+            .await
+            .expect("subscriber stops promptly on cancel")
+            .expect("subscriber task did not panic");
+    }
+}
+
+fn batches(generation: u64, seqs: std::ops::Range<u64>) -> Vec<Ev> {
+    seqs.map(|s| Ev::Batch(generation, s)).collect()
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+async fn within<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .expect("test exceeded its 60 s budget")
+}
+
+// ------------------------------------------------------------------------------------------
+// 1. In-order delivery, every wire format, including what was published before we connected
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_batches_arrive_in_order_and_decode() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        // published before anyone subscribed: only the replay buffer has them
+        py.publish(5).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        let mut want = vec![Ev::Connected];
+        want.extend(batches(0, 0..5));
+        let got = h.until(&Ev::Batch(0, 4)).await;
+        assert_eq!(got, want[..5], "start-up replay");
+        py.warm_up(&h.stats).await;
+        py.publish(25).await;
+        h.expect(&batches(0, 5..30)).await;
+        let stats = h.stats.snapshot();
+        assert_eq!(stats.resyncs, 0);
+        assert_eq!(stats.decode_errors, 0);
+        assert_eq!(stats.batches, 30);
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 2. A gap is filled from the replay socket, in order, without a resync
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_gap_is_replayed_in_order() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(4).await; // 3..=6 only in the replay buffer
+        py.publish(3).await;
+        h.expect(&batches(0, 0..10)).await;
+        let stats = h.stats.snapshot();
+        assert!(stats.gaps >= 1, "{stats:?}");
+        assert!(stats.replayed_batches >= 4, "{stats:?}");
+        assert_eq!(stats.resyncs, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+/// A gap followed by silence never shows up in the live stream; the idle probe finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_dropped_tail_is_found_by_the_idle_probe() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.idle_probe = Some(Duration::from_millis(200));
+        let mut h = Harness::spawn(cfg);
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(3).await;
+        h.expect(&batches(0, 0..6)).await;
+        assert_eq!(h.stats.snapshot().resyncs, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 3. Replay impossible → Resync
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_gap_without_replay_socket_resyncs() {
+    within(async {
+        let mut py = PyPublisher::start(&["--no-replay"]).await;
+        assert_eq!(py.replay_endpoint(), None);
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), None));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(2).await;
+        py.publish(2).await;
+        let mut want = batches(0, 0..3);
+        want.push(Ev::Resync(ResyncReason::NoReplayEndpoint {
+            missing_from: 3,
+        }));
+        want.extend(batches(0, 5..7));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_replay_buffer_too_short_resyncs() {
+    within(async {
+        let mut py = PyPublisher::start(&["--buffer", "3"]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(6).await; // 3..=8; the buffer keeps 6, 7, 8
+        py.publish(1).await; // 9; the buffer keeps 7, 8, 9
+        let mut want = batches(0, 0..3);
+        want.push(Ev::Resync(ResyncReason::ReplayShort {
+            requested: 3,
+            first: Some(7),
+        }));
+        want.extend(batches(0, 7..10));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_unreachable_replay_socket_resyncs() {
+    within(async {
+        let mut py = PyPublisher::start(&["--no-replay"]).await;
+        let dead = format!("tcp://127.0.0.1:{}", free_port());
+        let mut cfg = test_config(py.pub_endpoint(), Some(dead));
+        cfg.replay_timeout = Duration::from_millis(300);
+        let mut h = Harness::spawn(cfg);
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(2).await;
+        py.publish(1).await;
+        let mut got = h.until(&Ev::Batch(0, 5)).await;
+        got.retain(|e| !matches!(e, Ev::Connected));
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert_eq!(got[..3], batches(0, 0..3)[..]);
+        assert!(
+            matches!(
+                &got[3],
+                Ev::Resync(ResyncReason::ReplayFailed { requested: 3, .. })
+            ),
+            "{got:?}"
+        );
+        assert!(h.stats.snapshot().replay_failures >= 1);
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 4. Publisher restarts → Resync, then the new stream
+// ------------------------------------------------------------------------------------------
+
+/// A real restart: the engine's sockets close and come back on the same ports, numbering
+/// from 0. The reconnect cannot be shown continuous, so the view is resynchronized.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_publisher_restart_resyncs_then_follows_new_stream() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(4).await;
+        h.expect(&batches(0, 0..5)).await;
+        py.cmd(json!({"op": "restart"})).await;
+        assert_eq!(h.next().await, Ev::Disconnected);
+        assert_eq!(h.next().await, Ev::Connected);
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        let mut want = vec![Ev::Resync(ResyncReason::ContinuityLost { last_seq: 4 })];
+        want.extend(batches(1, 0..3));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// A reconnect to the same publisher process is shown continuous through the replay, and
+/// what was published meanwhile is delivered without a resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_to_same_publisher_keeps_the_view() {
+    within(async {
+        // The "publisher" restarts its sockets but keeps its numbering and buffer, which is
+        // what a network blip looks like from the subscriber.
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        h.expect(&batches(0, 0..3)).await;
+        py.skip(2).await; // lost on the way, as if published while we were away
+        py.cmd(json!({"op": "blip"})).await;
+        assert_eq!(h.next().await, Ev::Disconnected);
+        assert_eq!(h.next().await, Ev::Connected);
+        h.expect(&batches(0, 3..5)).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        h.expect(&batches(0, 5..6)).await;
+        assert_eq!(h.stats.snapshot().resyncs, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+/// The numbering goes back to 0 on the same connection: `SeqOutcome::Restart`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_sequence_reset_resyncs() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(4).await;
+        h.expect(&batches(0, 0..5)).await;
+        py.cmd(json!({"op": "reset_seq"})).await;
+        py.publish(3).await;
+        let mut want = vec![Ev::Resync(ResyncReason::PublisherRestarted {
+            expected: 5,
+            got: 0,
+        })];
+        want.extend(batches(1, 0..3));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// SGLang appends an epoch to the topic; a new epoch is a restart even when the numbers
+/// alone would not show it. Also checks prefix subscription to a topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_sglang_epoch_change_resyncs() {
+    within(async {
+        let mut py = PyPublisher::start(&["--topic", "kv", "--epoch", "e1"]).await;
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.topic = b"kv".to_vec();
+        let mut h = Harness::spawn(cfg);
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(7).await;
+        h.expect(&batches(0, 0..8)).await;
+        // new process, numbering restarted, and already past where we were
+        py.cmd(json!({"op": "reset_seq", "epoch": "e2"})).await;
+        py.skip(9).await;
+        py.publish(1).await;
+        let mut want = vec![Ev::Resync(ResyncReason::EpochChanged)];
+        want.extend(batches(1, 0..10));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 5. Garbage never stops the stream
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_garbage_is_reported_and_skipped() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        py.cmd(json!({"op": "garbage"})).await; // seq 2
+        // two frames only; then a 3-byte sequence frame; neither consumes a number
+        py.cmd(json!({"op": "raw", "frames": ["", "0102"]})).await;
+        py.cmd(json!({"op": "raw", "frames": ["", "010203", "90"]}))
+            .await;
+        py.publish(2).await;
+        let want = vec![
+            Ev::Batch(0, 0),
+            Ev::Batch(0, 1),
+            Ev::DecodeError(Some(2)),
+            Ev::DecodeError(None),
+            Ev::DecodeError(None),
+            Ev::Batch(0, 3),
+            Ev::Batch(0, 4),
+        ];
+        h.expect(&want).await;
+        assert!(matches!(h.decode_errors[0], MessageError::Decode(_)));
+        assert_eq!(
+            h.decode_errors[1],
+            MessageError::Decode(DecodeError::WrongFrameCount { got: 2 })
+        );
+        assert_eq!(
+            h.decode_errors[2],
+            MessageError::Decode(DecodeError::BadSequenceFrame { len: 3 })
+        );
+        let stats = h.stats.snapshot();
+        assert_eq!(stats.decode_errors, 3);
+        assert_eq!(stats.resyncs, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 6. The publisher comes up after the subscriber
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_publisher_started_late_is_reached() {
+    within(async {
+        require_pyzmq().await;
+        let (pub_port, replay_port) = (free_port(), free_port());
+        let mut h = Harness::spawn(test_config(
+            format!("tcp://127.0.0.1:{pub_port}"),
+            Some(format!("tcp://127.0.0.1:{replay_port}")),
+        ));
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(h.rx.try_recv().is_err(), "nothing to connect to yet");
+        let mut py = PyPublisher::start(&[
+            "--pub-port",
+            &pub_port.to_string(),
+            "--replay-port",
+            &replay_port.to_string(),
+        ])
+        .await;
+        assert_eq!(h.next().await, Ev::Connected);
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        h.expect(&batches(0, 0..3)).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// Cancelling a subscriber that is still waiting for its publisher stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_subscriber_that_never_connected() {
+    within(async {
+        let h = Harness::spawn(test_config(
+            format!("tcp://127.0.0.1:{}", free_port()),
+            None,
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// 7. Rust zeromq PUB → subscriber
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_pub_to_subscriber() {
+    use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+    within(async {
+        let mut publisher = PubSocket::new();
+        let endpoint = publisher
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("bind the PUB socket");
+        let mut h = Harness::spawn(test_config(endpoint.to_string(), None));
+        h.until(&Ev::Connected).await;
+        let encodings = [
+            EventEncoding::Array,
+            EventEncoding::MapEvents,
+            EventEncoding::Map,
+        ];
+        let message = |seq: u64| {
+            let payload = encode_event_batch(&expected(0, seq), encodings[(seq % 3) as usize]);
+            ZmqMessage::try_from(vec![
+                bytes::Bytes::new(),
+                bytes::Bytes::copy_from_slice(&seq_frame(seq)),
+                bytes::Bytes::from(payload),
+            ])
+            .expect("three frames")
+        };
+        // the subscription reaches the PUB asynchronously: repeat 0 until it arrives
+        for _ in 0..200 {
+            publisher.send(message(0)).await.expect("send");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+            if h.stats.snapshot().messages > 0 {
+                break;
+            }
+        }
+        for seq in 1..12 {
+            publisher.send(message(seq)).await.expect("send");
+        }
+        h.expect(&batches(0, 0..12)).await;
+        assert_eq!(h.stats.snapshot().resyncs, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// A consumer that falls behind loses nothing: the publisher drops, the replay refills
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_slow_consumer_gets_every_batch_in_order() {
+    within(async {
+        let mut py = PyPublisher::start(&["--sndhwm", "16"]).await;
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.channel_capacity = 1;
+        cfg.replay_max_batches = 500;
+        let mut h = Harness::spawn(cfg);
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        assert_eq!(h.next().await, Ev::Batch(0, 0));
+        // nobody reads for a while: the sink fills, the subscriber stops reading, the
+        // kernel buffers fill and the PUB socket drops at its high-water mark
+        py.publish(3000).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        h.expect(&batches(0, 1..3001)).await;
+        let stats = h.stats.snapshot();
+        assert_eq!(stats.resyncs, 0, "{stats:?}");
+        eprintln!("slow consumer: {stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
