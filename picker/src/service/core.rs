@@ -309,6 +309,16 @@ pub struct EndpointView {
     pub labels: BTreeMap<String, String>,
     /// `false` while the pod terminates: it finishes what it has but takes nothing new.
     pub serving: bool,
+    /// Per-endpoint KV event publisher and replay ports (of this endpoint's rank), when they
+    /// differ from the model config's `port + rank` convention.
+    pub kv_ports: Option<KvPorts>,
+}
+
+/// Where one endpoint publishes KV events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPorts {
+    pub events: u16,
+    pub replay: Option<u16>,
 }
 
 /// Everything a source (config file or Kubernetes) says about the pool.
@@ -360,6 +370,7 @@ pub struct PickerCore {
     pub first_metrics: AtomicBool,
     render_slots: Semaphore,
     labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
+    kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
 }
 
 impl std::fmt::Debug for PickerCore {
@@ -399,6 +410,7 @@ impl PickerCore {
             inflight_total: AtomicUsize::new(0),
             first_metrics: AtomicBool::new(false),
             labels: RwLock::new(BTreeMap::new()),
+            kv_ports: RwLock::new(BTreeMap::new()),
         })
     }
 
@@ -443,6 +455,7 @@ impl PickerCore {
         }
         let mut endpoints = Vec::with_capacity(view.endpoints.len());
         let mut labels = BTreeMap::new();
+        let mut kv_ports = BTreeMap::new();
         let current = self.endpoints.load();
         for ev in &view.endpoints {
             let Some(entry) = catalog.get(&ev.model_config) else {
@@ -463,6 +476,9 @@ impl PickerCore {
                     .map_or(EndpointState::Ready, |c| c.state)
             };
             labels.insert(ev.id, ev.labels.clone());
+            if let Some(p) = ev.kv_ports {
+                kv_ports.insert(ev.id, p);
+            }
             endpoints.push(e);
         }
         // index: register new endpoints with their mode and budget, drop departed ones
@@ -507,6 +523,7 @@ impl PickerCore {
             self.routing.store(Arc::new(view.routing.clone()));
         }
         *self.labels.write() = labels;
+        *self.kv_ports.write() = kv_ports;
         let removed = self.endpoints.replace(endpoints);
         {
             let mut index = self.index.write();
@@ -833,6 +850,11 @@ impl PickerCore {
             return None;
         }
         Some(Admission { core: self.clone() })
+    }
+
+    /// KV event ports of an endpoint that overrides its model config's.
+    pub fn kv_ports_of(&self, id: &EndpointId) -> Option<KvPorts> {
+        self.kv_ports.read().get(id).copied()
     }
 
     pub fn labels_of(&self, id: &EndpointId) -> BTreeMap<String, String> {

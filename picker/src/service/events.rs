@@ -42,14 +42,19 @@ fn desired(core: &PickerCore) -> HashMap<EndpointId, SubscriptionKey> {
             std::net::IpAddr::V6(a) => format!("[{a}]"),
         };
         let rank = e.id.rank as u16;
+        let (events_port, replay_port) = match core.kv_ports_of(&e.id) {
+            Some(p) => (p.events, p.replay),
+            None => (
+                ev.port.saturating_add(rank),
+                ev.replay_port.map(|p| p.saturating_add(rank)),
+            ),
+        };
         out.insert(
             e.id,
             SubscriptionKey {
                 endpoint: e.id,
-                publisher: format!("tcp://{host}:{}", ev.port.saturating_add(rank)),
-                replay: ev
-                    .replay_port
-                    .map(|p| format!("tcp://{host}:{}", p.saturating_add(rank))),
+                publisher: format!("tcp://{host}:{events_port}"),
+                replay: replay_port.map(|p| format!("tcp://{host}:{p}")),
                 topic: ev.topic.clone(),
                 block_size: entry.config.block_size,
                 model: entry.config.model.to_string(),

@@ -57,6 +57,12 @@ pub struct StaticEndpoint {
     /// Labels, matched by tenant selectors.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Overrides the model config's KV event publisher port (of rank 0).
+    #[serde(default)]
+    pub kv_events_port: Option<u16>,
+    /// Overrides the model config's KV event replay port (of rank 0).
+    #[serde(default)]
+    pub kv_replay_port: Option<u16>,
 }
 
 /// Bounds on what a request may cost the picker. Each returns a clear error when hit.

@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::core::{EndpointView, PoolView};
+use super::core::{EndpointView, KvPorts, PoolView};
 use super::settings::PickerConfig;
 
 pub trait EndpointSource: Send + 'static {
@@ -39,11 +39,20 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
             spec.port = p;
         }
         for id in crate::endpoint::rank_endpoints(&spec, e.address) {
+            let rank = id.rank as u16;
+            let kv_ports = e.kv_events_port.map(|p| KvPorts {
+                events: p.saturating_add(rank),
+                replay: e
+                    .kv_replay_port
+                    .or(spec.kv_events.as_ref().and_then(|k| k.replay_port))
+                    .map(|r| r.saturating_add(rank)),
+            });
             endpoints.push(EndpointView {
                 id,
                 model_config: spec.name.clone(),
                 labels: e.labels.clone(),
                 serving: true,
+                kv_ports,
             });
         }
     }
@@ -105,6 +114,27 @@ impl EndpointSource for FileSource {
                     () = tokio::time::sleep(self.poll) => {}
                 }
             }
+        })
+    }
+}
+
+/// A fixed pool view (embedding, tests).
+#[derive(Debug)]
+pub struct StaticSource(pub PoolView);
+
+impl EndpointSource for StaticSource {
+    fn name(&self) -> &'static str {
+        "static"
+    }
+
+    fn run(
+        self: Box<Self>,
+        tx: watch::Sender<Option<PoolView>>,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let _ = tx.send(Some(self.0));
+            cancel.cancelled().await;
         })
     }
 }

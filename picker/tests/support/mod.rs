@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::EndpointSource;
+use kvroute_picker::service::source::StaticSource;
 use kvroute_picker::service::{Running, start};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -166,24 +166,6 @@ pub async fn start_picker_file(path: std::path::PathBuf) -> Running {
     start(config, source, CancellationToken::new())
         .await
         .expect("picker starts")
-}
-
-pub struct StaticSource(pub kvroute_picker::service::core::PoolView);
-
-impl EndpointSource for StaticSource {
-    fn name(&self) -> &'static str {
-        "static"
-    }
-    fn run(
-        self: Box<Self>,
-        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::core::PoolView>>,
-        cancel: CancellationToken,
-    ) -> futures::future::BoxFuture<'static, ()> {
-        Box::pin(async move {
-            let _ = tx.send(Some(self.0));
-            cancel.cancelled().await;
-        })
-    }
 }
 
 /// Wait until `f` holds, polling; panics after `timeout`.

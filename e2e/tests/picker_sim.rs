@@ -1,0 +1,446 @@
+//! The picker service against simulated engines on loopback: KV events published over ZMQ by
+//! an engine move the picker's decision to it; a forced sequence gap is repaired by replay;
+//! the Envoy ext_proc listener answers with the endpoint holding the prefix, honours the
+//! subset hint, and returns 503 when nothing is eligible.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_e2e::sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
+use kvroute_picker::service::settings::PickerConfig;
+use kvroute_picker::service::source::{StaticSource, view_from_config};
+use kvroute_picker::service::{Running, start as start_picker};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+async fn sim(host: &str) -> SimHandle {
+    let mut cfg = SimConfig {
+        host: host.parse().unwrap(),
+        model: "llama".into(),
+        speedup: 50.0,
+        kv_events: PortSpec::Auto,
+        kv_replay: PortSpec::Auto,
+        ..SimConfig::default()
+    };
+    cfg.engine.num_blocks = 4096;
+    start_sim(cfg).await.expect("simulator starts")
+}
+
+/// A picker routing between the given engines, with precise KV events.
+async fn picker(engines: &[&SimHandle], strategy: &str) -> Running {
+    let mut endpoints = String::new();
+    for e in engines {
+        let a = &e.addrs()[0];
+        endpoints.push_str(&format!(
+            "  - {{address: {}, modelConfig: llama, port: {}, kvEventsPort: {}, kvReplayPort: {}}}\n",
+            a.http.ip(),
+            a.http.port(),
+            a.kv_events[0].port(),
+            a.replay[0].port()
+        ));
+    }
+    let yaml = format!(
+        r#"
+listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
+modelConfigs:
+  - name: llama
+    model: llama
+    blockSize: 16
+    kvEvents: {{port: 1}}
+endpoints:
+{endpoints}
+routing: {{strategy: {strategy}, stalenessThreshold: 5s}}
+scrape: {{interval: 50ms}}
+"#
+    );
+    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
+    let view = view_from_config(&config);
+    start_picker(
+        config,
+        Box::new(StaticSource(view)),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("picker starts")
+}
+
+fn prompt(seed: u32, n: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| (seed.wrapping_mul(7919) + i * 13) % 30_000 + 1)
+        .collect()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn complete(url: String, tokens: &[u32]) -> Value {
+    let r = client()
+        .post(url)
+        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+async fn pick(p: &Running, tokens: &[u32]) -> Value {
+    client()
+        .post(format!("http://{}/v1/pick", p.addrs.admin))
+        .json(&json!({"model": "llama", "prompt": tokens}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Blocks the picker's index attributes to the endpoint on `ip`.
+fn indexed_blocks(p: &Running, ip: &str) -> usize {
+    let index = p.core.index.read();
+    index
+        .endpoints()
+        .find(|(_, id)| id.address.to_string() == ip)
+        .map_or(0, |(slot, _)| index.endpoint_blocks(slot))
+}
+
+async fn eventually<F: FnMut() -> bool>(what: &str, mut f: F) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_move_the_decision_to_the_engine_that_cached_the_prefix() {
+    let a = sim("127.0.0.1").await;
+    let b = sim("127.0.0.2").await;
+    let p = picker(&[&a, &b], "CostModel").await;
+    let tokens = prompt(1, 2048);
+
+    // nothing is cached yet: remember where a cold pick goes, then warm the OTHER engine
+    // directly (bypassing the picker), so only its KV events can tell the picker
+    let cold = pick(&p, &tokens).await;
+    assert_eq!(cold["matched_blocks"], 0);
+    let cold_ip = cold["endpoint"]
+        .as_str()
+        .unwrap()
+        .split(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    let (warm, warm_ip) = if cold_ip == "127.0.0.1" {
+        (&b, "127.0.0.2")
+    } else {
+        (&a, "127.0.0.1")
+    };
+    complete(
+        format!("http://{}/v1/completions", warm.addrs()[0].http),
+        &tokens,
+    )
+    .await;
+    eventually("the warm engine's blocks in the index", || {
+        indexed_blocks(&p, warm_ip) >= 127
+    })
+    .await;
+
+    let hot = pick(&p, &tokens).await;
+    assert_eq!(
+        hot["endpoint"].as_str().unwrap().split(':').next(),
+        Some(warm_ip)
+    );
+    assert!(hot["matched_blocks"].as_u64().unwrap() >= 127, "{hot}");
+    // and through the proxy the engine reports the prefix as cached
+    let out = complete(format!("http://{}/v1/completions", p.addrs.http), &tokens).await;
+    let cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 2000, "engine reused the prefix: {out}");
+    p.shutdown().await;
+    a.shutdown();
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_sequence_gap_is_repaired_by_replay() {
+    let a = sim("127.0.0.3").await;
+    let p = picker(&[&a], "CostModel").await;
+    let engine_url = format!("http://{}/v1/completions", a.addrs()[0].http);
+    // prime the subscription
+    complete(engine_url.clone(), &prompt(7, 64)).await;
+    eventually("first blocks", || indexed_blocks(&p, "127.0.0.3") >= 4).await;
+
+    // drop every event batch (but keep them replayable) while a new prefix gets cached
+    let drop: kvroute_e2e::sim::server::fault::FaultSpec =
+        serde_json::from_value(json!({"kind": "drop_events", "fraction": 1.0, "replayable": true}))
+            .unwrap();
+    a.inject(0, drop).await.unwrap();
+    let hidden = prompt(8, 512);
+    complete(engine_url.clone(), &hidden).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = pick(&p, &hidden).await;
+    assert_eq!(
+        before["matched_blocks"], 0,
+        "the dropped batches were not seen"
+    );
+
+    // events flow again: the next batch reveals the gap, the replay fills it
+    let clear: kvroute_e2e::sim::server::fault::FaultSpec =
+        serde_json::from_value(json!({"kind": "clear"})).unwrap();
+    a.inject(0, clear).await.unwrap();
+    complete(engine_url, &prompt(9, 64)).await;
+    let core = Arc::clone(&p.core);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = pick(&p, &hidden).await;
+        if r["matched_blocks"].as_u64().unwrap_or(0) >= 31 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "replay never filled the gap: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = core.metrics.encode();
+    assert!(
+        !metrics.contains("kind=\"resync\""),
+        "repaired by replay, not by a resync: {metrics}"
+    );
+    p.shutdown().await;
+    a.shutdown();
+}
+
+mod envoy {
+    //! Envoy's side of an ext_proc stream, just enough for a BUFFERED request.
+
+    use std::collections::HashMap;
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+        processing_request, processing_response,
+    };
+    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    /// What the picker answered.
+    #[derive(Debug)]
+    pub enum Answer {
+        Route {
+            destination: String,
+            metadata: String,
+        },
+        Immediate {
+            status: u32,
+            body: String,
+        },
+    }
+
+    fn headers(pairs: &[(&str, String)]) -> HeaderMap {
+        HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).to_string(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    fn subset(entries: &[String]) -> Metadata {
+        let list = ListValue {
+            values: entries
+                .iter()
+                .map(|e| Value {
+                    kind: Some(Kind::StringValue(e.clone())),
+                })
+                .collect(),
+        };
+        Metadata {
+            filter_metadata: HashMap::from([(
+                "envoy.lb.subset_hint".to_string(),
+                Struct {
+                    fields: HashMap::from([(
+                        "x-gateway-destination-endpoint-subset".to_string(),
+                        Value {
+                            kind: Some(Kind::ListValue(list)),
+                        },
+                    )]),
+                },
+            )]),
+            ..Default::default()
+        }
+    }
+
+    async fn next(
+        s: &mut tonic::Streaming<ProcessingResponse>,
+        step: Duration,
+    ) -> ProcessingResponse {
+        tokio::time::timeout(step, s.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Send one chat/completions request through ext_proc in BUFFERED mode.
+    pub async fn route(addr: SocketAddr, body: &[u8], subset_hint: Option<&[String]>) -> Answer {
+        let step = Duration::from_secs(5);
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let mut client = ExternalProcessorClient::new(channel);
+        let mut stream = tokio::time::timeout(step, client.process(ReceiverStream::new(rx)))
+            .await
+            .unwrap()
+            .unwrap()
+            .into_inner();
+        let hdrs = [
+            (":method", "POST".to_string()),
+            (":path", "/v1/completions".to_string()),
+            (":authority", "gateway".to_string()),
+            ("content-type", "application/json".to_string()),
+            ("content-length", body.len().to_string()),
+        ];
+        tx.send(ProcessingRequest {
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::Buffered as i32,
+                response_body_mode: BodySendMode::Buffered as i32,
+                send_body_without_waiting_for_header_response: false,
+            }),
+            metadata_context: subset_hint.map(subset),
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(headers(&hdrs)),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let first = next(&mut stream, step).await;
+        if let Some(processing_response::Response::ImmediateResponse(i)) = first.response {
+            return Answer::Immediate {
+                status: i.status.map_or(0, |s| s.code as u32),
+                body: String::from_utf8_lossy(&i.body).into_owned(),
+            };
+        }
+        tx.send(ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: body.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let answer = next(&mut stream, step).await;
+        match answer.response {
+            Some(processing_response::Response::ImmediateResponse(i)) => Answer::Immediate {
+                status: i.status.map_or(0, |s| s.code as u32),
+                body: String::from_utf8_lossy(&i.body).into_owned(),
+            },
+            Some(processing_response::Response::RequestBody(b)) => {
+                let common = b.response.unwrap();
+                let headers: HashMap<String, String> = common
+                    .header_mutation
+                    .unwrap()
+                    .set_headers
+                    .into_iter()
+                    .filter_map(|o| o.header)
+                    .map(|h| (h.key, String::from_utf8_lossy(&h.raw_value).into_owned()))
+                    .collect();
+                let md = answer.dynamic_metadata.unwrap();
+                let Some(Kind::StructValue(ns)) = &md.fields["envoy.lb"].kind else {
+                    panic!("envoy.lb is not a struct");
+                };
+                let Some(Kind::StringValue(metadata)) =
+                    &ns.fields["x-gateway-destination-endpoint"].kind
+                else {
+                    panic!("no destination in metadata");
+                };
+                Answer::Route {
+                    destination: headers["x-gateway-destination-endpoint"].clone(),
+                    metadata: metadata.clone(),
+                }
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext_proc_routes_to_the_cached_engine_honours_the_subset_and_rejects_with_503() {
+    let a = sim("127.0.0.4").await;
+    let b = sim("127.0.0.5").await;
+    let p = picker(&[&a, &b], "CostModel").await;
+    let ext = p.addrs.ext_proc.expect("ext_proc listener");
+    let tokens = prompt(21, 1024);
+    complete(
+        format!("http://{}/v1/completions", b.addrs()[0].http),
+        &tokens,
+    )
+    .await;
+    eventually("b's blocks", || indexed_blocks(&p, "127.0.0.5") >= 63).await;
+    let body = serde_json::to_vec(&json!({"model": "llama", "prompt": tokens})).unwrap();
+    let b_addr = b.addrs()[0].http.to_string();
+    let a_addr = a.addrs()[0].http.to_string();
+
+    match envoy::route(ext, &body, None).await {
+        envoy::Answer::Route {
+            destination,
+            metadata,
+            ..
+        } => {
+            assert_eq!(destination, metadata);
+            assert_eq!(
+                destination,
+                format!("{b_addr},{a_addr}"),
+                "cached engine first, then the fallback"
+            );
+        }
+        other => panic!("expected a route, got {other:?}"),
+    }
+    // the gateway offers only `a`: the picker stays inside the subset
+    match envoy::route(ext, &body, Some(std::slice::from_ref(&a_addr))).await {
+        envoy::Answer::Route { destination, .. } => assert_eq!(destination, a_addr),
+        other => panic!("expected a route, got {other:?}"),
+    }
+    // a subset with no pool endpoint in it: 503 with an OpenAI-style body
+    match envoy::route(ext, &body, Some(&["10.9.9.9:1".to_string()])).await {
+        envoy::Answer::Immediate { status, body } => {
+            assert_eq!(status, 503);
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert!(v["error"]["message"].is_string(), "{body}");
+        }
+        other => panic!("expected 503, got {other:?}"),
+    }
+    // unknown model: 404
+    let bad = serde_json::to_vec(&json!({"model": "nope", "prompt": "x"})).unwrap();
+    match envoy::route(ext, &bad, None).await {
+        envoy::Answer::Immediate { status, .. } => assert_eq!(status, 404),
+        other => panic!("expected 404, got {other:?}"),
+    }
+    p.shutdown().await;
+    a.shutdown();
+    b.shutdown();
+}
