@@ -1,10 +1,20 @@
 //! The KV block index: which endpoint holds which prefix blocks.
 //!
-//! Two maps carry it:
-//! - a global map from [`BlockKey`] to the set of endpoint slots holding that block, which
-//!   answers "who holds the longest prefix of this request" in one walk over the request's keys;
-//! - per endpoint, a map from the engine's opaque block hash to our key, because `BlockRemoved`
-//!   events name blocks by engine hash only.
+//! Blocks are kept in **chain segments**: arrays of `(key, holders)` in the order they were
+//! stored, so that a request's blocks, which were stored as runs of one chain, are read one
+//! after another instead of being looked up one by one in a large table. Three structures carry
+//! the index:
+//! - the segments themselves: each block sits at one place, `(segment, offset)`, that never
+//!   moves while the block is held (a segment grows at its tail, is cut back from its tail, and
+//!   a block that dies in the middle stays as a placeholder until the tail reaches it);
+//! - a global table from [`BlockKey`] to the place of every *held* block, so that any key is
+//!   found whatever chain it was stored on (keys are position-independent: a key is one block);
+//! - per endpoint, a table from the engine's opaque block hash to the block's place, because
+//!   `BlockRemoved` events name blocks by engine hash only.
+//!
+//! A prefix lookup finds block 0 through the global table and then walks the segment it lands
+//! in, comparing the request's next key with the segment's next key; only where the request
+//! leaves the segment (a branch, or the next event's run) does it go back to the global table.
 //!
 //! Endpoints whose engine publishes no KV events are indexed *approximately*: the picker records
 //! the blocks of the requests it routed there in a per-endpoint LRU bounded by the engine's KV
@@ -13,10 +23,14 @@
 //! Memory is bounded: the number of endpoints is capped, and every endpoint has a block budget.
 //! An approximate endpoint evicts its least recently used block when full; a precise endpoint
 //! that exceeds its budget has lost track of the engine (missed removals), so it is cleared and
-//! reported for resynchronisation instead of growing.
+//! reported for resynchronisation instead of growing. Both tables are bucketized cuckoo tables
+//! of 16-byte slots sized on a non-power-of-two ladder (an endpoint's table stops at its
+//! budget), so that a table is never left half empty by a doubling.
 //!
 //! The holder set of a block is packed into one `u64` (one or two slots inline, more in a side
-//! arena) because almost every block lives on one endpoint: this keeps a global entry at 16 bytes.
+//! arena) because almost every block lives on one endpoint.
+
+use std::hint::black_box;
 
 use hashbrown::HashMap;
 use hashlink::LinkedHashMap;
@@ -85,13 +99,18 @@ const TAG_MASK: u64 = 0b11 << 62;
 const TAG_ONE: u64 = 0;
 const TAG_TWO: u64 = 1 << 62;
 const TAG_MANY: u64 = 2 << 62;
+/// The holder word of a block nobody holds (a placeholder in a segment).
+const NOBODY: u64 = u64::MAX;
 const LOW31: u64 = (1 << 31) - 1;
 
 /// Holder multisets too big to inline, sorted. A slot may appear more than once when two
 /// engine blocks of one endpoint map to the same key; each removal takes one occurrence.
+/// Consecutive blocks of a chain with the same holders share one set (reference-counted, copied
+/// on write), so that a lookup sees "same holders as the previous block" in the words alone.
 #[derive(Debug, Default)]
 struct Arena {
     sets: Vec<Vec<Slot>>,
+    refs: Vec<u32>,
     free: Vec<u32>,
 }
 
@@ -100,19 +119,47 @@ impl Arena {
         let idx = match self.free.pop() {
             Some(i) => {
                 self.sets[i as usize] = set;
+                self.refs[i as usize] = 1;
                 i
             }
             None => {
                 self.sets.push(set);
+                self.refs.push(1);
                 (self.sets.len() - 1) as u32
             }
         };
         TAG_MANY | u64::from(idx)
     }
 
-    fn release(&mut self, idx: u32) {
-        self.sets[idx as usize] = Vec::new();
-        self.free.push(idx);
+    fn retain(&mut self, h: u64) {
+        self.refs[(h & !TAG_MASK) as usize] += 1;
+    }
+
+    fn release(&mut self, h: u64) {
+        let idx = (h & !TAG_MASK) as usize;
+        self.refs[idx] -= 1;
+        if self.refs[idx] == 0 {
+            self.sets[idx] = Vec::new();
+            self.free.push(idx as u32);
+        }
+    }
+
+    /// A set of its own for the word `h` (a copy when it is shared).
+    fn unique(&mut self, h: u64) -> u64 {
+        if self.refs[(h & !TAG_MASK) as usize] == 1 {
+            return h;
+        }
+        let copy = self.set(h).to_vec();
+        self.release(h);
+        self.alloc(copy)
+    }
+
+    fn set(&self, h: u64) -> &[Slot] {
+        &self.sets[(h & !TAG_MASK) as usize]
+    }
+
+    fn set_mut(&mut self, h: u64) -> &mut Vec<Slot> {
+        &mut self.sets[(h & !TAG_MASK) as usize]
     }
 }
 
@@ -127,7 +174,7 @@ fn two(a: Slot, b: Slot) -> u64 {
     TAG_TWO | u64::from(a) | (u64::from(b) << 31)
 }
 
-/// Add `slot` to the holder word `h`.
+/// Add `slot` to the holder word `h` (which may be [`NOBODY`]).
 #[inline]
 fn holders_add(h: u64, slot: Slot, arena: &mut Arena) -> u64 {
     match h & TAG_MASK {
@@ -138,12 +185,14 @@ fn holders_add(h: u64, slot: Slot, arena: &mut Arena) -> u64 {
             v.sort_unstable();
             arena.alloc(v)
         }
-        _ => {
-            let set = &mut arena.sets[(h & !TAG_MASK) as usize];
+        TAG_MANY => {
+            let h = arena.unique(h);
+            let set = arena.set_mut(h);
             let pos = set.partition_point(|&s| s < slot);
             set.insert(pos, slot);
             h
         }
+        _ => one(slot),
     }
 }
 
@@ -163,64 +212,575 @@ fn holders_remove(h: u64, slot: Slot, arena: &mut Arena) -> Option<u64> {
                 h
             })
         }
-        _ => {
-            let idx = (h & !TAG_MASK) as u32;
-            let set = &mut arena.sets[idx as usize];
-            if let Ok(pos) = set.binary_search(&slot) {
-                set.remove(pos);
+        TAG_MANY => {
+            let set = arena.set(h);
+            let Ok(pos) = set.binary_search(&slot) else {
+                return Some(h);
+            };
+            if set.len() == 3 {
+                let mut rest = set.iter().enumerate().filter(|&(i, _)| i != pos);
+                let (x, y) = match (rest.next(), rest.next()) {
+                    (Some((_, &x)), Some((_, &y))) => (x, y),
+                    _ => return Some(h),
+                };
+                arena.release(h);
+                return Some(two(x, y));
             }
-            if set.len() == 2 {
-                let w = two(set[0], set[1]);
-                arena.release(idx);
-                Some(w)
-            } else {
-                Some(h)
-            }
+            let h = arena.unique(h);
+            arena.set_mut(h).remove(pos);
+            Some(h)
         }
+        _ => Some(h),
     }
 }
 
+/// Whether `slot` holds a block with holder word `h`; the single-holder case is one compare.
 #[inline]
-fn holders_contains(h: u64, slot: Slot, arena: &Arena) -> bool {
+fn holds(h: u64, slot: Slot, arena: &Arena) -> bool {
+    h == one(slot) || (h & TAG_MASK != TAG_ONE && holds_slow(h, slot, arena))
+}
+
+fn holds_slow(h: u64, slot: Slot, arena: &Arena) -> bool {
     match h & TAG_MASK {
         TAG_ONE => h as Slot == slot,
         TAG_TWO => (h & LOW31) as Slot == slot || ((h >> 31) & LOW31) as Slot == slot,
-        _ => arena.sets[(h & !TAG_MASK) as usize]
-            .binary_search(&slot)
-            .is_ok(),
+        TAG_MANY => arena.set(h).binary_search(&slot).is_ok(),
+        _ => false,
     }
 }
 
-/// Write the distinct holders of `h`, sorted, into `out`.
-fn holders_into(h: u64, arena: &Arena, out: &mut Vec<Slot>) {
-    out.clear();
+/// Marks a match still being extended (never a real block count).
+const EXTENDING: u32 = u32::MAX;
+
+/// Append one [`PrefixMatch`] per distinct holder of `h` to `out`, in slot order.
+fn push_holders(h: u64, arena: &Arena, out: &mut Vec<PrefixMatch>) {
+    let mut push = |slot| {
+        if out.last().is_none_or(|m: &PrefixMatch| m.slot != slot) {
+            out.push(PrefixMatch {
+                slot,
+                blocks: EXTENDING,
+            });
+        }
+    };
     match h & TAG_MASK {
-        TAG_ONE => out.push(h as Slot),
+        TAG_ONE => push(h as Slot),
         TAG_TWO => {
-            out.push((h & LOW31) as Slot);
-            let b = ((h >> 31) & LOW31) as Slot;
-            if out[0] != b {
-                out.push(b);
+            push((h & LOW31) as Slot);
+            push(((h >> 31) & LOW31) as Slot);
+        }
+        TAG_MANY => arena.set(h).iter().for_each(|&s| push(s)),
+        _ => {}
+    }
+}
+
+/// Whether two holder words name the same holders (conservative: `false` may be wrong).
+#[inline]
+fn same_holders(a: u64, b: u64, arena: &Arena) -> bool {
+    a == b || (a & TAG_MASK == TAG_MANY && b & TAG_MASK == TAG_MANY && arena.set(a) == arena.set(b))
+}
+
+// ---- hash tables -------------------------------------------------------------------------
+
+/// A slot's value when it is empty (never a real place: segment ids stay below `u32::MAX`).
+const VACANT: u64 = u64::MAX;
+/// Slots per bucket: one 64-byte cache line.
+const BUCKET: usize = 4;
+/// Tables hold at most 3/4 of their slots.
+const LOAD_NUM: usize = 15;
+const LOAD_DEN: usize = 20;
+const MIN_BUCKETS: usize = 2;
+/// Displacements an insertion tries before the table grows.
+const MAX_KICKS: usize = 64;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    key: u64,
+    val: u64,
+}
+
+const EMPTY_ENTRY: Entry = Entry {
+    key: 0,
+    val: VACANT,
+};
+
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Bucket([Entry; BUCKET]);
+
+const EMPTY_BUCKET: Bucket = Bucket([EMPTY_ENTRY; BUCKET]);
+
+impl Bucket {
+    #[inline]
+    fn position(&self, key: u64) -> Option<usize> {
+        self.0.iter().position(|e| e.key == key && e.val != VACANT)
+    }
+
+    #[inline]
+    fn vacancy(&self) -> Option<usize> {
+        self.0.iter().position(|e| e.val == VACANT)
+    }
+}
+
+/// `u64 → u64` hash table, bucketized cuckoo: a key lives in one of two buckets of four
+/// 16-byte slots, each bucket one aligned cache line. A lookup reads exactly those two lines,
+/// whose addresses follow from the key alone, so a batch of operations can load its lines
+/// first and overlap the misses; a removal clears a slot (no tombstones, no shifting); an
+/// insertion into two full buckets moves an entry to its other bucket (rarely more than once
+/// below 85% load). Any bucket count works (a bucket is picked by multiply-shift, not by
+/// mask), so the table grows by half, and with a `limit` (an endpoint's block budget) it stops
+/// growing at the size that holds `limit` entries.
+#[derive(Debug, Default)]
+struct Table {
+    buckets: Vec<Bucket>,
+    len: usize,
+    limit: usize,
+}
+
+/// Buckets needed to hold `n` entries within the load limit.
+fn buckets_for(n: usize) -> usize {
+    (n * LOAD_DEN).div_ceil(LOAD_NUM * BUCKET).max(MIN_BUCKETS)
+}
+
+impl Table {
+    fn with_limit(limit: usize) -> Self {
+        Self {
+            limit,
+            ..Self::default()
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.buckets.capacity() * std::mem::size_of::<Bucket>()
+    }
+
+    /// The two buckets of `key` (distinct).
+    #[inline]
+    fn homes(&self, key: u64) -> (usize, usize) {
+        // SplitMix64's finaliser; its two halves pick the two buckets.
+        let mut h = key ^ 0x6a09_e667_f3bc_c909;
+        h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        h ^= h >> 31;
+        let n = self.buckets.len() as u128;
+        let a = ((u128::from(h) * n) >> 64) as usize;
+        let mut b = ((u128::from(h.rotate_left(32)) * n) >> 64) as usize;
+        if a == b {
+            b = if a + 1 == self.buckets.len() {
+                0
+            } else {
+                a + 1
+            };
+        }
+        (a, b)
+    }
+
+    #[inline]
+    fn find(&self, key: u64) -> Option<(usize, usize)> {
+        if self.len == 0 {
+            return None;
+        }
+        let (a, b) = self.homes(key);
+        if let Some(i) = self.buckets[a].position(key) {
+            return Some((a, i));
+        }
+        self.buckets[b].position(key).map(|i| (b, i))
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<u64> {
+        self.find(key).map(|(b, i)| self.buckets[b].0[i].val)
+    }
+
+    /// Load `key`'s two buckets without using them, so that the cache misses of a later
+    /// operation on it overlap with others (returns a value to fold into [`black_box`]).
+    #[inline]
+    fn touch(&self, key: u64) -> u64 {
+        if self.buckets.is_empty() {
+            return 0;
+        }
+        let (a, b) = self.homes(key);
+        self.buckets[a].0[0].val ^ self.buckets[b].0[0].val
+    }
+
+    /// Insert or replace; returns the previous value.
+    fn insert(&mut self, key: u64, val: u64) -> Option<u64> {
+        debug_assert_ne!(val, VACANT);
+        if let Some((b, i)) = self.find(key) {
+            return Some(std::mem::replace(&mut self.buckets[b].0[i].val, val));
+        }
+        self.insert_absent(key, val);
+        None
+    }
+
+    /// Insert a key known to be absent (skips the lookup).
+    fn insert_absent(&mut self, key: u64, val: u64) {
+        debug_assert!(self.find(key).is_none());
+        if self.len >= self.buckets.len() * BUCKET * LOAD_NUM / LOAD_DEN {
+            self.grow(self.len + 1);
+        }
+        let mut pending = Entry { key, val };
+        while let Err(left) = self.insert_new(pending) {
+            // Too crowded to place: grow, then place the entry that was left over.
+            self.grow(self.len + 1);
+            pending = left;
+        }
+    }
+
+    /// Place an entry whose key is absent; on failure, returns the entry left without a slot
+    /// (the table holds all the others).
+    fn insert_new(&mut self, e: Entry) -> Result<(), Entry> {
+        let (a, b) = self.homes(e.key);
+        // The emptier of the two buckets: keeping buckets level makes displacements rare.
+        let free = |at: usize| {
+            self.buckets[at]
+                .0
+                .iter()
+                .filter(|e| e.val == VACANT)
+                .count()
+        };
+        let at = if free(b) > free(a) { b } else { a };
+        if let Some(i) = self.buckets[at].vacancy() {
+            self.buckets[at].0[i] = e;
+            self.len += 1;
+            return Ok(());
+        }
+        // Both full: move a resident whose other bucket has room. The eight other buckets are
+        // loaded together, so this costs one memory round trip, not one per candidate.
+        let mut others = [0usize; 2 * BUCKET];
+        let mut sink = 0;
+        for (k, other) in others.iter_mut().enumerate() {
+            let at = if k < BUCKET { a } else { b };
+            let (x, y) = self.homes(self.buckets[at].0[k % BUCKET].key);
+            *other = if x == at { y } else { x };
+            sink ^= self.buckets[*other].0[0].val;
+        }
+        black_box(sink);
+        for (k, &other) in others.iter().enumerate() {
+            if let Some(v) = self.buckets[other].vacancy() {
+                let at = if k < BUCKET { a } else { b };
+                self.buckets[other].0[v] = self.buckets[at].0[k % BUCKET];
+                self.buckets[at].0[k % BUCKET] = e;
+                self.len += 1;
+                return Ok(());
             }
         }
-        _ => {
-            out.extend_from_slice(&arena.sets[(h & !TAG_MASK) as usize]);
-            out.dedup();
+        // Cuckoo: evict an entry to its other bucket, and so on.
+        let mut carry = e;
+        let mut at = if e.key & 1 == 0 { a } else { b };
+        for kick in 0..MAX_KICKS {
+            let victim = (kick + (carry.key >> 7) as usize) % BUCKET;
+            std::mem::swap(&mut carry, &mut self.buckets[at].0[victim]);
+            let (x, y) = self.homes(carry.key);
+            at = if x == at { y } else { x };
+            if let Some(i) = self.buckets[at].vacancy() {
+                self.buckets[at].0[i] = carry;
+                self.len += 1;
+                return Ok(());
+            }
         }
+        Err(carry)
+    }
+
+    fn remove(&mut self, key: u64) -> Option<u64> {
+        let (b, i) = self.find(key)?;
+        let val = self.buckets[b].0[i].val;
+        self.buckets[b].0[i] = EMPTY_ENTRY;
+        self.len -= 1;
+        Some(val)
+    }
+
+    /// Make room for `want` entries: grow by half, up to the size the limit calls for.
+    fn grow(&mut self, want: usize) {
+        let cur = self.buckets.len();
+        let mut target = (cur + cur / 2).max(MIN_BUCKETS);
+        if self.limit > 0 {
+            // Bounded by a budget: double on the way (fewer rebuilds), stop at the budget.
+            let full = buckets_for(self.limit);
+            if cur < full {
+                target = (2 * cur).clamp(MIN_BUCKETS, full);
+            }
+        }
+        self.rebuild(target.max(buckets_for(want)).max(cur + 1));
+    }
+
+    fn rebuild(&mut self, n: usize) {
+        let mut n = n;
+        let old = std::mem::take(&mut self.buckets);
+        'retry: loop {
+            self.buckets = vec![EMPTY_BUCKET; n];
+            self.len = 0;
+            // Old entries land at random in the new table: load a batch's buckets first.
+            for batch in old.chunks(AHEAD / BUCKET) {
+                let mut sink = 0;
+                for e in batch.iter().flat_map(|b| b.0.iter()) {
+                    sink ^= self.touch(e.key);
+                }
+                black_box(sink);
+                for e in batch.iter().flat_map(|b| b.0.iter()) {
+                    if e.val != VACANT && self.insert_new(*e).is_err() {
+                        n += n / 8 + 1;
+                        continue 'retry;
+                    }
+                }
+            }
+            return;
+        }
+    }
+
+    fn reserve(&mut self, entries: usize) {
+        if buckets_for(entries) > self.buckets.len() {
+            self.rebuild(buckets_for(entries));
+        }
+    }
+
+    /// Remove every entry, returning the values (and the memory).
+    fn take_values(&mut self) -> impl Iterator<Item = u64> + use<> {
+        self.len = 0;
+        std::mem::take(&mut self.buckets)
+            .into_iter()
+            .flat_map(|b| b.0)
+            .filter(|e| e.val != VACANT)
+            .map(|e| e.val)
     }
 }
 
+// ---- chain segments -----------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    key: BlockKey,
+    holders: u64,
+}
+
+/// A block's place: segment id in the high half, offset in the low half.
+type Place = u64;
+
+#[inline]
+fn place_of(seg: usize, off: usize) -> Place {
+    ((seg as u64) << 32) | off as u64
+}
+
+#[inline]
+fn split(p: Place) -> (usize, usize) {
+    ((p >> 32) as usize, (p & 0xffff_ffff) as usize)
+}
+
+/// Every block of the index, its holders, and the key → place table.
+#[derive(Debug, Default)]
+struct Chains {
+    segs: Vec<Vec<Block>>,
+    free_segs: Vec<u32>,
+    /// Place of every held block, by key.
+    by_key: Table,
+    arena: Arena,
+}
+
+impl Chains {
+    #[inline]
+    fn block(&self, p: Place) -> &Block {
+        let (s, o) = split(p);
+        &self.segs[s][o]
+    }
+
+    /// The held block right after `p` in its segment, if its key is `key`.
+    #[inline]
+    fn next_in_segment(&self, p: Place, key: BlockKey) -> Option<Place> {
+        let (s, o) = split(p);
+        match self.segs[s].get(o + 1) {
+            Some(b) if b.key == key && b.holders != NOBODY => Some(place_of(s, o + 1)),
+            _ => None,
+        }
+    }
+
+    /// Place of the held block `key`, looking right after `prev` first.
+    #[inline]
+    fn find(&self, prev: Place, key: BlockKey) -> Option<Place> {
+        self.next_in_segment(prev, key)
+            .or_else(|| self.by_key.get(key))
+    }
+
+    /// Where block `key`, stored right after the block at `prev` (if known), goes: its current
+    /// place when held, else a placeholder of it right after `prev`, else the tail of `prev`'s
+    /// segment, else a new segment (sized for `run` blocks, the rest of the store).
+    fn place(&mut self, prev: Option<Place>, key: BlockKey, run: usize) -> Place {
+        if let Some(p) = prev
+            && let Some(at) = self.next_in_segment(p, key)
+        {
+            return at;
+        }
+        if let Some(at) = self.by_key.get(key) {
+            return at;
+        }
+        if let Some(p) = prev {
+            let (s, o) = split(p);
+            let seg = &mut self.segs[s];
+            if o + 1 == seg.len() {
+                if seg.len() == seg.capacity() {
+                    seg.reserve_exact(run.max(seg.len() / 2).max(4));
+                }
+                seg.push(Block {
+                    key,
+                    holders: NOBODY,
+                });
+                return place_of(s, o + 1);
+            }
+            if seg.get(o + 1).is_some_and(|b| b.key == key) {
+                return place_of(s, o + 1); // its own unheld placeholder
+            }
+        }
+        let mut blocks = Vec::with_capacity(run.max(1));
+        blocks.push(Block {
+            key,
+            holders: NOBODY,
+        });
+        let s = match self.free_segs.pop() {
+            Some(s) => {
+                self.segs[s as usize] = blocks;
+                s as usize
+            }
+            None => {
+                self.segs.push(blocks);
+                self.segs.len() - 1
+            }
+        };
+        place_of(s, 0)
+    }
+
+    /// Add `slot` to the holders of the block at `p` (registering its key when it was unheld).
+    #[inline]
+    fn hold(&mut self, p: Place, slot: Slot) {
+        let (s, o) = split(p);
+        let b = &mut self.segs[s][o];
+        if b.holders == NOBODY {
+            b.holders = one(slot);
+            self.by_key.insert_absent(b.key, p);
+        } else {
+            b.holders = holders_add(b.holders, slot, &mut self.arena);
+            if b.holders & TAG_MASK == TAG_MANY {
+                self.share(s, o);
+            }
+        }
+    }
+
+    /// Let the block at `(s, o)` share its holder set with a neighbour holding the same set.
+    fn share(&mut self, s: usize, o: usize) {
+        let seg = &mut self.segs[s];
+        let h = seg[o].holders;
+        for n in [o.wrapping_sub(1), o + 1] {
+            let Some(&Block { holders: hn, .. }) = seg.get(n) else {
+                continue;
+            };
+            if hn != h && hn & TAG_MASK == TAG_MANY && self.arena.set(hn) == self.arena.set(h) {
+                self.arena.retain(hn);
+                self.arena.release(h);
+                seg[o].holders = hn;
+                return;
+            }
+        }
+    }
+
+    /// Remove one holding of `slot` from the block at `p`; an unheld block leaves the key
+    /// table, and unheld blocks at a segment's tail are cut off.
+    fn release(&mut self, p: Place, slot: Slot) {
+        let (s, o) = split(p);
+        let seg = &mut self.segs[s];
+        let b = &mut seg[o];
+        if let Some(h) = holders_remove(b.holders, slot, &mut self.arena) {
+            b.holders = h;
+            if h & TAG_MASK == TAG_MANY {
+                self.share(s, o);
+            }
+            return;
+        }
+        b.holders = NOBODY;
+        let key = b.key;
+        self.by_key.remove(key);
+        if o + 1 == seg.len() {
+            while seg.last().is_some_and(|b| b.holders == NOBODY) {
+                seg.pop();
+            }
+            if seg.is_empty() {
+                *seg = Vec::new();
+                self.free_segs.push(s as u32);
+            } else if seg.capacity() > 2 * seg.len() + 8 {
+                seg.shrink_to(seg.len() + seg.len() / 4);
+            }
+        }
+    }
+
+    /// How many leading keys of `rest` `slot` holds, continuing the chain after `from`.
+    fn follow(&self, slot: Slot, from: Place, rest: &[BlockKey]) -> usize {
+        let (mut s, mut o) = split(from);
+        let mut n = 0;
+        while n < rest.len() {
+            let after = &self.segs[s][o + 1..];
+            let m = after
+                .iter()
+                .zip(&rest[n..])
+                .take_while(|&(b, &k)| b.key == k && holds(b.holders, slot, &self.arena))
+                .count();
+            n += m;
+            if n == rest.len() {
+                break;
+            }
+            if let Some(b) = after.get(m)
+                && b.key == rest[n]
+                && b.holders != NOBODY
+            {
+                break; // the block itself, held by others only
+            }
+            match self.by_key.get(rest[n]) {
+                Some(p) if holds(self.block(p).holders, slot, &self.arena) => {
+                    n += 1;
+                    (s, o) = split(p);
+                }
+                _ => break,
+            }
+        }
+        n
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.by_key.heap_bytes()
+            + self.segs.capacity() * std::mem::size_of::<Vec<Block>>()
+            + self
+                .segs
+                .iter()
+                .map(|s| s.capacity() * std::mem::size_of::<Block>())
+                .sum::<usize>()
+            + self
+                .arena
+                .sets
+                .iter()
+                .map(|s| s.capacity() * 4 + 24)
+                .sum::<usize>()
+    }
+}
+
+/// How many blocks ahead a batch loads table slots so that their cache misses overlap.
+const AHEAD: usize = 32;
+
 // ---- per-endpoint state -------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+struct Touched {
+    at_ms: u64,
+    place: Place,
+}
 
 #[derive(Debug)]
 struct EndpointEntry {
     id: EndpointId,
     mode: IndexMode,
     max_blocks: usize,
-    /// Precise mode: engine block hash → our key.
-    by_engine_hash: HashMap<u64, BlockKey, FxBuildHasher>,
-    /// Approximate mode: our key → last use (ms), least recently used first.
-    approx: LinkedHashMap<BlockKey, u64, FxBuildHasher>,
+    /// Precise mode: engine block hash → place of the block.
+    by_engine_hash: Table,
+    /// Approximate mode: our key → last use (ms) and place, least recently used first.
+    approx: LinkedHashMap<BlockKey, Touched, FxBuildHasher>,
 }
 
 impl EndpointEntry {
@@ -234,8 +794,7 @@ impl EndpointEntry {
 #[derive(Debug)]
 pub struct KvIndex {
     config: IndexConfig,
-    blocks: HashMap<BlockKey, u64, FxBuildHasher>,
-    arena: Arena,
+    chains: Chains,
     endpoints: Vec<Option<EndpointEntry>>,
     free_slots: Vec<Slot>,
     slot_of: HashMap<EndpointId, Slot, FxBuildHasher>,
@@ -251,17 +810,16 @@ impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         Self {
             config,
-            blocks: HashMap::default(),
-            arena: Arena::default(),
+            chains: Chains::default(),
             endpoints: Vec::new(),
             free_slots: Vec::new(),
             slot_of: HashMap::default(),
         }
     }
 
-    /// Pre-size the global map for `blocks` live blocks (avoids rehash pauses on warm-up).
+    /// Pre-size the key table for `blocks` distinct blocks (avoids rehash pauses on warm-up).
     pub fn reserve(&mut self, blocks: usize) {
-        self.blocks.reserve(blocks);
+        self.chains.by_key.reserve(blocks);
     }
 
     /// Track an endpoint (idempotent). Changing an endpoint's mode drops its blocks; changing
@@ -272,6 +830,7 @@ impl KvIndex {
         mode: IndexMode,
         max_blocks: usize,
     ) -> Result<Slot, IndexError> {
+        let max_blocks = max_blocks.max(1);
         if let Some(&slot) = self.slot_of.get(&id) {
             let changed = self.entry(slot).is_some_and(|e| e.mode != mode);
             if changed {
@@ -279,7 +838,8 @@ impl KvIndex {
             }
             if let Some(e) = self.endpoints[slot as usize].as_mut() {
                 e.mode = mode;
-                e.max_blocks = max_blocks.max(1);
+                e.max_blocks = max_blocks;
+                e.by_engine_hash.limit = max_blocks;
             }
             return Ok(slot);
         }
@@ -290,8 +850,8 @@ impl KvIndex {
         let entry = EndpointEntry {
             id,
             mode,
-            max_blocks: max_blocks.max(1),
-            by_engine_hash: HashMap::default(),
+            max_blocks,
+            by_engine_hash: Table::with_limit(max_blocks),
             approx: LinkedHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
@@ -338,7 +898,7 @@ impl KvIndex {
 
     /// Distinct block keys in the index.
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.chains.by_key.len()
     }
 
     /// (endpoint, block) pairs in the index.
@@ -364,8 +924,8 @@ impl KvIndex {
     /// Our key for an engine block hash of a precise endpoint (to continue a chain from a
     /// `BlockStored` event's parent).
     pub fn key_for_engine_hash(&self, slot: Slot, engine_hash: u64) -> Option<BlockKey> {
-        self.entry(slot)
-            .and_then(|e| e.by_engine_hash.get(&engine_hash).copied())
+        let p = self.entry(slot)?.by_engine_hash.get(engine_hash)?;
+        Some(self.chains.block(p).key)
     }
 
     /// Blocks stored on a precise endpoint: `(engine hash, our key)` pairs in chain order. The
@@ -376,6 +936,19 @@ impl KvIndex {
         slot: Slot,
         blocks: &[(u64, BlockKey)],
     ) -> Result<StoreOutcome, IndexError> {
+        self.store_after(slot, None, blocks)
+    }
+
+    /// Like [`Self::store`], for blocks that continue the endpoint's block with engine hash
+    /// `parent` (a `BlockStored` event's parent): they are laid out right after it, so that a
+    /// lookup reads parent and children in one pass. An unknown parent is not an error (the
+    /// blocks are stored all the same).
+    pub fn store_after(
+        &mut self,
+        slot: Slot,
+        parent: Option<u64>,
+        blocks: &[(u64, BlockKey)],
+    ) -> Result<StoreOutcome, IndexError> {
         let Some(entry) = self
             .endpoints
             .get_mut(slot as usize)
@@ -383,24 +956,40 @@ impl KvIndex {
         else {
             return Err(IndexError::UnknownSlot(slot));
         };
-        for &(engine_hash, key) in blocks {
-            match entry.by_engine_hash.insert(engine_hash, key) {
-                Some(old) if old == key => continue,
+        let chains = &mut self.chains;
+        let mut prev = parent.and_then(|p| entry.by_engine_hash.get(p));
+        for (i, &(engine_hash, key)) in blocks.iter().enumerate() {
+            if i % AHEAD == 0 {
+                let mut sink = 0;
+                for &(eh, k) in blocks.iter().skip(i).take(AHEAD) {
+                    sink ^= entry.by_engine_hash.touch(eh) ^ chains.by_key.touch(k);
+                }
+                black_box(sink);
+            }
+            let p = match entry.by_engine_hash.get(engine_hash) {
+                Some(old) if chains.block(old).key == key => {
+                    prev = Some(old);
+                    continue;
+                }
                 Some(old) => {
                     // The engine reused a hash for different content: move the holder.
-                    Self::drop_holder(&mut self.blocks, &mut self.arena, old, slot);
+                    chains.release(old, slot);
+                    if prev == Some(old) {
+                        prev = None; // that block may be gone now
+                    }
+                    let p = chains.place(prev, key, blocks.len() - i);
+                    chains.hold(p, slot);
+                    entry.by_engine_hash.insert(engine_hash, p);
+                    p
                 }
-                None => {}
-            }
-            match self.blocks.entry(key) {
-                hashbrown::hash_map::Entry::Occupied(mut o) => {
-                    let h = *o.get();
-                    *o.get_mut() = holders_add(h, slot, &mut self.arena);
+                None => {
+                    let p = chains.place(prev, key, blocks.len() - i);
+                    chains.hold(p, slot);
+                    entry.by_engine_hash.insert_absent(engine_hash, p);
+                    p
                 }
-                hashbrown::hash_map::Entry::Vacant(v) => {
-                    v.insert(one(slot));
-                }
-            }
+            };
+            prev = Some(p);
         }
         if entry.by_engine_hash.len() > entry.max_blocks {
             self.clear_endpoint(slot);
@@ -420,29 +1009,28 @@ impl KvIndex {
             return 0;
         };
         let mut n = 0;
-        for eh in engine_hashes {
-            if let Some(key) = entry.by_engine_hash.remove(eh) {
-                Self::drop_holder(&mut self.blocks, &mut self.arena, key, slot);
+        // In batches: load the batch's table slots first, so that their cache misses overlap.
+        for batch in engine_hashes.chunks(AHEAD) {
+            let mut sink = 0;
+            for &eh in batch {
+                sink ^= entry.by_engine_hash.touch(eh);
+            }
+            black_box(sink);
+            let mut places = [VACANT; AHEAD];
+            for (p, &eh) in places.iter_mut().zip(batch) {
+                *p = entry.by_engine_hash.remove(eh).unwrap_or(VACANT);
+            }
+            let mut sink = 0;
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                sink ^= self.chains.by_key.touch(self.chains.block(p).key);
+            }
+            black_box(sink);
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                self.chains.release(p, slot);
                 n += 1;
             }
         }
         n
-    }
-
-    fn drop_holder(
-        blocks: &mut HashMap<BlockKey, u64, FxBuildHasher>,
-        arena: &mut Arena,
-        key: BlockKey,
-        slot: Slot,
-    ) {
-        if let hashbrown::hash_map::Entry::Occupied(mut o) = blocks.entry(key) {
-            match holders_remove(*o.get(), slot, arena) {
-                Some(h) => *o.get_mut() = h,
-                None => {
-                    o.remove();
-                }
-            }
-        }
     }
 
     /// Drop every block of an endpoint (`AllBlocksCleared`, resync); returns how many.
@@ -455,13 +1043,12 @@ impl KvIndex {
             return 0;
         };
         let n = entry.len();
-        for (_, key) in entry.by_engine_hash.drain() {
-            Self::drop_holder(&mut self.blocks, &mut self.arena, key, slot);
+        for p in entry.by_engine_hash.take_values() {
+            self.chains.release(p, slot);
         }
-        while let Some((key, _)) = entry.approx.pop_front() {
-            Self::drop_holder(&mut self.blocks, &mut self.arena, key, slot);
+        while let Some((_, t)) = entry.approx.pop_front() {
+            self.chains.release(t.place, slot);
         }
-        entry.by_engine_hash.shrink_to(0);
         entry.approx.shrink_to_fit();
         n
     }
@@ -482,50 +1069,53 @@ impl KvIndex {
         };
         // A request longer than the whole cache keeps only the blocks that fit.
         let keep = keys.len().min(entry.max_blocks);
-        for &key in keys[..keep].iter().rev() {
-            if entry.approx.remove(&key).is_none() {
-                match self.blocks.entry(key) {
-                    hashbrown::hash_map::Entry::Occupied(mut o) => {
-                        let h = *o.get();
-                        *o.get_mut() = holders_add(h, slot, &mut self.arena);
-                    }
-                    hashbrown::hash_map::Entry::Vacant(v) => {
-                        v.insert(one(slot));
-                    }
+        let mut prev = None;
+        for (i, &key) in keys[..keep].iter().enumerate() {
+            let p = match entry.approx.get(&key) {
+                Some(t) => t.place,
+                None => {
+                    let p = self.chains.place(prev, key, keep - i);
+                    self.chains.hold(p, slot);
+                    entry.approx.insert(
+                        key,
+                        Touched {
+                            at_ms: now_ms,
+                            place: p,
+                        },
+                    );
+                    p
                 }
+            };
+            prev = Some(p);
+        }
+        for key in keys[..keep].iter().rev() {
+            if let Some(t) = entry.approx.to_back(key) {
+                t.at_ms = now_ms;
             }
-            entry.approx.insert(key, now_ms);
         }
         while entry.approx.len() > entry.max_blocks {
-            if let Some((key, _)) = entry.approx.pop_front() {
-                Self::drop_holder(&mut self.blocks, &mut self.arena, key, slot);
+            if let Some((_, t)) = entry.approx.pop_front() {
+                self.chains.release(t.place, slot);
             }
         }
-        Self::expire_entry(
-            entry,
-            &mut self.blocks,
-            &mut self.arena,
-            slot,
-            ttl_ms,
-            now_ms,
-        );
+        Self::expire_entry(entry, &mut self.chains, slot, ttl_ms, now_ms);
     }
 
     fn expire_entry(
         entry: &mut EndpointEntry,
-        blocks: &mut HashMap<BlockKey, u64, FxBuildHasher>,
-        arena: &mut Arena,
+        chains: &mut Chains,
         slot: Slot,
         ttl_ms: u64,
         now_ms: u64,
     ) -> usize {
         let mut n = 0;
-        while let Some((&key, &touched)) = entry.approx.front() {
-            if now_ms.saturating_sub(touched) < ttl_ms {
+        while let Some((_, t)) = entry.approx.front() {
+            if now_ms.saturating_sub(t.at_ms) < ttl_ms {
                 break;
             }
+            let place = t.place;
             entry.approx.pop_front();
-            Self::drop_holder(blocks, arena, key, slot);
+            chains.release(place, slot);
             n += 1;
         }
         n
@@ -539,14 +1129,7 @@ impl KvIndex {
             if let Some(entry) = e.as_mut()
                 && let IndexMode::Approximate { ttl_ms } = entry.mode
             {
-                n += Self::expire_entry(
-                    entry,
-                    &mut self.blocks,
-                    &mut self.arena,
-                    slot as Slot,
-                    ttl_ms,
-                    now_ms,
-                );
+                n += Self::expire_entry(entry, &mut self.chains, slot as Slot, ttl_ms, now_ms);
             }
         }
         n
@@ -558,68 +1141,64 @@ impl KvIndex {
     /// order.
     pub fn longest_prefix(&self, keys: &[BlockKey], out: &mut Vec<PrefixMatch>) {
         out.clear();
-        let Some(first) = keys.first() else {
+        let Some(&first) = keys.first() else {
             return;
         };
-        let Some(&h0) = self.blocks.get(first) else {
+        let Some(p0) = self.chains.by_key.get(first) else {
             return;
         };
+        let arena = &self.chains.arena;
+        let h0 = self.chains.block(p0).holders;
         // Fast path: a block held by one endpoint, the common case.
         if h0 & TAG_MASK == TAG_ONE {
             let slot = h0 as Slot;
-            let mut n = 1;
-            for k in &keys[1..] {
-                match self.blocks.get(k) {
-                    Some(&h) if holders_contains(h, slot, &self.arena) => n += 1,
-                    _ => break,
-                }
-            }
-            out.push(PrefixMatch { slot, blocks: n });
+            let n = 1 + self.chains.follow(slot, p0, &keys[1..]);
+            out.push(PrefixMatch {
+                slot,
+                blocks: n as u32,
+            });
             return;
         }
-        let mut active: Vec<Slot> = Vec::with_capacity(8);
-        holders_into(h0, &self.arena, &mut active);
+        push_holders(h0, arena, out);
+        let mut extending = out.len();
+        let (mut at, mut h_at) = (p0, h0);
         let mut run = keys.len();
-        for (i, k) in keys.iter().enumerate().skip(1) {
-            let Some(&h) = self.blocks.get(k) else {
+        for (i, &key) in keys.iter().enumerate().skip(1) {
+            let Some(p) = self.chains.find(at, key) else {
                 run = i;
                 break;
             };
-            active.retain(|&s| {
-                let keep = holders_contains(h, s, &self.arena);
-                if !keep {
-                    out.push(PrefixMatch {
-                        slot: s,
-                        blocks: i as u32,
-                    });
+            at = p;
+            let h = self.chains.block(p).holders;
+            if same_holders(h, h_at, arena) {
+                continue;
+            }
+            h_at = h;
+            for m in out.iter_mut().filter(|m| m.blocks == EXTENDING) {
+                if !holds(h, m.slot, arena) {
+                    m.blocks = i as u32;
+                    extending -= 1;
                 }
-                keep
-            });
-            if active.is_empty() {
-                break;
+            }
+            if extending <= 1 {
+                if let Some(m) = out.iter_mut().find(|m| m.blocks == EXTENDING) {
+                    m.blocks = (i + 1 + self.chains.follow(m.slot, p, &keys[i + 1..])) as u32;
+                }
+                return;
             }
         }
-        out.extend(active.iter().map(|&slot| PrefixMatch {
-            slot,
-            blocks: run as u32,
-        }));
-        out.sort_unstable_by_key(|m| m.slot);
+        for m in out.iter_mut().filter(|m| m.blocks == EXTENDING) {
+            m.blocks = run as u32;
+        }
     }
 
     /// Approximate heap bytes used by the index's tables (for metrics and benchmarks).
     pub fn heap_bytes(&self) -> usize {
-        let word = std::mem::size_of::<(BlockKey, u64)>() + 1;
-        let mut bytes = self.blocks.capacity() * word;
-        bytes += self
-            .arena
-            .sets
-            .iter()
-            .map(|s| s.capacity() * 4 + 24)
-            .sum::<usize>();
+        let mut bytes = self.chains.heap_bytes();
         for e in self.endpoints.iter().flatten() {
-            bytes += e.by_engine_hash.capacity() * word;
+            bytes += e.by_engine_hash.heap_bytes();
             // key, value, two links per node plus the table slot
-            bytes += e.approx.capacity() * (16 + 16 + 8 + 8);
+            bytes += e.approx.capacity() * (8 + 16 + 16 + 8);
         }
         bytes
     }
@@ -782,5 +1361,80 @@ mod tests {
             .expect("slot");
         assert_eq!(a, a2);
         assert_eq!(ix.live_blocks(), 0);
+    }
+
+    #[test]
+    fn chains_continue_across_stores_and_branches() {
+        let mut ix = KvIndex::default();
+        let a = ix
+            .add_endpoint(id(1), IndexMode::Precise, 100)
+            .expect("slot");
+        let b = ix
+            .add_endpoint(id(2), IndexMode::Precise, 100)
+            .expect("slot");
+        stored(&mut ix, a, &[1, 2, 3]);
+        // continues a's chain after block 3 (laid out in the same segment)
+        let pairs: Vec<_> = [4u64, 5].iter().map(|&k| (k ^ 0xdead, k)).collect();
+        assert_eq!(
+            ix.store_after(a, Some(3 ^ 0xdead), &pairs),
+            Ok(StoreOutcome::Stored)
+        );
+        // b branches off after block 2, and also holds 1, 2
+        let pairs: Vec<_> = [1u64, 2, 7, 8].iter().map(|&k| (k ^ 0xbeef, k)).collect();
+        assert_eq!(ix.store(b, &pairs), Ok(StoreOutcome::Stored));
+        assert_eq!(matches(&ix, &[1, 2, 3, 4, 5, 6]), vec![(a, 5), (b, 2)]);
+        assert_eq!(matches(&ix, &[1, 2, 7, 8, 9]), vec![(a, 2), (b, 4)]);
+        assert_eq!(matches(&ix, &[4, 5]), vec![(a, 2)]);
+        assert_eq!(ix.key_for_engine_hash(a, 5 ^ 0xdead), Some(5));
+        assert_eq!(ix.distinct_blocks(), 7);
+        // a hole in the middle of a's chain, then the block comes back
+        assert_eq!(ix.remove(a, &[3 ^ 0xdead]), 1);
+        assert_eq!(matches(&ix, &[1, 2, 3, 4, 5]), vec![(a, 2), (b, 2)]);
+        assert_eq!(matches(&ix, &[4, 5]), vec![(a, 2)]);
+        let back = [(3 ^ 0xbeef, 3)];
+        assert_eq!(
+            ix.store_after(b, Some(2 ^ 0xbeef), &back),
+            Ok(StoreOutcome::Stored)
+        );
+        assert_eq!(matches(&ix, &[1, 2, 3, 4]), vec![(a, 2), (b, 3)]);
+        stored(&mut ix, a, &[3]);
+        assert_eq!(matches(&ix, &[1, 2, 3, 4, 5]), vec![(a, 5), (b, 3)]);
+        ix.remove_endpoint(&id(1));
+        ix.remove_endpoint(&id(2));
+        assert_eq!(ix.distinct_blocks(), 0);
+        assert_eq!(ix.live_blocks(), 0);
+    }
+
+    #[test]
+    fn engine_hash_reused_within_one_store() {
+        let mut ix = KvIndex::default();
+        let a = ix
+            .add_endpoint(id(1), IndexMode::Precise, 100)
+            .expect("slot");
+        ix.store(a, &[(100, 1), (100, 2), (101, 3)]).expect("store");
+        assert_eq!(matches(&ix, &[1]), vec![]);
+        assert_eq!(matches(&ix, &[2, 3]), vec![(a, 2)]);
+        assert_eq!(ix.live_blocks(), 2);
+        assert_eq!(ix.distinct_blocks(), 2);
+    }
+
+    #[test]
+    fn tables_shrink_and_grow_under_churn() {
+        let mut ix = KvIndex::default();
+        let a = ix
+            .add_endpoint(id(1), IndexMode::Precise, 1000)
+            .expect("slot");
+        for round in 0..50u64 {
+            let keys: Vec<u64> = (0..200).map(|i| round * 1000 + i).collect();
+            stored(&mut ix, a, &keys);
+            assert_eq!(matches(&ix, &keys), vec![(a, 200)]);
+            let evict: Vec<u64> = keys[100..].iter().rev().map(|k| k ^ 0xdead).collect();
+            assert_eq!(ix.remove(a, &evict), 100);
+            assert_eq!(matches(&ix, &keys), vec![(a, 100)]);
+            let rest: Vec<u64> = keys[..100].iter().map(|k| k ^ 0xdead).collect();
+            assert_eq!(ix.remove(a, &rest), 100);
+        }
+        assert_eq!(ix.distinct_blocks(), 0);
+        assert_eq!(ix.endpoint_blocks(a), 0);
     }
 }

@@ -84,7 +84,7 @@ pub fn apply_batch(
                 keys.hasher.continue_into(parent, token_ids, &mut chain);
                 pairs.clear();
                 pairs.extend(block_hashes.iter().copied().zip(chain.iter().copied()));
-                match index.store(slot, &pairs) {
+                match index.store_after(slot, *parent_block_hash, &pairs) {
                     Ok(StoreOutcome::Stored) => stats.stored_blocks += n,
                     Ok(StoreOutcome::Overflowed) => {
                         stats.overflowed = true;

@@ -1,0 +1,360 @@
+//! The three indexes behind one measurement routine each: replay the event stream (timed,
+//! single thread), account the memory the build kept, then time the queries one by one.
+//!
+//! Everything an index needs in its own types (block pairs, hash newtypes, owned events) is
+//! prepared before its clock starts; what an index takes by value (Dynamo's events and query
+//! vectors) is built before its memory window opens or outside the timed call.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Instant;
+
+use crate::alloc;
+use crate::workload::{EventKind, Workload};
+
+/// Per-query results, normalised: `(worker, matched blocks)` sorted by worker, non-zero only.
+pub type Matches = Vec<Vec<(u32, u32)>>;
+
+/// One build-and-query of one index.
+pub struct Run {
+    pub ingest_secs: f64,
+    /// CPU time of the replaying thread (immune to preemption on a shared machine).
+    pub ingest_cpu_secs: f64,
+    pub alloc_bytes: isize,
+    pub rss_bytes: isize,
+    /// RSS change once freed heap pages are handed back (`malloc_trim`): what the index keeps.
+    pub rss_trimmed_bytes: isize,
+    /// Live (worker, block) pairs as the index itself counts them.
+    pub live_reported: usize,
+    /// Event errors the index returned (must be zero).
+    pub errors: usize,
+    pub query_ns: Vec<u64>,
+    pub matches: Matches,
+}
+
+/// The memory window: net allocation, RSS change, and RSS change after trimming, across
+/// `build`.
+fn measured<T>(build: impl FnOnce() -> T) -> (T, isize, isize, isize) {
+    alloc::trim();
+    let (a0, r0) = (alloc::allocated(), alloc::rss());
+    let built = build();
+    let (a1, r1) = (alloc::allocated(), alloc::rss());
+    alloc::trim();
+    let r2 = alloc::rss();
+    (
+        built,
+        a1 as isize - a0 as isize,
+        r1 as isize - r0 as isize,
+        r2 as isize - r0 as isize,
+    )
+}
+
+/// Time every query individually, `passes` times over the set. `prepare(i)` builds, off the
+/// clock, whatever query `i` consumes; `query(i, input, &mut out)` runs it and leaves its
+/// `(worker, blocks)` result in `out` (only the first pass's results are kept).
+fn time_queries<T>(
+    w: &Workload,
+    passes: usize,
+    mut prepare: impl FnMut(usize) -> T,
+    mut query: impl FnMut(usize, T, &mut Vec<(u32, u32)>),
+) -> (Vec<u64>, Matches) {
+    let mut samples = Vec::with_capacity(w.queries.len() * passes);
+    let mut matches = Vec::with_capacity(w.queries.len());
+    let mut out = Vec::with_capacity(w.workers as usize);
+    for pass in 0..passes {
+        for (i, _) in w.queries.iter().enumerate() {
+            let input = prepare(i);
+            out.clear();
+            let t = Instant::now();
+            query(i, input, &mut out);
+            let ns = t.elapsed().as_nanos() as u64;
+            samples.push(ns);
+            if pass == 0 {
+                let mut m = out.clone();
+                m.sort_unstable();
+                matches.push(m);
+            }
+        }
+    }
+    (samples, matches)
+}
+
+// ---- kvroute ------------------------------------------------------------------------------
+
+pub fn kvroute(w: &Workload, passes: usize) -> Run {
+    use kvroute_picker::endpoint::EndpointId;
+    use kvroute_picker::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+
+    // Engine hash and block key are the same u64 here (the chain hash).
+    let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
+    let mut errors = 0;
+    let mut ingest_secs = 0.0;
+    let mut ingest_cpu_secs = 0.0;
+    let ((ix, slots), alloc_bytes, rss_bytes, rss_trimmed_bytes) = measured(|| {
+        let mut ix = KvIndex::new(IndexConfig::default());
+        let slots: Vec<u32> = (0..w.workers)
+            .map(|i| {
+                let id = EndpointId::new(
+                    IpAddr::V4(Ipv4Addr::new(10, 0, (i >> 8) as u8, i as u8)),
+                    8000,
+                    0,
+                );
+                ix.add_endpoint(id, IndexMode::Precise, w.capacity)
+                    .expect("endpoint slot")
+            })
+            .collect();
+        let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
+        for ev in &w.events {
+            let slot = slots[ev.worker as usize];
+            match ev.kind {
+                EventKind::Stored { parent } => {
+                    // The service resolves the parent's key to chain the new blocks' keys.
+                    if let Some(p) = parent
+                        && black_box(ix.key_for_engine_hash(slot, p)).is_none()
+                    {
+                        errors += 1;
+                    }
+                    match ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]) {
+                        Ok(StoreOutcome::Stored) => {}
+                        _ => errors += 1,
+                    }
+                }
+                EventKind::Removed => {
+                    let n = ix.remove(slot, w.event_chain(ev));
+                    errors += ev.len - n;
+                }
+            }
+        }
+        ingest_secs = t.elapsed().as_secs_f64();
+        ingest_cpu_secs = alloc::thread_cpu_secs() - c;
+        (ix, slots)
+    });
+    let live_reported = ix.live_blocks();
+    let worker_of_slot = |s: u32| slots.iter().position(|&x| x == s).unwrap_or(usize::MAX) as u32;
+    let mut found: Vec<PrefixMatch> = Vec::with_capacity(w.workers as usize);
+    let (query_ns, matches) = time_queries(
+        w,
+        passes,
+        |_| {},
+        |i, (), out| {
+            let r = &w.requests[w.queries[i]];
+            ix.longest_prefix(w.request_chain(r), &mut found);
+            out.extend(found.iter().map(|m| (m.slot, m.blocks)));
+        },
+    );
+    let matches = matches
+        .into_iter()
+        .map(|m| {
+            let mut m: Vec<_> = m.into_iter().map(|(s, b)| (worker_of_slot(s), b)).collect();
+            m.sort_unstable();
+            m
+        })
+        .collect();
+    Run {
+        ingest_secs,
+        ingest_cpu_secs,
+        alloc_bytes,
+        rss_bytes,
+        rss_trimmed_bytes,
+        live_reported,
+        errors,
+        query_ns,
+        matches,
+    }
+}
+
+// ---- kv-index (SGLang gateway) ------------------------------------------------------------
+
+pub fn kv_index(w: &Workload, passes: usize) -> Run {
+    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+
+    let blocks: Vec<StoredBlock> = w
+        .ev_chain
+        .iter()
+        .zip(&w.ev_content)
+        .map(|(&h, &c)| StoredBlock {
+            seq_hash: SequenceHash(h),
+            content_hash: ContentHash(c),
+        })
+        .collect();
+    let seqs: Vec<SequenceHash> = w.ev_chain.iter().map(|&h| SequenceHash(h)).collect();
+    let mut errors = 0;
+    let mut ingest_secs = 0.0;
+    let mut ingest_cpu_secs = 0.0;
+    let ((index, ids, maps), alloc_bytes, rss_bytes, rss_trimmed_bytes) = measured(|| {
+        // Coverage is sized for the fleet at hand (one 64-bit word), the peer's best case.
+        let index = ChainIndex::with_max_workers(w.workers as usize);
+        let ids: Vec<u32> = (0..w.workers)
+            .map(|i| {
+                index
+                    .intern_worker(&format!("http://10.0.{}.{}:8000", i >> 8, i & 255))
+                    .expect("worker id")
+            })
+            .collect();
+        let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
+        let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
+        for ev in &w.events {
+            let (id, map) = (ids[ev.worker as usize], &mut maps[ev.worker as usize]);
+            match ev.kind {
+                EventKind::Stored { parent } => {
+                    if index
+                        .apply_stored(
+                            id,
+                            &blocks[ev.start..ev.start + ev.len],
+                            parent.map(SequenceHash),
+                            map,
+                        )
+                        .is_err()
+                    {
+                        errors += 1;
+                    }
+                }
+                EventKind::Removed => {
+                    index.apply_removed(id, &seqs[ev.start..ev.start + ev.len], map);
+                }
+            }
+        }
+        ingest_secs = t.elapsed().as_secs_f64();
+        ingest_cpu_secs = alloc::thread_cpu_secs() - c;
+        (index, ids, maps)
+    });
+    let live_reported = index.current_size();
+    let worker_of_id = |id: u32| ids.iter().position(|&x| x == id).unwrap_or(usize::MAX) as u32;
+    let (query_ns, matches) = time_queries(
+        w,
+        passes,
+        |_| {},
+        |i, (), out| {
+            let r = &w.requests[w.queries[i]];
+            index.score_into(
+                w.request_content(r),
+                |&c| c,
+                false,
+                |id, score| {
+                    out.push((id, score));
+                },
+            );
+        },
+    );
+    drop(maps);
+    let matches = matches
+        .into_iter()
+        .map(|m| {
+            let mut m: Vec<_> = m.into_iter().map(|(id, b)| (worker_of_id(id), b)).collect();
+            m.sort_unstable();
+            m
+        })
+        .collect();
+    Run {
+        ingest_secs,
+        ingest_cpu_secs,
+        alloc_bytes,
+        rss_bytes,
+        rss_trimmed_bytes,
+        live_reported,
+        errors,
+        query_ns,
+        matches,
+    }
+}
+
+// ---- dynamo-kv-router (NVIDIA Dynamo) -----------------------------------------------------
+
+pub fn dynamo(w: &Workload, passes: usize) -> Run {
+    use dynamo_kv_router::RadixTree;
+    use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+        KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    };
+
+    let mut errors = 0;
+    let mut ingest_secs = 0.0;
+    let mut ingest_cpu_secs = 0.0;
+    // The tree consumes its events: they are built inside the memory window and all freed by
+    // the replay, so the window's net delta is the tree alone.
+    let (tree, alloc_bytes, rss_bytes, rss_trimmed_bytes) = measured(|| {
+        let events: Vec<RouterEvent> = w
+            .events
+            .iter()
+            .enumerate()
+            .map(|(i, ev)| {
+                let data = match ev.kind {
+                    EventKind::Stored { parent } => KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash: parent.map(ExternalSequenceBlockHash),
+                        start_position: None,
+                        blocks: w
+                            .event_chain(ev)
+                            .iter()
+                            .zip(w.event_content(ev))
+                            .map(|(&h, &c)| KvCacheStoredBlockData {
+                                block_hash: ExternalSequenceBlockHash(h),
+                                tokens_hash: LocalBlockHash(c),
+                                mm_extra_info: None,
+                            })
+                            .collect(),
+                    }),
+                    EventKind::Removed => KvCacheEventData::Removed(KvCacheRemoveData {
+                        block_hashes: w
+                            .event_chain(ev)
+                            .iter()
+                            .map(|&h| ExternalSequenceBlockHash(h))
+                            .collect(),
+                    }),
+                };
+                RouterEvent::new(
+                    u64::from(ev.worker),
+                    KvCacheEvent {
+                        event_id: i as u64,
+                        data,
+                        dp_rank: 0,
+                    },
+                )
+            })
+            .collect();
+        let mut tree = RadixTree::new();
+        let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
+        for ev in events {
+            if tree.apply_event(ev).is_err() {
+                errors += 1;
+            }
+        }
+        ingest_secs = t.elapsed().as_secs_f64();
+        ingest_cpu_secs = alloc::thread_cpu_secs() - c;
+        tree
+    });
+    let live_reported = tree.current_size();
+    let (query_ns, matches) = time_queries(
+        w,
+        passes,
+        |i| {
+            // find_matches takes its sequence by value: build it outside the clock.
+            let r = &w.requests[w.queries[i]];
+            w.request_content(r)
+                .iter()
+                .map(|&c| LocalBlockHash(c))
+                .collect::<Vec<_>>()
+        },
+        |_, seq, out| {
+            let scores = tree.find_matches(seq, false);
+            out.extend(
+                scores
+                    .scores
+                    .iter()
+                    .map(|(wk, &s)| (wk.worker_id as u32, s)),
+            );
+            // The result's drop is part of the call's cost: it cannot be kept.
+            drop(scores);
+        },
+    );
+    Run {
+        ingest_secs,
+        ingest_cpu_secs,
+        alloc_bytes,
+        rss_bytes,
+        rss_trimmed_bytes,
+        live_reported,
+        errors,
+        query_ns,
+        matches,
+    }
+}
