@@ -455,3 +455,26 @@ async fn models_health_and_metrics() {
     assert!(dbg["endpoints"][0]["cached_blocks"].as_u64().is_some());
     picker.shutdown().await;
 }
+
+#[tokio::test]
+async fn shutdown_drains_an_in_flight_stream() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_yaml(engine.addr.port(), "")).await;
+    let resp = post(
+        format!("http://{}/v1/completions", picker.addrs.http),
+        json!({"model": "llama", "prompt": "drain me", "stream": true}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    // shutdown starts while the engine is still streaming (5 chunks, 20 ms apart)
+    let stopping = tokio::spawn(picker.shutdown());
+    let body = resp.bytes().await.unwrap();
+    assert_eq!(
+        String::from_utf8(body.to_vec()).unwrap(),
+        sse_chunks().concat()
+    );
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("shutdown finished")
+        .unwrap();
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Picker overhead over loopback: the same requests sent straight to a simulated engine that
+# answers (almost) instantly, and through kvroute-picker in front of it, by wrk from a separate
+# process. Added latency = picker percentile - direct percentile. Also the pick API's
+# sustained decisions/s (tokenize + hash + match + score, nothing forwarded).
+#
+#   scripts/bench-picker-overhead.sh [seconds-per-run]
+#
+# Needs wrk (apt-get install wrk) and python3. Everything binds 127.0.0.1; every process it
+# starts is stopped on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DUR=${1:-10}
+command -v wrk >/dev/null || { echo "wrk is required: apt-get install wrk" >&2; exit 1; }
+cargo build --release -q -p kvroute-picker -p kvroute-e2e --bin kvroute-picker --bin kvroute-sim
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
+trap cleanup EXIT
+
+TOK=picker/tests/fixtures/tokenizer
+target/release/kvroute-sim --host 127.0.0.1 --port 0 --model bench --speedup 100000 \
+  --kv-blocks 400000 --kv-events-port auto --kv-replay-port auto --default-max-tokens 1 \
+  --max-batched-tokens 262144 --tokenizer "$TOK" >"$TMP/sim.json" 2>"$TMP/sim.log" &
+PIDS+=($!)
+for _ in $(seq 100); do [ -s "$TMP/sim.json" ] && break; sleep 0.1; done
+read -r HTTP EV RP < <(python3 -c '
+import json,sys; e=json.load(open(sys.argv[1]))["engines"][0]
+print(e["http"], e["kv_events"][0].split(":")[-1], e["replay"][0].split(":")[-1])' "$TMP/sim.json")
+cat >"$TMP/picker.yaml" <<YAML
+listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: null}
+modelConfigs:
+  - name: bench
+    model: bench
+    port: ${HTTP##*:}
+    kvEvents: {port: 1}
+    tokenizer: {path: $PWD/$TOK/tokenizer.json, configPath: $PWD/$TOK/tokenizer_config.json}
+endpoints:
+  - {address: 127.0.0.1, modelConfig: bench, kvEventsPort: $EV, kvReplayPort: $RP}
+limits: {maxBodyBytes: 67108864, maxPromptTokens: 1048576}
+YAML
+RUST_LOG=warn target/release/kvroute-picker --config "$TMP/picker.yaml" --print-addresses >"$TMP/picker.json" 2>"$TMP/picker.log" &
+PIDS+=($!)
+for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
+PHTTP=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$TMP/picker.json")
+PADMIN=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' "$TMP/picker.json")
+
+# request bodies: token-id prompts (no tokenization) and text prompts (tokenized by the picker)
+python3 - "$TMP" <<'PY'
+import json, sys, random
+out = sys.argv[1]
+random.seed(7)
+words = "kv cache aware routing sends each request to the replica that holds its prefix".split()
+for k in (1, 8, 128):
+    n = k * 1024
+    ids = [random.randrange(1, 400) for _ in range(n)]
+    json.dump({"model": "bench", "prompt": ids, "max_tokens": 1}, open(f"{out}/ids{k}k.json", "w"))
+    # the fixture tokenizer makes roughly one token per 1.8 characters of this text
+    text = " ".join(random.choice(words) + str(i % 97) for i in range(int(n / 2.2)))
+    json.dump({"model": "bench", "prompt": text, "max_tokens": 1}, open(f"{out}/text{k}k.json", "w"))
+PY
+cat >"$TMP/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = io.open(os.getenv("BODY"), "rb"); wrk.body = f:read("*a"); f:close()
+function done(summary, latency, requests)
+  io.write(string.format("RESULT %d %d %.1f %.1f %.1f\n", summary.requests, summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    latency:percentile(50), latency:percentile(99), summary.requests / (summary.duration / 1e6)))
+end
+LUA
+run() { # url body conns -> "requests errors p50us p99us rps"
+  BODY="$2" wrk -t1 -c"$3" -d"${DUR}s" --timeout 30s -s "$TMP/post.lua" "$1" | awk '/^RESULT/ {print $2, $3, $4, $5, $6}'
+}
+printf "%-10s %-8s %10s %10s %10s %10s %10s %12s\n" prompt path p50_us p99_us add_p50_us add_p99_us errors req_per_s
+for kind in ids text; do
+  for k in 1 8 128; do
+    body="$TMP/${kind}${k}k.json"
+    read -r n1 e1 d50 d99 drps < <(run "http://$HTTP/v1/completions" "$body" 1)
+    read -r n2 e2 p50 p99 prps < <(run "http://$PHTTP/v1/completions" "$body" 1)
+    printf "%-10s %-8s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" direct "$d50" "$d99" - - "$e1" "$drps"
+    printf "%-10s %-8s %10.0f %10.0f %10.0f %10.0f %10s %12.1f\n" "${kind}-${k}k" picker "$p50" "$p99" \
+      "$(python3 -c "print($p50-$d50)")" "$(python3 -c "print($p99-$d99)")" "$e2" "$prps"
+    read -r n3 e3 k50 k99 krps < <(run "http://$PADMIN/v1/pick" "$body" 4)
+    printf "%-10s %-8s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" pick-api "$k50" "$k99" - - "$e3" "$krps"
+  done
+done
