@@ -30,6 +30,10 @@ async fn sim(host: &str) -> SimHandle {
 
 /// A picker routing between the given engines, with precise KV events.
 async fn picker(engines: &[&SimHandle], strategy: &str) -> Running {
+    picker_with(engines, strategy, "").await
+}
+
+async fn picker_with(engines: &[&SimHandle], strategy: &str, model_extra: &str) -> Running {
     let mut endpoints = String::new();
     for e in engines {
         let a = &e.addrs()[0];
@@ -49,6 +53,7 @@ modelConfigs:
     model: llama
     blockSize: 16
     kvEvents: {{port: 1}}
+{model_extra}
 endpoints:
 {endpoints}
 routing: {{strategy: {strategy}, stalenessThreshold: 5s}}
@@ -440,6 +445,50 @@ async fn ext_proc_routes_to_the_cached_engine_honours_the_subset_and_rejects_wit
         envoy::Answer::Immediate { status, .. } => assert_eq!(status, 404),
         other => panic!("expected 404, got {other:?}"),
     }
+    p.shutdown().await;
+    a.shutdown();
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_render_gives_the_picker_the_engines_own_tokens() {
+    let a = sim("127.0.0.6").await;
+    let b = sim("127.0.0.7").await;
+    // no local tokenizer: without the render hop the picker would hash character chunks,
+    // which can never match the engine's token blocks
+    let p = picker_with(
+        &[&a, &b],
+        "CostModel",
+        "    tokenizer: {useEngineRender: true}",
+    )
+    .await;
+    let messages = json!([
+        {"role": "system", "content": "You are a careful assistant. ".repeat(40)},
+        {"role": "user", "content": "Summarize the plan."}
+    ]);
+    let r = client()
+        .post(format!("http://{}/v1/chat/completions", b.addrs()[0].http))
+        .json(&json!({"model": "llama", "messages": messages, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    eventually("b's blocks", || indexed_blocks(&p, "127.0.0.7") >= 40).await;
+    let picked: Value = client()
+        .post(format!("http://{}/v1/pick", p.addrs.admin))
+        .json(&json!({"model": "llama", "messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        picked["endpoint"].as_str().unwrap().split(':').next(),
+        Some("127.0.0.7"),
+        "{picked}"
+    );
+    assert!(picked["matched_blocks"].as_u64().unwrap() >= 40, "{picked}");
     p.shutdown().await;
     a.shutdown();
     b.shutdown();
