@@ -12,7 +12,7 @@ use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use http::HeaderMap;
 use parking_lot::RwLock;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
@@ -112,14 +112,105 @@ impl ApiKind {
     }
 }
 
+/// A completion prompt as OpenAI accepts it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    /// Token ids (of the first prompt when a batch was sent).
+    Ids(Vec<u32>),
+}
+
+impl<'de> serde::Deserialize<'de> for Prompt {
+    /// Reads a string, a list of strings, a list of token ids or a list of token-id lists,
+    /// keeping only the first prompt of a batch (they usually share the prefix that matters).
+    /// Token ids go straight into `u32`s: no intermediate JSON tree for 100k-token prompts.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{Error, IgnoredAny, SeqAccess, Visitor};
+
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum First {
+            Text(String),
+            Id(u32),
+            Ids(Vec<u32>),
+        }
+
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Prompt;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string, a list of strings or a list of token ids")
+            }
+
+            fn visit_str<E: Error>(self, v: &str) -> Result<Prompt, E> {
+                Ok(Prompt::Text(v.to_owned()))
+            }
+
+            fn visit_string<E: Error>(self, v: String) -> Result<Prompt, E> {
+                Ok(Prompt::Text(v))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+                let first: Option<First> = seq.next_element()?;
+                let out = match first {
+                    None => return Err(A::Error::custom("`prompt` must not be empty")),
+                    Some(First::Text(t)) => Prompt::Text(t),
+                    Some(First::Ids(ids)) => Prompt::Ids(ids),
+                    Some(First::Id(id)) => {
+                        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(1024) + 1);
+                        ids.push(id);
+                        while let Some(t) = seq.next_element::<u32>()? {
+                            ids.push(t);
+                        }
+                        return Ok(Prompt::Ids(ids));
+                    }
+                };
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(out)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The fields the picker reads; everything else is forwarded untouched.
+#[derive(serde::Deserialize)]
+struct Head {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    prompt: Option<Prompt>,
+    #[serde(default)]
+    stream: Option<Value>,
+    #[serde(default)]
+    messages: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+}
+
+/// The chat fields the template needs.
+#[derive(Debug, Clone)]
+pub struct ChatFields {
+    pub messages: Value,
+    pub tools: Option<Value>,
+    pub add_generation_prompt: bool,
+    pub kwargs: Option<Value>,
+}
+
 /// A request body parsed once.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
     pub kind: ApiKind,
-    pub body: Map<String, Value>,
     pub raw: Bytes,
     pub model: String,
     pub stream: bool,
+    pub prompt: Option<Prompt>,
+    pub chat: Option<ChatFields>,
 }
 
 impl ParsedRequest {
@@ -127,20 +218,22 @@ impl ParsedRequest {
         if raw.len() > limits.max_body_bytes {
             return Err(ApiError::too_large(limits.max_body_bytes));
         }
-        let value: Value = serde_json::from_slice(&raw).map_err(|e| {
-            ApiError::bad_request(
-                "invalid_json",
-                format!("request body is not valid JSON: {e}"),
-            )
-        })?;
-        let Value::Object(body) = value else {
+        if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return Err(ApiError::bad_request(
                 "invalid_json",
                 "request body must be a JSON object",
             ));
-        };
-        let model = match body.get("model") {
-            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        }
+        let head: Head = serde_json::from_slice(&raw).map_err(|e| {
+            let code = if e.is_data() {
+                "invalid_field"
+            } else {
+                "invalid_json"
+            };
+            ApiError::bad_request(code, format!("invalid request body: {e}"))
+        })?;
+        let model = match head.model {
+            Some(Value::String(m)) if !m.is_empty() => m,
             Some(_) => {
                 return Err(ApiError::bad_request(
                     "invalid_field",
@@ -154,57 +247,9 @@ impl ParsedRequest {
                 ));
             }
         };
-        match kind {
-            ApiKind::Completions => match body.get("prompt") {
-                None => {
-                    return Err(ApiError::bad_request(
-                        "missing_field",
-                        "missing required field `prompt`",
-                    ));
-                }
-                Some(Value::String(_) | Value::Array(_)) => {}
-                Some(_) => {
-                    return Err(ApiError::bad_request(
-                        "invalid_field",
-                        "`prompt` must be a string, a list of strings or a list of token ids",
-                    ));
-                }
-            },
-            ApiKind::ChatCompletions => match body.get("messages") {
-                None => {
-                    return Err(ApiError::bad_request(
-                        "missing_field",
-                        "missing required field `messages`",
-                    ));
-                }
-                Some(Value::Array(m)) if m.is_empty() => {
-                    return Err(ApiError::bad_request(
-                        "invalid_field",
-                        "`messages` must not be empty",
-                    ));
-                }
-                Some(Value::Array(m)) if m.len() > limits.max_messages => {
-                    return Err(ApiError::bad_request(
-                        "too_many_messages",
-                        format!(
-                            "`messages` has {} entries, more than the limit of {}",
-                            m.len(),
-                            limits.max_messages
-                        ),
-                    ));
-                }
-                Some(Value::Array(_)) => {}
-                Some(_) => {
-                    return Err(ApiError::bad_request(
-                        "invalid_field",
-                        "`messages` must be an array",
-                    ));
-                }
-            },
-        }
-        let stream = match body.get("stream") {
+        let stream = match head.stream {
             None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
+            Some(Value::Bool(b)) => b,
             Some(_) => {
                 return Err(ApiError::bad_request(
                     "invalid_field",
@@ -212,12 +257,78 @@ impl ParsedRequest {
                 ));
             }
         };
+        let (prompt, chat) = match kind {
+            ApiKind::Completions => match head.prompt {
+                None => {
+                    return Err(ApiError::bad_request(
+                        "missing_field",
+                        "missing required field `prompt`",
+                    ));
+                }
+                Some(Prompt::Ids(ids)) if ids.len() > limits.max_prompt_tokens => {
+                    return Err(ApiError::bad_request(
+                        "prompt_too_long",
+                        format!(
+                            "the prompt has {} tokens, more than the limit of {}",
+                            ids.len(),
+                            limits.max_prompt_tokens
+                        ),
+                    ));
+                }
+                Some(p) => (Some(p), None),
+            },
+            ApiKind::ChatCompletions => {
+                let messages = match head.messages {
+                    None => {
+                        return Err(ApiError::bad_request(
+                            "missing_field",
+                            "missing required field `messages`",
+                        ));
+                    }
+                    Some(Value::Array(m)) if m.is_empty() => {
+                        return Err(ApiError::bad_request(
+                            "invalid_field",
+                            "`messages` must not be empty",
+                        ));
+                    }
+                    Some(Value::Array(m)) if m.len() > limits.max_messages => {
+                        return Err(ApiError::bad_request(
+                            "too_many_messages",
+                            format!(
+                                "`messages` has {} entries, more than the limit of {}",
+                                m.len(),
+                                limits.max_messages
+                            ),
+                        ));
+                    }
+                    Some(m @ Value::Array(_)) => m,
+                    Some(_) => {
+                        return Err(ApiError::bad_request(
+                            "invalid_field",
+                            "`messages` must be an array",
+                        ));
+                    }
+                };
+                let chat = ChatFields {
+                    messages,
+                    tools: head.tools.filter(|t| !t.is_null()),
+                    add_generation_prompt: head
+                        .add_generation_prompt
+                        .as_ref()
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
+                    kwargs: head.chat_template_kwargs.filter(Value::is_object),
+                };
+                (None, Some(chat))
+            }
+        };
         Ok(Self {
             kind,
-            body,
             raw,
             model,
             stream,
+            prompt,
+            chat,
         })
     }
 }
@@ -710,29 +821,26 @@ impl PickerCore {
             self.metrics.error("render_fallback");
         }
         let tok = entry.tokenizer.clone();
-        let body = &req.body;
-        let input = match req.kind {
-            ApiKind::Completions => {
-                if let Some(ids) = prompt_token_ids(body, self.limits.max_prompt_tokens)? {
-                    let out = tok
-                        .tokenize(PromptInput::TokenIds(&ids))
-                        .map_err(tokenize_error)?;
-                    // token ids are the engine's own tokens whatever the tokenizer setup
-                    return Ok((out.ids, TokenKind::Tokens));
-                }
-                prompt_input(body)?
+        let input = match (&req.prompt, &req.chat) {
+            (Some(Prompt::Ids(ids)), _) => {
+                let out = tok
+                    .tokenize(PromptInput::TokenIds(ids))
+                    .map_err(tokenize_error)?;
+                // token ids are the engine's own tokens whatever the tokenizer setup
+                return Ok((out.ids, TokenKind::Tokens));
             }
-            ApiKind::ChatCompletions => {
-                let messages = body.get("messages").unwrap_or(&Value::Null);
-                PromptInput::Chat {
-                    messages,
-                    tools: body.get("tools").filter(|t| !t.is_null()),
-                    add_generation_prompt: body
-                        .get("add_generation_prompt")
-                        .and_then(Value::as_bool)
-                        .unwrap_or(true),
-                    extra: body.get("chat_template_kwargs").filter(|t| t.is_object()),
-                }
+            (Some(Prompt::Text(t)), _) => PromptInput::Text(t),
+            (None, Some(chat)) => PromptInput::Chat {
+                messages: &chat.messages,
+                tools: chat.tools.as_ref(),
+                add_generation_prompt: chat.add_generation_prompt,
+                extra: chat.kwargs.as_ref(),
+            },
+            (None, None) => {
+                return Err(ApiError::bad_request(
+                    "missing_field",
+                    "missing required field `prompt` or `messages`",
+                ));
             }
         };
         let out = tok.tokenize(input).map_err(tokenize_error)?;
@@ -832,7 +940,10 @@ impl PickerCore {
         if inject.is_empty() {
             return (headers, req.raw.clone());
         }
-        let mut body = req.body.clone();
+        // the slow path, only for bodies that need a field injected
+        let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&req.raw) else {
+            return (headers, req.raw.clone());
+        };
         for (k, v) in inject {
             body.insert(k.to_owned(), v);
         }
@@ -874,61 +985,6 @@ impl Drop for Admission {
     }
 }
 
-fn prompt_input(body: &Map<String, Value>) -> Result<PromptInput<'_>, ApiError> {
-    let bad = || {
-        ApiError::bad_request(
-            "invalid_field",
-            "`prompt` must be a string, a list of strings or a list of token ids",
-        )
-    };
-    match body.get("prompt") {
-        Some(Value::String(s)) => Ok(PromptInput::Text(s)),
-        // a batch of prompts: route by the first (they are usually variations of one prefix)
-        Some(Value::Array(items)) => match items.first() {
-            Some(Value::String(s)) => Ok(PromptInput::Text(s)),
-            _ => Err(bad()),
-        },
-        _ => Err(bad()),
-    }
-}
-
-/// Token ids given directly in `prompt` (a list of ints, or a batch of such lists).
-pub fn prompt_token_ids(
-    body: &Map<String, Value>,
-    max: usize,
-) -> Result<Option<Vec<u32>>, ApiError> {
-    let list = match body.get("prompt") {
-        Some(Value::Array(items)) => match items.first() {
-            Some(Value::Number(_)) => items,
-            Some(Value::Array(inner)) => inner,
-            _ => return Ok(None),
-        },
-        _ => return Ok(None),
-    };
-    if list.len() > max {
-        return Err(ApiError::bad_request(
-            "prompt_too_long",
-            format!(
-                "the prompt has {} tokens, more than the limit of {max}",
-                list.len()
-            ),
-        ));
-    }
-    list.iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| {
-                    ApiError::bad_request(
-                        "invalid_field",
-                        "token ids in `prompt` must be non-negative integers",
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
-}
-
 fn tokenize_error(e: TokenizeError) -> ApiError {
     let code = match &e {
         TokenizeError::InputLimit { .. } => "prompt_too_long",
@@ -938,4 +994,118 @@ fn tokenize_error(e: TokenizeError) -> ApiError {
         _ => "tokenization_failed",
     };
     ApiError::bad_request(code, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(kind: ApiKind, body: &str) -> Result<ParsedRequest, ApiError> {
+        ParsedRequest::parse(kind, Bytes::from(body.to_owned()), &Limits::default())
+    }
+
+    #[test]
+    fn prompts_in_every_openai_shape() {
+        let p = |b: &str| parse(ApiKind::Completions, b).expect("valid").prompt;
+        assert_eq!(
+            p(r#"{"model":"m","prompt":"hi"}"#),
+            Some(Prompt::Text("hi".into()))
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#),
+            Some(Prompt::Text("a".into()))
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2,3]}"#),
+            Some(Prompt::Ids(vec![1, 2, 3]))
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[4,5],[6]]}"#),
+            Some(Prompt::Ids(vec![4, 5]))
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_400s_naming_the_problem() {
+        for (body, code) in [
+            ("[1,2]", "invalid_json"),
+            ("{\"model\":\"m\",\"prompt\":", "invalid_json"),
+            (r#"{"model":"m","prompt":[-1]}"#, "invalid_field"),
+            (r#"{"model":"m","prompt":[1,"x"]}"#, "invalid_field"),
+            (r#"{"model":"m","prompt":{}}"#, "invalid_field"),
+            (r#"{"model":"m","prompt":[]}"#, "invalid_field"),
+            (r#"{"model":"m"}"#, "missing_field"),
+            (r#"{"prompt":"x"}"#, "missing_field"),
+            (r#"{"model":7,"prompt":"x"}"#, "invalid_field"),
+            (
+                r#"{"model":"m","prompt":"x","stream":"yes"}"#,
+                "invalid_field",
+            ),
+        ] {
+            let e = parse(ApiKind::Completions, body).expect_err(body);
+            assert_eq!(
+                (e.status.as_u16(), e.code),
+                (400, code),
+                "{body}: {}",
+                e.message
+            );
+        }
+        for (body, code) in [
+            (r#"{"model":"m"}"#, "missing_field"),
+            (r#"{"model":"m","messages":[]}"#, "invalid_field"),
+            (r#"{"model":"m","messages":"hi"}"#, "invalid_field"),
+        ] {
+            let e = parse(ApiKind::ChatCompletions, body).expect_err(body);
+            assert_eq!((e.status.as_u16(), e.code), (400, code), "{body}");
+        }
+    }
+
+    #[test]
+    fn chat_fields_are_kept_for_the_template() {
+        let r = parse(
+            ApiKind::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false,"tools":null,"stream":true}"#,
+        )
+        .expect("valid");
+        let chat = r.chat.expect("chat");
+        assert!(!chat.add_generation_prompt && chat.tools.is_none() && r.stream);
+    }
+
+    #[test]
+    fn salts_are_keyed_stable_and_distinct() {
+        let dir = std::env::temp_dir().join(format!("kvroute-salt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "0123456789abcdef-secret").expect("write");
+        let spec = TenancySpec {
+            isolation: Isolation::SaltedCache,
+            header: Some("x-tenant".into()),
+            salt_secret_file: Some(secret.display().to_string()),
+            ..TenancySpec::default()
+        };
+        let t = Tenancy::new(spec.clone()).expect("tenancy");
+        let again = Tenancy::new(spec.clone()).expect("tenancy");
+        let (a, b) = (t.salt(Some("acme")), t.salt(Some("globex")));
+        assert!(a.is_some() && a != b);
+        assert_eq!(
+            a,
+            again.salt(Some("acme")),
+            "stable across restarts and replicas"
+        );
+        std::fs::write(&secret, "another-secret-of-16+").expect("write");
+        let rotated = Tenancy::new(spec).expect("tenancy");
+        assert_ne!(
+            a,
+            rotated.salt(Some("acme")),
+            "changes when the secret rotates"
+        );
+        let mut h = HeaderMap::new();
+        assert_eq!(
+            t.tenant_of(&h).expect_err("required").code,
+            "missing_tenant"
+        );
+        h.insert("x-tenant", "acme".parse().expect("header"));
+        assert_eq!(t.tenant_of(&h).expect("tenant").as_deref(), Some("acme"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -330,13 +330,15 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
     let core = &state.core;
     let result: Result<Value, ApiError> = async {
         let raw = read_body(body, core.limits.max_body_bytes).await?;
-        let kind = if serde_json::from_slice::<Value>(&raw)
-            .ok()
-            .is_some_and(|v| v.get("messages").is_some())
-        {
-            ApiKind::ChatCompletions
-        } else {
-            ApiKind::Completions
+        // a chat when it has `messages` (checked without building a JSON tree)
+        #[derive(serde::Deserialize)]
+        struct Probe {
+            #[serde(default)]
+            messages: Option<serde::de::IgnoredAny>,
+        }
+        let kind = match serde_json::from_slice::<Probe>(&raw) {
+            Ok(Probe { messages: Some(_) }) => ApiKind::ChatCompletions,
+            _ => ApiKind::Completions,
         };
         let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
         let routed = core.route(&parsed, &headers, None, true).await?;
