@@ -1,20 +1,28 @@
 //! Pool specification: the model configurations a pool serves and its tenancy.
 //!
-//! Like [`crate::config`], these types are shared by the picker's config file and the
-//! `InferencePool` custom resource, so doc comments are written for `kubectl explain`.
+//! Like [`crate::routing`], these types are shared by the picker's config file and the
+//! `InferencePool` custom resource, so doc comments are written for `kubectl explain`. Schema
+//! attributes (bounds, patterns, `x-kubernetes-validations` CEL rules) make the API server reject
+//! what [`ModelConfigSpec::validate`] and [`TenancySpec::validate`] would reject, at
+//! `kubectl apply` time. Strings and lists that CEL rules read are bounded so the API server can
+//! bound the rules' cost.
 
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The serving engine behind an endpoint; decides metric names and how the rank is selected.
+/// The serving engine behind an endpoint (`vllm`, `sglang` or `trtllm`); decides the metric
+/// names the picker scrapes and how a data-parallel rank is selected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
+    /// vLLM's OpenAI-compatible server.
     #[default]
     Vllm,
+    /// SGLang's OpenAI-compatible server.
     Sglang,
+    /// TensorRT-LLM's `trtllm-serve`.
     Trtllm,
 }
 
@@ -28,7 +36,8 @@ impl EngineKind {
     }
 }
 
-/// How a data-parallel rank is addressed.
+/// How a data-parallel rank is addressed: `Header` (one server, the rank in a header or body
+/// field) or `Port` (one server per rank on `port + rank`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 pub enum RankSelection {
     /// One HTTP server for all ranks; the rank travels in `X-data-parallel-rank` (vLLM) or in
@@ -39,7 +48,8 @@ pub enum RankSelection {
     Port,
 }
 
-/// Data parallelism of the engine in each pod.
+/// Data parallelism of the engine in each pod. Each rank owns a private slice of the KV cache,
+/// so a session must stay on the rank that holds its prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DataParallel {
@@ -73,6 +83,7 @@ pub struct KvEventsSpec {
     pub port: u16,
     /// Topic filter (empty = every topic).
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub topic: String,
     /// ZMQ ROUTER port of rank 0 serving replays of missed batches (offset by the rank too).
     /// Absent: gaps are repaired by clearing the endpoint's blocks.
@@ -81,7 +92,8 @@ pub struct KvEventsSpec {
     pub replay_port: Option<u16>,
 }
 
-/// How the picker turns a request into token ids.
+/// How the picker turns a request into token ids. In a cluster, name a ConfigMap in
+/// `configMap`; `path` and `configPath` are for standalone pickers (files on the picker's host).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TokenizerSpec {
@@ -91,9 +103,14 @@ pub struct TokenizerSpec {
     /// Path of `tokenizer_config.json` holding the chat template and special tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_path: Option<String>,
-    /// Name of a ConfigMap holding `tokenizer.json` and optionally `tokenizer_config.json`;
-    /// the operator mounts it into the picker.
+    /// Name of a ConfigMap (in the pool's namespace) holding `tokenizer.json` and optionally
+    /// `tokenizer_config.json`; the operator mounts it into the picker. ConfigMaps hold at most
+    /// 1 MiB: larger tokenizers need `binaryData` compression or `useEngineRender`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
     pub config_map: Option<String>,
     /// Ask the engine itself for the tokens (vLLM's `/v1/completions/render` and
     /// `/v1/chat/completions/render`): exact parity with its chat template at the cost of one
@@ -105,6 +122,20 @@ pub struct TokenizerSpec {
 /// One model configuration: which pods serve which model with which engine settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.dataParallel) || !has(self.dataParallel.rankSelection) || self.dataParallel.rankSelection != 'Port' || (has(self.port) ? self.port : 8000) + (has(self.dataParallel.size) ? self.dataParallel.size : 1) - 1 <= 65535",
+        "message": "with rankSelection Port, port + dataParallel.size - 1 must not exceed 65535"
+    },
+    {
+        "rule": "!has(self.kvEvents) || self.kvEvents.port + (has(self.dataParallel) && has(self.dataParallel.size) ? self.dataParallel.size : 1) - 1 <= 65535",
+        "message": "kvEvents.port + dataParallel.size - 1 must not exceed 65535"
+    },
+    {
+        "rule": "!has(self.loraAdapters) || self.loraAdapters.all(a, a != self.model)",
+        "message": "loraAdapters must differ from the base model"
+    }
+]))]
 pub struct ModelConfigSpec {
     /// Unique name of this configuration within the pool (a DNS label).
     #[schemars(
@@ -113,8 +144,9 @@ pub struct ModelConfigSpec {
     )]
     pub name: String,
     /// Served model name, as clients put it in the request's `model` field.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 256))]
     pub model: String,
+    /// The engine serving this configuration: `vllm` (default), `sglang` or `trtllm`.
     #[serde(default)]
     pub engine: EngineKind,
     /// HTTP port of the engine's OpenAI-compatible server (rank 0 with `Port` selection).
@@ -123,20 +155,30 @@ pub struct ModelConfigSpec {
     pub port: u16,
     /// Tokens per KV block in the engine (a power of two, 1-4096). Must match the engine.
     #[serde(default = "default_block_size")]
-    #[schemars(range(min = 1, max = 4096))]
+    #[schemars(
+        range(min = 1, max = 4096),
+        extend("enum" = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    )]
     pub block_size: u32,
+    /// Data-parallel ranks per pod and how a rank is addressed. Default: one rank.
     #[serde(default)]
     pub data_parallel: DataParallel,
+    /// Where the engine publishes KV-cache events (precise cache tracking). Absent: the
+    /// picker tracks cache contents approximately from its own routing decisions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsSpec>,
+    /// Tokenizer of the model. Absent: prompts are hashed in fixed-size character chunks,
+    /// which still finds shared prefixes but cannot match the engine's own blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
     /// LoRA adapters the engine serves; requests may name one in `model`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 256)))]
     pub lora_adapters: Vec<String>,
     /// The subset of the pool's pods that run this configuration (labels they must carry in
     /// addition to the pool selector).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
     pub pod_selector: BTreeMap<String, String>,
     /// KV capacity per rank in blocks, when the engine does not report it in its metrics;
     /// bounds the approximate index.
@@ -243,7 +285,7 @@ impl ModelConfigSpec {
     }
 }
 
-/// How tenants are kept apart.
+/// How tenants are kept apart: `None`, `SaltedCache` or `DedicatedEndpoints`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 pub enum Isolation {
     /// Tenants share endpoints and prefix caches.
@@ -262,29 +304,55 @@ pub enum Isolation {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TenantSpec {
     /// The tenant's name as it appears in the tenant header.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    /// Labels of the pods this tenant may use.
+    /// Labels of the pods this tenant may use (in addition to the pool and model-config
+    /// selectors).
+    #[schemars(extend("maxProperties" = 32))]
     pub pod_selector: BTreeMap<String, String>,
 }
 
-/// Multi-tenancy of a pool.
+/// Multi-tenancy of a pool. A cache hit is an optimization, not an authorization decision:
+/// with isolation on, a request only reaches endpoints its tenant may use and never gets
+/// credit for another tenant's cached prompt.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.isolation) || self.isolation == 'None' || (has(self.header) && size(self.header) > 0)",
+        "message": "tenancy.header is required unless tenancy.isolation is None"
+    },
+    {
+        "rule": "!has(self.isolation) || self.isolation != 'DedicatedEndpoints' || (has(self.tenants) && size(self.tenants) > 0)",
+        "message": "tenancy.tenants must list at least one tenant for DedicatedEndpoints isolation"
+    }
+]))]
 pub struct TenancySpec {
+    /// `None` (default): tenants share endpoints and caches. `SaltedCache`: shared endpoints,
+    /// per-tenant cache salts. `DedicatedEndpoints`: each tenant only uses its own pods.
     pub isolation: Isolation,
     /// Request header naming the tenant, set by the gateway that authenticated the caller.
+    /// Required unless `isolation` is `None`.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
     pub header: Option<String>,
     /// Tenant of requests without the header; absent = such requests are rejected (when
     /// isolation is on).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub default_tenant: Option<String>,
-    /// File holding the secret that keys tenants' cache salts (HMAC); in Kubernetes, a mounted
-    /// Secret.
+    /// File holding the secret that keys tenants' cache salts (HMAC). In a cluster, leave it
+    /// unset and name a Secret in `spec.picker.saltSecretRef`: the operator mounts it and
+    /// points the picker at it.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
     pub salt_secret_file: Option<String>,
+    /// Tenants and the pods each may use (`DedicatedEndpoints`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 256),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
     pub tenants: Vec<TenantSpec>,
 }
 

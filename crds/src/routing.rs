@@ -10,7 +10,8 @@ use std::time::Duration;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// How the picker chooses among eligible endpoints.
+/// How the picker chooses among eligible endpoints: `CostModel` (default), `Weighted`,
+/// `LeastLoad`, `RoundRobin`, `Random`, `CacheAware` or `KvCost`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 pub enum Strategy {
     /// Estimate each endpoint's time-to-first-token (queued prefill work ahead of the request
@@ -64,9 +65,17 @@ impl Strategy {
     }
 }
 
-/// Weights of the `Weighted` strategy's scorers. Each scorer is normalized to [0, 1].
+/// Weights of the `Weighted` strategy's scorers. Each scorer is normalized to [0, 1]; weights
+/// are >= 0 and at least one is positive. Edit them live: pickers apply changes without a
+/// restart.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "[self.prefixCache, self.queue, self.kvUtilization, self.inflight, self.sessionAffinity].exists(w, w > 0.0)",
+        "message": "routing.weights: at least one weight must be positive"
+    }
+]))]
 pub struct Weights {
     /// Fraction of the prompt's blocks already cached on the endpoint.
     #[schemars(range(min = 0.0))]
@@ -127,8 +136,12 @@ impl Weights {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Balance {
+    /// Requests (waiting + running) above the least loaded candidate before an endpoint can
+    /// count as overloaded.
     #[schemars(range(min = 0))]
     pub absolute: u32,
+    /// Load ratio to the least loaded candidate (>= 1) before an endpoint can count as
+    /// overloaded.
     #[schemars(range(min = 1.0))]
     pub relative: f64,
 }
@@ -143,6 +156,7 @@ impl Default for Balance {
 }
 
 /// What to do when every eligible endpoint is stale (its metrics or events are too old).
+/// `FailOpen` (route to stale endpoints anyway) or `FailClose` (reject with 503).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 pub enum FailureMode {
     /// Route to stale endpoints anyway (availability first).
@@ -159,15 +173,20 @@ pub enum FailureMode {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct CostModelCalibration {
+    /// Milliseconds per squared prefill token (attention's quadratic term).
     #[schemars(range(min = 0.0))]
     pub prefill_quadratic_ms: f64,
+    /// Milliseconds per prefill token.
     #[schemars(range(min = 0.0))]
     pub prefill_linear_ms: f64,
+    /// Fixed milliseconds per prefill batch.
     #[schemars(range(min = 0.0))]
     pub prefill_constant_ms: f64,
     /// Decode step time at KV usage u: `decodeBaseMs + decodeLinearMs*u + decodeQuadraticMs*u^2`.
     pub decode_base_ms: f64,
+    /// See `decodeBaseMs`.
     pub decode_linear_ms: f64,
+    /// See `decodeBaseMs`.
     pub decode_quadratic_ms: f64,
     /// Tokens the engine prefills per step (chunked prefill budget).
     #[schemars(range(min = 1))]
@@ -210,12 +229,16 @@ impl Default for CacheAwareSettings {
     }
 }
 
-/// The routing policy of a pool.
+/// The routing policy of a pool. Every field has a default; edits apply live.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RoutingConfig {
+    /// How the picker chooses among eligible endpoints. Default `CostModel`.
     pub strategy: Strategy,
+    /// Scorer weights of the `Weighted` strategy.
     pub weights: Weights,
+    /// When load counts as imbalanced (cache-aware strategies never pile work on an
+    /// overloaded endpoint).
     pub balance: Balance,
     /// Softmax temperature of the `KvCost` strategy; 0 picks the minimum cost.
     #[schemars(range(min = 0.0))]
@@ -226,13 +249,17 @@ pub struct RoutingConfig {
     /// An endpoint whose last good metrics scrape is older than this is stale, e.g. `2s`,
     /// `500ms`.
     #[serde(with = "duration_str")]
-    #[schemars(with = "String", regex(pattern = r"^[0-9]+(ms|s|m)$"))]
+    #[schemars(with = "String", regex(pattern = r"^[1-9][0-9]*(ms|s|m)$"))]
     pub staleness_threshold: Duration,
+    /// What to do when every eligible endpoint is stale: `FailOpen` (default) or `FailClose`.
     pub failure_mode: FailureMode,
     /// Request header whose value identifies a session; requests of one session stay on the
     /// same endpoint and rank unless it is overloaded.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub session_header: String,
+    /// Calibration of the `CostModel` strategy's time-to-first-token estimate.
     pub cost_model: CostModelCalibration,
+    /// Settings of the `CacheAware` strategy.
     pub cache_aware: CacheAwareSettings,
 }
 

@@ -6,8 +6,9 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+use crate::service::kube_source::{KubeSource, KubeSourceOptions};
 use crate::service::settings::PickerConfig;
-use crate::service::source::FileSource;
+use crate::service::source::{EndpointSource, FileSource};
 use crate::service::{http::shutdown_signal, start};
 
 /// kvroute's KV-cache-aware endpoint picker: an OpenAI-compatible proxy, a pick API and a
@@ -16,9 +17,23 @@ use crate::service::{http::shutdown_signal, start};
 #[command(name = "kvroute-picker", version)]
 pub struct Args {
     /// Picker config file (YAML). Endpoints, routing weights and model configs reload live
-    /// when it changes.
-    #[arg(long, env = "KVROUTE_CONFIG")]
-    pub config: PathBuf,
+    /// when it changes. With `--pool`, only its listener, limits, scrape and index settings
+    /// are used (optional: defaults otherwise).
+    #[arg(long, env = "KVROUTE_CONFIG", required_unless_present = "pool")]
+    pub config: Option<PathBuf>,
+    /// Cluster mode: serve this InferencePool. Model configs, routing and tenancy come live
+    /// from the resource, endpoints from the EndpointSlices the operator writes for it.
+    #[arg(long, env = "KVROUTE_POOL", requires = "namespace")]
+    pub pool: Option<String>,
+    /// Namespace of `--pool`.
+    #[arg(long, env = "KVROUTE_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Cluster mode: where the operator mounts tokenizer ConfigMaps.
+    #[arg(long, default_value = kvroute_crds::contract::TOKENIZER_MOUNT_ROOT)]
+    pub tokenizer_dir: PathBuf,
+    /// Cluster mode: where the operator mounts the tenant salt Secret.
+    #[arg(long, default_value = kvroute_crds::contract::SALT_MOUNT_DIR)]
+    pub salt_dir: PathBuf,
     /// Override the proxy listen address (e.g. 127.0.0.1:0).
     #[arg(long)]
     pub http: Option<std::net::SocketAddr>,
@@ -56,7 +71,19 @@ fn init_logging(json: bool) {
 /// Parse arguments, run until SIGTERM/Ctrl-C, drain, exit.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     init_logging(args.log_json);
-    let mut config = PickerConfig::load(&args.config).map_err(anyhow::Error::msg)?;
+    let mut config = match (&args.config, &args.pool) {
+        (Some(path), None) => PickerConfig::load(path).map_err(anyhow::Error::msg)?,
+        // cluster mode: the pool resource supplies model configs, routing and tenancy, so
+        // the file (the operator's ConfigMap) only matters for the other sections
+        (Some(path), Some(_)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+            serde_yaml_ng::from_str::<PickerConfig>(&text)
+                .map_err(|e| anyhow::anyhow!("{}: invalid config: {e}", path.display()))?
+        }
+        // every section at its default
+        (None, _) => serde_yaml_ng::from_str::<PickerConfig>("modelConfigs: []")?,
+    };
     if let Some(a) = args.http {
         config.listen.http = a;
     }
@@ -70,10 +97,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         config.listen.ext_proc = args.ext_proc;
     }
     let cancel = CancellationToken::new();
-    let source = Box::new(FileSource::new(
-        args.config.clone(),
-        Duration::from_millis(500),
-    ));
+    let source: Box<dyn EndpointSource> = match (&args.pool, &args.namespace, &args.config) {
+        (Some(pool), Some(ns), _) => {
+            let mut options = KubeSourceOptions::new(pool, ns);
+            options.tokenizer_root = args.tokenizer_dir.clone();
+            options.salt_dir = args.salt_dir.clone();
+            Box::new(
+                KubeSource::try_default(options)
+                    .await
+                    .map_err(anyhow::Error::msg)?,
+            )
+        }
+        (_, _, Some(path)) => Box::new(FileSource::new(path.clone(), Duration::from_millis(500))),
+        _ => anyhow::bail!("give --config FILE, or --pool NAME --namespace NS"),
+    };
     let running = start(config, source, cancel.clone())
         .await
         .map_err(anyhow::Error::msg)?;

@@ -6,6 +6,7 @@ pub mod events;
 pub mod ext_proc;
 pub mod gateway;
 pub mod http;
+pub mod kube_source;
 pub mod metrics;
 pub mod scraper;
 pub mod settings;

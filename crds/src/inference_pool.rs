@@ -1,0 +1,524 @@
+//! The `InferencePool` custom resource (`kvroute.dev/v1alpha1`, short name `kvpool`).
+//!
+//! Its spec reuses the picker's own config types ([`ModelConfigSpec`], [`RoutingConfig`],
+//! [`TenancySpec`]), so what users write in the resource is exactly what the pickers run.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::contract;
+use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
+use crate::routing::{FailureMode, RoutingConfig};
+
+/// The desired state of an InferencePool: its model-server pods (selector and model configs),
+/// the routing policy, tenancy, and the picker Deployment.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "kvroute.dev",
+    version = "v1alpha1",
+    kind = "InferencePool",
+    plural = "inferencepools",
+    shortname = "kvpool",
+    category = "kvroute",
+    namespaced,
+    status = "InferencePoolStatus",
+    derive = "PartialEq",
+    doc = "An InferencePool: the model-server pods of one or more model configurations, the routing policy the pool's pickers apply to them, and the pickers themselves. The operator reconciles the pods and their data-parallel ranks into EndpointSlices (the eligibility sets), runs a picker Deployment and Service for the pool, and reports what it sees in status. Short name: kvpool.",
+    printcolumn = r#"{"name":"Ready","type":"string","description":"Whether the pool serves: config valid, endpoints resolved, picker available","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Endpoints","type":"integer","description":"Eligible (pod, data-parallel rank) endpoints","jsonPath":".status.readyEndpoints"}"#,
+    printcolumn = r#"{"name":"Strategy","type":"string","description":"Routing strategy","jsonPath":".spec.routing.strategy"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    validation = kube::core::Rule::new("self.metadata.name.size() <= 56").message("metadata.name must be at most 56 characters: the picker Service is named <name>-picker"),
+    validation = kube::core::Rule::new("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must be a DNS label starting with a letter: it names the picker Service")
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.tenancy) || !has(self.tenancy.isolation) || self.tenancy.isolation != 'SaltedCache' || has(self.tenancy.saltSecretFile) || (has(self.picker) && has(self.picker.saltSecretRef))",
+        "message": "SaltedCache isolation needs a salt secret: set picker.saltSecretRef (or tenancy.saltSecretFile)"
+    },
+    {
+        "rule": "!has(self.gateway) || !has(self.gateway.exportInferencePool) || !self.gateway.exportInferencePool || self.modelConfigs.all(m, !has(m.dataParallel) || !has(m.dataParallel.rankSelection) || m.dataParallel.rankSelection != 'Port' || !has(m.dataParallel.size) || m.dataParallel.size <= 8)",
+        "message": "gateway.exportInferencePool: a Gateway API InferencePool lists at most 8 target ports, so Port rank selection is limited to dataParallel.size <= 8"
+    }
+]))]
+pub struct InferencePoolSpec {
+    /// Labels selecting the pool's model-server pods, in the pool's namespace.
+    pub selector: PoolSelector,
+    /// The model configurations the pool serves (1-32, names unique). A request's `model`
+    /// field selects one (or one of its LoRA adapters).
+    #[schemars(
+        length(min = 1, max = 32),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
+    pub model_configs: Vec<ModelConfigSpec>,
+    /// The routing policy. Pickers apply edits live, without a restart.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    /// Multi-tenancy: who may use which endpoints, and whether caches are salted per tenant.
+    #[serde(default)]
+    pub tenancy: TenancySpec,
+    /// The picker Deployment the operator runs for this pool.
+    #[serde(default)]
+    pub picker: PickerSpec,
+    /// Integration with the Gateway API Inference Extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewaySpec>,
+}
+
+/// Pods selected by labels (all must match).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSelector {
+    /// Labels the pool's pods carry (at least one).
+    #[schemars(extend("minProperties" = 1, "maxProperties" = 32))]
+    pub match_labels: BTreeMap<String, String>,
+}
+
+impl PoolSelector {
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        labels_match(&self.match_labels, labels)
+    }
+}
+
+/// Whether `labels` carry every `key: value` of `selector`.
+pub fn labels_match(
+    selector: &BTreeMap<String, String>,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// When the kubelet pulls the picker image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PullPolicy {
+    /// Pull on every pod start.
+    Always,
+    /// Pull when the node lacks the image.
+    IfNotPresent,
+    /// Never pull; the image must be on the node.
+    Never,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Always => "Always",
+            Self::IfNotPresent => "IfNotPresent",
+            Self::Never => "Never",
+        }
+    }
+}
+
+/// A key of a Secret in the pool's namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub name: String,
+    /// Key within the Secret. Default `salt`.
+    #[serde(default = "default_salt_key")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[-._a-zA-Z0-9]+$"))]
+    pub key: String,
+}
+
+fn default_salt_key() -> String {
+    contract::SALT_FILE.to_owned()
+}
+
+/// The picker Deployment of a pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PickerSpec {
+    /// Picker replicas (0-64). Each replica routes independently from the same inputs, with
+    /// deterministic tie-breaks. 0 runs no in-cluster picker (pickers run elsewhere, e.g.
+    /// `kvroute-picker --pool NAME --namespace NS` outside the cluster); `Ready` then does not
+    /// wait for one.
+    #[schemars(range(min = 0, max = 64))]
+    pub replicas: i32,
+    /// Picker container image. Default: the operator's `--picker-image`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: Option<String>,
+    /// `Always`, `IfNotPresent` or `Never`. Default: Kubernetes' default for the image tag.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
+    /// CPU and memory of the picker container. Tokenizing long prompts is CPU-bound: budget
+    /// about one core per few thousand decisions per second at 8k-token prompts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Run pickers under this existing ServiceAccount instead of the per-pool one the
+    /// operator creates (with read-only access to this pool and its EndpointSlices).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub service_account_name: Option<String>,
+    /// Secret holding the key of tenants' cache salts (`SaltedCache` isolation), at least 16
+    /// bytes. The operator mounts it into the pickers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub salt_secret_ref: Option<SecretKeyRef>,
+    /// Log filter of the pickers (`RUST_LOG` syntax), e.g. `info` or `kvroute_picker=debug`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub log_level: Option<String>,
+}
+
+impl Default for PickerSpec {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            image: None,
+            image_pull_policy: None,
+            resources: None,
+            service_account_name: None,
+            salt_secret_ref: None,
+            log_level: None,
+        }
+    }
+}
+
+/// Export to the Gateway API Inference Extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct GatewaySpec {
+    /// Create an `inference.networking.k8s.io/v1` InferencePool per model config (named
+    /// `<pool>-<modelConfig>`) whose `endpointPickerRef` is this pool's picker Service, so any
+    /// conformant gateway (Envoy Gateway, kgateway, Istio, agentgateway) routes through
+    /// kvroute. Reported in the `GatewayExported` condition; skipped while that CRD is not
+    /// installed.
+    pub export_inference_pool: bool,
+    /// What the gateway does when the picker does not answer: `FailClose` (default) or
+    /// `FailOpen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<FailureMode>,
+}
+
+/// What the operator sees. Written only when it changes.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePoolStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `ConfigValid`, `EndpointsResolved`, `PickerAvailable`, and `GatewayExported`
+    /// when an export is requested.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Eligible (pod, data-parallel rank) endpoints over all model configs.
+    #[serde(default)]
+    pub ready_endpoints: u32,
+    /// Per model config: eligible pods and ranks, ineligible pods and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub model_configs: Vec<ModelConfigStatus>,
+    /// The pool's picker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub picker: Option<PickerStatus>,
+}
+
+impl InferencePoolStatus {
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+/// Condition types of [`InferencePoolStatus::conditions`].
+pub mod condition {
+    /// Config valid, every model config has eligible endpoints, and a picker is available.
+    pub const READY: &str = "Ready";
+    /// The spec passed validation (the schema's and the operator's own checks).
+    pub const CONFIG_VALID: &str = "ConfigValid";
+    /// Every model config has at least one eligible endpoint.
+    pub const ENDPOINTS_RESOLVED: &str = "EndpointsResolved";
+    /// At least one picker replica is available.
+    pub const PICKER_AVAILABLE: &str = "PickerAvailable";
+    /// The Gateway API Inference Extension InferencePools exist (when requested).
+    pub const GATEWAY_EXPORTED: &str = "GatewayExported";
+}
+
+/// At most this many ineligible pods are listed per model config (all are counted).
+pub const MAX_LISTED_INELIGIBLE: usize = 32;
+
+/// Endpoints of one model config.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelConfigStatus {
+    /// The model config's name.
+    pub name: String,
+    /// Pods that are ready, not terminating, have an IP and declare a compatible config.
+    pub eligible_pods: u32,
+    /// Routable (pod, rank) endpoints: eligible pods times the data-parallel size.
+    pub eligible_ranks: u32,
+    /// Pods selected for this config that are not eligible.
+    pub ineligible_pods: u32,
+    /// Up to 32 ineligible pods, by name, with the reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 32),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["pod"])
+    )]
+    pub ineligible: Vec<IneligiblePod>,
+    /// The EndpointSlices listing this config's endpoints.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoint_slices: Vec<String>,
+}
+
+/// A pod that does not serve a model config, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IneligiblePod {
+    /// Pod name.
+    pub pod: String,
+    pub reason: IneligibleReason,
+    /// Details, e.g. the mismatching values.
+    pub message: String,
+}
+
+/// Why a pod is not eligible.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum IneligibleReason {
+    /// The pod's Ready condition is not True.
+    NotReady,
+    /// The pod is being deleted.
+    Terminating,
+    /// The pod has no IP yet.
+    NoAddress,
+    /// `kvroute.dev/model` differs from the config's model.
+    ModelMismatch,
+    /// `kvroute.dev/engine` differs from the config's engine.
+    EngineMismatch,
+    /// `kvroute.dev/dp-size` differs from the config's data-parallel size.
+    DataParallelMismatch,
+    /// `kvroute.dev/block-size` differs from the config's block size.
+    BlockSizeMismatch,
+    /// A `kvroute.dev/*` declaration cannot be parsed.
+    InvalidDeclaration,
+}
+
+impl IneligibleReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotReady => "NotReady",
+            Self::Terminating => "Terminating",
+            Self::NoAddress => "NoAddress",
+            Self::ModelMismatch => "ModelMismatch",
+            Self::EngineMismatch => "EngineMismatch",
+            Self::DataParallelMismatch => "DataParallelMismatch",
+            Self::BlockSizeMismatch => "BlockSizeMismatch",
+            Self::InvalidDeclaration => "InvalidDeclaration",
+        }
+    }
+
+    /// A configuration error (as opposed to a lifecycle state that resolves by itself):
+    /// reported with a Warning Event.
+    pub fn is_misconfiguration(self) -> bool {
+        matches!(
+            self,
+            Self::ModelMismatch
+                | Self::EngineMismatch
+                | Self::DataParallelMismatch
+                | Self::BlockSizeMismatch
+                | Self::InvalidDeclaration
+        )
+    }
+}
+
+/// The pool's picker.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PickerStatus {
+    /// The picker Service: OpenAI-compatible HTTP on 8080, ext_proc gRPC on 9002, metrics on
+    /// 9090.
+    pub service: String,
+    pub replicas: i32,
+    pub available_replicas: i32,
+}
+
+impl InferencePoolSpec {
+    /// Everything the schema checks plus what it cannot (the picker's own validation), so a
+    /// pool admitted by an older CRD still gets a clear `ConfigValid=False`. Errors name the
+    /// field.
+    pub fn validate(&self, pool_name: &str) -> Result<(), String> {
+        if pool_name.len() > contract::MAX_POOL_NAME_LEN
+            || !pool_name.starts_with(|c: char| c.is_ascii_lowercase())
+            || pool_name.ends_with('-')
+            || !pool_name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(format!(
+                "metadata.name {pool_name:?} must be a DNS label of at most {} characters starting with a letter",
+                contract::MAX_POOL_NAME_LEN
+            ));
+        }
+        if self.selector.match_labels.is_empty() {
+            return Err("selector.matchLabels must name at least one label".into());
+        }
+        if self.model_configs.is_empty() {
+            return Err("modelConfigs must list at least one model config".into());
+        }
+        let mut names = BTreeSet::new();
+        for (i, mc) in self.model_configs.iter().enumerate() {
+            mc.validate(i)?;
+            if !names.insert(mc.name.as_str()) {
+                return Err(format!(
+                    "modelConfigs[{i}].name {:?} is duplicated",
+                    mc.name
+                ));
+            }
+        }
+        self.routing.validate()?;
+        let mut tenancy = self.tenancy.clone();
+        if tenancy.salt_secret_file.is_none() && self.picker.salt_secret_ref.is_some() {
+            tenancy.salt_secret_file = Some(String::new());
+        }
+        if self.tenancy.isolation == Isolation::SaltedCache
+            && self.tenancy.salt_secret_file.is_none()
+            && self.picker.salt_secret_ref.is_none()
+        {
+            return Err(
+                "SaltedCache isolation needs a salt secret: set picker.saltSecretRef".into(),
+            );
+        }
+        tenancy.validate()?;
+        if !(0..=64).contains(&self.picker.replicas) {
+            return Err(format!(
+                "picker.replicas must be 0-64, got {}",
+                self.picker.replicas
+            ));
+        }
+        if self.gateway.is_some_and(|g| g.export_inference_pool) {
+            for (i, mc) in self.model_configs.iter().enumerate() {
+                if mc.data_parallel.rank_selection == crate::pool::RankSelection::Port
+                    && mc.data_parallel.size > 8
+                {
+                    return Err(format!(
+                        "modelConfigs[{i}]: a Gateway API InferencePool lists at most 8 target ports, so gateway.exportInferencePool needs dataParallel.size <= 8 with Port rank selection"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model configs and tenancy as a picker in the cluster runs them: tokenizer
+    /// ConfigMaps become files under `tokenizer_root` (`tokenizer_config.json` only where
+    /// `exists` says it is there), and a `picker.saltSecretRef` becomes the salt file under
+    /// `salt_dir`.
+    pub fn for_picker(
+        &self,
+        tokenizer_root: &Path,
+        salt_dir: &Path,
+        exists: &dyn Fn(&Path) -> bool,
+    ) -> (Vec<ModelConfigSpec>, TenancySpec) {
+        let model_configs = self
+            .model_configs
+            .iter()
+            .map(|mc| {
+                let mut mc = mc.clone();
+                if let Some(t) = mc.tokenizer.as_mut()
+                    && let Some(cm) = t.config_map.as_deref()
+                {
+                    let dir = contract::tokenizer_dir(tokenizer_root, cm);
+                    if t.path.is_none() {
+                        t.path = Some(dir.join(contract::TOKENIZER_JSON).display().to_string());
+                    }
+                    let cfg = dir.join(contract::TOKENIZER_CONFIG_JSON);
+                    if t.config_path.is_none() && exists(&cfg) {
+                        t.config_path = Some(cfg.display().to_string());
+                    }
+                }
+                mc
+            })
+            .collect();
+        let mut tenancy = self.tenancy.clone();
+        if tenancy.salt_secret_file.is_none() && self.picker.salt_secret_ref.is_some() {
+            tenancy.salt_secret_file =
+                Some(salt_dir.join(contract::SALT_FILE).display().to_string());
+        }
+        (model_configs, tenancy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> InferencePoolSpec {
+        let mut v = json!({
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "modelConfigs": [{"name": "llama", "model": "m", "tokenizer": {"configMap": "tok"}}]
+        });
+        if let (Some(obj), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            obj.extend(extra.clone());
+        }
+        serde_json::from_value(v).expect("spec")
+    }
+
+    #[test]
+    fn validation_mirrors_the_schema() {
+        spec(json!({})).validate("llama").expect("valid");
+        let e = spec(json!({})).validate("Llama").expect_err("name");
+        assert!(e.contains("metadata.name"), "{e}");
+        let e = spec(json!({})).validate(&"a".repeat(57)).expect_err("long");
+        assert!(e.contains("56"), "{e}");
+        let e = spec(json!({"selector": {"matchLabels": {}}}))
+            .validate("llama")
+            .expect_err("selector");
+        assert!(e.contains("selector.matchLabels"), "{e}");
+        let e = spec(
+            json!({"modelConfigs": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}),
+        )
+        .validate("llama")
+        .expect_err("dup");
+        assert!(e.contains("duplicated"), "{e}");
+        let e = spec(json!({"tenancy": {"isolation": "SaltedCache", "header": "x-t"}}))
+            .validate("llama")
+            .expect_err("salt");
+        assert!(e.contains("saltSecretRef"), "{e}");
+        spec(json!({
+            "tenancy": {"isolation": "SaltedCache", "header": "x-t"},
+            "picker": {"saltSecretRef": {"name": "s"}}
+        }))
+        .validate("llama")
+        .expect("salt from a secret");
+        let e = spec(json!({
+            "gateway": {"exportInferencePool": true},
+            "modelConfigs": [{"name": "a", "model": "m", "dataParallel": {"size": 9, "rankSelection": "Port"}}]
+        }))
+        .validate("llama")
+        .expect_err("gateway ports");
+        assert!(e.contains("at most 8"), "{e}");
+    }
+
+    #[test]
+    fn picker_paths_come_from_the_mounts() {
+        let s = spec(json!({"picker": {"saltSecretRef": {"name": "s"}}}));
+        let (mcs, tenancy) = s.for_picker(Path::new("/t"), Path::new("/s"), &|_| false);
+        let t = mcs[0].tokenizer.as_ref().expect("tokenizer");
+        assert_eq!(t.path.as_deref(), Some("/t/tok/tokenizer.json"));
+        assert_eq!(t.config_path, None, "only when mounted");
+        assert_eq!(tenancy.salt_secret_file.as_deref(), Some("/s/salt"));
+        assert_eq!(s.picker.replicas, 1);
+        assert_eq!(
+            s.picker.salt_secret_ref.as_ref().map(|r| r.key.as_str()),
+            Some("salt")
+        );
+    }
+}
