@@ -1,4 +1,5 @@
 //! kvroute's instruments: a vLLM-compatible engine simulator, the trace replay benchmark, and
 //! the end-to-end harness.
 
+pub mod bench;
 pub mod sim;

@@ -1,0 +1,749 @@
+//! The `kvroute-bench` command line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvroute_picker::config::{RoutingConfig, Strategy};
+
+use super::live::{self, Target};
+use super::report::{self, RunInfo};
+use super::stats::Slo;
+use super::workload::{self, Format, LoadOptions, Workload, generated::GeneratorConfig};
+use super::{
+    BenchOptions, ClusterConfig, DEFAULT_KV_TOKENS, PolicyRun, PolicySpec, offline, parse_policies,
+};
+
+/// Replay LLM traffic through KV-cache-aware and load-only routing policies and compare them.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-bench", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Replay a workload through each policy (offline simulation or live processes).
+    Replay(Box<ReplayArgs>),
+    /// One command: simulated engines and the picker on loopback, the built-in workload,
+    /// kvroute's default policy against least-load and round-robin (about a minute).
+    Demo(DemoArgs),
+    /// Start only the simulated engines; print their HTTP and KV-event addresses as JSON.
+    Engines(EnginesArgs),
+    /// Run the kvroute picker (same as the kvroute-picker binary).
+    Picker(PickerArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    Offline,
+    Live,
+}
+
+/// The simulated cluster.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// Engines (model servers).
+    #[arg(long, default_value_t = 8)]
+    pub engines: usize,
+    /// Data-parallel ranks per engine (each with its own KV cache).
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// KV capacity per rank in blocks [default: 500k tokens / block size, an 8B model on an
+    /// 80 GB GPU].
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+    /// Most requests in a rank's running batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget per engine step (chunked prefill).
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: u32,
+    /// Live mode: simulated time runs this many times faster than real time.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+}
+
+impl ClusterArgs {
+    pub fn cluster(&self) -> anyhow::Result<ClusterConfig> {
+        anyhow::ensure!(
+            self.engines >= 1 && self.engines <= 1024,
+            "--engines must be 1..=1024"
+        );
+        anyhow::ensure!((1..=64).contains(&self.dp_size), "--dp-size must be 1..=64");
+        anyhow::ensure!(
+            self.block_size.is_power_of_two() && self.block_size <= 4096,
+            "--block-size must be a power of two up to 4096"
+        );
+        anyhow::ensure!(
+            self.speedup.is_finite() && self.speedup > 0.0,
+            "--speedup must be a positive number"
+        );
+        let kv_blocks = self
+            .kv_blocks
+            .unwrap_or(DEFAULT_KV_TOKENS / self.block_size)
+            .max(1);
+        let mut c = ClusterConfig {
+            engines: self.engines,
+            dp_size: self.dp_size,
+            speedup: self.speedup,
+            ..ClusterConfig::default()
+        };
+        c.engine.block_size = self.block_size;
+        c.engine.num_blocks = kv_blocks;
+        c.engine.max_num_seqs = self.max_num_seqs.max(1);
+        c.engine.max_num_batched_tokens = self.max_batched_tokens.max(1);
+        Ok(c)
+    }
+}
+
+/// The built-in generator's parameters.
+#[derive(Debug, Clone, Args)]
+pub struct GenArgs {
+    /// Tenants, each with its own long system prompt.
+    #[arg(long, default_value_t = 8)]
+    pub gen_groups: u32,
+    #[arg(long, default_value_t = 3000)]
+    pub gen_system_tokens: u32,
+    /// New sessions per second.
+    #[arg(long, default_value_t = 4.0)]
+    pub gen_session_rate: f64,
+    /// Sessions start within this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub gen_duration_s: f64,
+    /// Mean turns per session.
+    #[arg(long, default_value_t = 6.0)]
+    pub gen_turns: f64,
+    /// Mean new user tokens per turn.
+    #[arg(long, default_value_t = 1200)]
+    pub gen_user_tokens: u32,
+    /// Mean output tokens per turn.
+    #[arg(long, default_value_t = 64)]
+    pub gen_output_tokens: u32,
+    /// Mean think time between turns (ms).
+    #[arg(long, default_value_t = 2000.0)]
+    pub gen_think_ms: f64,
+}
+
+impl GenArgs {
+    fn config(&self) -> GeneratorConfig {
+        GeneratorConfig {
+            groups: self.gen_groups,
+            system_tokens: self.gen_system_tokens,
+            session_rate: self.gen_session_rate,
+            duration_s: self.gen_duration_s,
+            turns: self.gen_turns,
+            user_tokens: self.gen_user_tokens,
+            output_tokens: self.gen_output_tokens,
+            think_ms: self.gen_think_ms,
+            ..GeneratorConfig::default()
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    #[arg(long, value_enum, default_value = "offline")]
+    pub mode: Mode,
+    /// Trace file (or, for the session format, a file or a directory of session files).
+    /// Default: the format's trace in ../shared/traces.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// mooncake | weka | azure | generated [default: from the trace's extension, else
+    /// generated].
+    #[arg(long)]
+    pub format: Option<String>,
+    /// Policies to compare, each on a fresh cluster.
+    #[arg(
+        long,
+        default_value = "cost-model,weighted,cache-aware,kv-cost,least-load,round-robin"
+    )]
+    pub policies: String,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Replay at most this many requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Multiply the arrival rate (divides timestamps, session starts and think times).
+    #[arg(long, default_value_t = 1.0)]
+    pub arrival_scale: f64,
+    /// Session format: sessions running at once.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Session format: ms between the first sessions' starts.
+    #[arg(long, default_value_t = 1000.0)]
+    pub stagger_ms: f64,
+    /// Session format: cut think times longer than this (s).
+    #[arg(long, default_value_t = 60.0)]
+    pub think_cap_s: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// TTFT target for SLO attainment (simulated ms).
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ttft_ms: f64,
+    /// TPOT target for SLO attainment (simulated ms).
+    #[arg(long, default_value_t = 100.0)]
+    pub slo_tpot_ms: f64,
+    /// Router load-view refresh: simulated ms offline, the picker's scrape interval live.
+    #[arg(long, default_value_t = 100.0)]
+    pub scrape_ms: f64,
+    /// Send each request's session id in the session header (sticky sessions).
+    #[arg(long)]
+    pub session_header: bool,
+    /// Offline: do not time decisions (decision_us_p99 null; output byte-for-byte
+    /// reproducible).
+    #[arg(long)]
+    pub no_decision_timing: bool,
+    /// Write one JSON object per policy to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an HTML report with plots into this directory.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Live: replay through this already running OpenAI-compatible router instead of
+    /// starting engines and pickers (e.g. http://127.0.0.1:8080).
+    #[arg(long)]
+    pub router: Option<String>,
+    /// Live with --router: the name to report.
+    #[arg(long, default_value = "router")]
+    pub router_name: String,
+    /// Live with --router: the JSON line printed by `kvroute-bench engines` (a file), to
+    /// read the engines' counters.
+    #[arg(long)]
+    pub engines_json: Option<PathBuf>,
+    /// Live with --router: the router's Prometheus endpoint exporting
+    /// kvroute_picker_decision_seconds (a kvroute picker's metrics address).
+    #[arg(long)]
+    pub router_metrics: Option<String>,
+    #[command(flatten)]
+    pub gen_args: GenArgs,
+    /// Offline: policies simulated at once [default: the number of CPUs].
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    #[arg(long, default_value_t = 8)]
+    pub engines: usize,
+    /// Simulated seconds of traffic per policy.
+    #[arg(long, default_value_t = 16.0)]
+    pub duration_s: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Policies to compare.
+    #[arg(long, default_value = "cost-model,least-load,round-robin")]
+    pub policies: String,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EnginesArgs {
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Base port of the KV event publishers (rank k of engine i on base + i*dp + k); replay
+    /// sockets follow all publishers. Default: ephemeral ports.
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// Exit when stdin closes (the parent process went away).
+    #[arg(long)]
+    pub exit_on_stdin_close: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PickerArgs {
+    #[command(flatten)]
+    pub args: kvroute_picker::cli::Args,
+    /// Exit when stdin closes (the parent process went away).
+    #[arg(long)]
+    pub exit_on_stdin_close: bool,
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Entry point of the binary.
+pub fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Picker(p) => {
+            let rt = runtime()?;
+            rt.block_on(async move {
+                if p.exit_on_stdin_close {
+                    tokio::select! {
+                        r = kvroute_picker::cli::run(p.args) => r,
+                        () = live::procs::stdin_closed() => Ok(()),
+                    }
+                } else {
+                    kvroute_picker::cli::run(p.args).await
+                }
+            })
+        }
+        Cmd::Engines(e) => {
+            init_logging();
+            let cluster = e.cluster.cluster()?;
+            runtime()?.block_on(live::run_engines(
+                &cluster,
+                e.seed,
+                e.kv_events_port,
+                e.exit_on_stdin_close,
+            ))
+        }
+        Cmd::Replay(a) => {
+            init_logging();
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            runtime()?.block_on(interruptible(replay(*a, command)))
+        }
+        Cmd::Demo(d) => {
+            init_logging();
+            runtime()?.block_on(interruptible(demo(d)))
+        }
+    }
+}
+
+/// Run `work` until it ends or Ctrl-C: dropping it kills every child process it started.
+async fn interruptible(
+    work: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    tokio::select! {
+        r = work => r,
+        r = tokio::signal::ctrl_c() => {
+            r.context("waiting for ctrl-c")?;
+            anyhow::bail!("interrupted")
+        }
+    }
+}
+
+fn load_workload(a: &ReplayArgs) -> anyhow::Result<Workload> {
+    let format = match &a.format {
+        Some(f) => Format::parse(f).map_err(anyhow::Error::msg)?,
+        None => a
+            .trace
+            .as_deref()
+            .and_then(Format::guess)
+            .unwrap_or(Format::Generated),
+    };
+    anyhow::ensure!(
+        a.arrival_scale.is_finite() && a.arrival_scale > 0.0,
+        "--arrival-scale must be a positive number"
+    );
+    anyhow::ensure!(a.concurrency >= 1, "--concurrency must be at least 1");
+    let opts = LoadOptions {
+        concurrency: a.concurrency,
+        stagger_ms: a.stagger_ms,
+        think_cap_ms: a.think_cap_s.max(0.0) * 1000.0,
+        // a timed trace only needs its first records; sessions need all templates
+        max_records: match format {
+            Format::Mooncake | Format::Azure => a.max_requests,
+            _ => None,
+        },
+        seed: a.seed,
+        generator: a.gen_args.config(),
+    };
+    let mut w = workload::load(format, a.trace.as_deref(), &opts)?;
+    w.scale_arrivals(a.arrival_scale);
+    if a.arrival_scale != 1.0 {
+        w.name = format!("{}, arrival ×{}", w.name, a.arrival_scale);
+    }
+    if w.adjusted_records > 0 {
+        eprintln!(
+            "note: {} records had hash ids not covering their input length and were adjusted",
+            w.adjusted_records
+        );
+    }
+    Ok(w)
+}
+
+fn progress_bar(total: usize, prefix: &str, hidden: bool) -> ProgressBar {
+    let pb = if hidden {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr_with_hz(8))
+    };
+    let style = ProgressStyle::with_template(
+        "{prefix:>12} [{bar:32}] {pos}/{len} requests {msg} ({elapsed})",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    pb.set_style(style);
+    pb.set_prefix(prefix.to_string());
+    pb
+}
+
+fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<BenchOptions> {
+    anyhow::ensure!(
+        a.scrape_ms > 0.0 && a.scrape_ms.is_finite(),
+        "--scrape-ms must be positive"
+    );
+    Ok(BenchOptions {
+        cluster,
+        routing: RoutingConfig::default(),
+        scrape_ms: a.scrape_ms,
+        slo: Slo {
+            ttft_ms: a.slo_ttft_ms,
+            tpot_ms: a.slo_tpot_ms,
+        },
+        max_requests: a.max_requests,
+        session_header: a.session_header,
+        seed: a.seed,
+        time_decisions: !a.no_decision_timing,
+    })
+}
+
+/// Run every policy; returns the runs in order. Live mode starts this executable's `engines`
+/// and `picker` subcommands.
+pub async fn run_policies(
+    workload: &Workload,
+    mode: Mode,
+    policies: &[PolicySpec],
+    opts: &BenchOptions,
+    hide_progress: bool,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let exe = live::self_exe()?;
+    run_policies_jobs(&exe, workload, mode, policies, opts, hide_progress, 1).await
+}
+
+/// [`run_policies`] with the `kvroute-bench` executable to start children from (tests pass
+/// the built binary).
+pub async fn run_policies_with(
+    exe: &std::path::Path,
+    workload: &Workload,
+    mode: Mode,
+    policies: &[PolicySpec],
+    opts: &BenchOptions,
+    hide_progress: bool,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    run_policies_jobs(exe, workload, mode, policies, opts, hide_progress, 1).await
+}
+
+/// Offline policies on `jobs` threads at once (each run is independent and deterministic).
+fn run_offline_parallel(
+    workload: &Workload,
+    policies: &[PolicySpec],
+    opts: &BenchOptions,
+    jobs: usize,
+    hide_progress: bool,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let total = super::driver::Driver::new(workload, opts.max_requests).total_requests();
+    let multi = indicatif::MultiProgress::with_draw_target(if hide_progress {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr_with_hz(4)
+    });
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: parking_lot::Mutex<Vec<Option<anyhow::Result<PolicyRun>>>> =
+        parking_lot::Mutex::new((0..policies.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(policies.len()) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&p) = policies.get(i) else { break };
+                    let pb = multi.add(progress_bar(total, &p.name(), hide_progress));
+                    let mut last = 0;
+                    let r = offline::run(workload, p, opts, &mut |done, _| {
+                        if done != last && (done % 64 == 0 || done == total) {
+                            pb.set_position(done as u64);
+                            last = done;
+                        }
+                    });
+                    pb.finish_and_clear();
+                    results.lock()[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a policy run did not finish"))))
+        .collect()
+}
+
+/// [`run_policies_with`], running up to `jobs` offline policies at once.
+pub async fn run_policies_jobs(
+    exe: &std::path::Path,
+    workload: &Workload,
+    mode: Mode,
+    policies: &[PolicySpec],
+    opts: &BenchOptions,
+    hide_progress: bool,
+    jobs: usize,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let mut runs = Vec::new();
+    let total = super::driver::Driver::new(workload, opts.max_requests).total_requests();
+    if mode == Mode::Offline && jobs > 1 && policies.len() > 1 {
+        return run_offline_parallel(workload, policies, opts, jobs, hide_progress);
+    }
+    let http = live::http_client()?;
+    for &p in policies {
+        let name = p.name();
+        let pb = progress_bar(total, &name, hide_progress);
+        let run = match mode {
+            Mode::Offline => {
+                let mut last = 0;
+                let r = offline::run(workload, p, opts, &mut |done, _| {
+                    if done != last && (done % 64 == 0 || done == total) {
+                        pb.set_position(done as u64);
+                        last = done;
+                    }
+                });
+                pb.set_position(total as u64);
+                r?
+            }
+            Mode::Live => {
+                let Some(strategy) = p.strategy() else {
+                    anyhow::bail!("{name} is an offline-only experimental policy");
+                };
+                pb.set_message("starting engines and picker");
+                let cluster = live::start_cluster(exe, opts, strategy, &http).await?;
+                pb.set_message("");
+                let target = Target {
+                    router: format!(
+                        "http://{}",
+                        cluster.picker.context("the picker has no HTTP address")?
+                    ),
+                    name: name.clone(),
+                    picker_metrics: cluster.picker_metrics,
+                    engines: cluster.engines.engines.clone(),
+                };
+                let pbc = pb.clone();
+                let r = live::replay(workload, &target, opts, &http, &move |done, _, errors| {
+                    pbc.set_position(done as u64);
+                    if errors > 0 {
+                        pbc.set_message(format!("{errors} errors"));
+                    }
+                })
+                .await;
+                cluster.stop().await;
+                r?
+            }
+        };
+        pb.finish_and_clear();
+        if !hide_progress {
+            eprintln!(
+                "{:>12}: p90 TTFT {:.0} ms, hit rate {:.1}%, {} errors",
+                name,
+                run.summary.ttft_ms_p90,
+                run.summary.hit_rate * 100.0,
+                run.summary.errors
+            );
+        }
+        runs.push(run);
+    }
+    Ok(runs)
+}
+
+fn cluster_text(c: &ClusterConfig) -> String {
+    format!(
+        "{} engines × {} ranks, {} KV blocks of {} tokens per rank ({} tokens), max {} batched \
+         tokens, speed-up {}",
+        c.engines,
+        c.dp_size,
+        c.engine.num_blocks,
+        c.engine.block_size,
+        u64::from(c.engine.num_blocks) * u64::from(c.engine.block_size),
+        c.engine.max_num_batched_tokens,
+        c.speedup
+    )
+}
+
+fn output(
+    runs: &[PolicyRun],
+    info: &RunInfo,
+    json: Option<&PathBuf>,
+    report_dir: Option<&PathBuf>,
+) -> anyhow::Result<()> {
+    println!("{}", report::table(runs));
+    print!("{}", report::notes(runs));
+    if let Some(p) = json {
+        report::write_json(p, runs)?;
+        println!("wrote {}", p.display());
+    }
+    if let Some(d) = report_dir {
+        report::write_html(d, info, runs)?;
+        println!("wrote {}", d.join("index.html").display());
+    }
+    Ok(())
+}
+
+async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
+    let cluster = a.cluster.cluster()?;
+    let opts = bench_options(&a, cluster.clone())?;
+    let workload = load_workload(&a)?;
+    let hide = a.no_progress || !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    eprintln!(
+        "workload: {} ({} requests per pass)\ncluster: {}",
+        workload.name,
+        workload.requests_per_pass(),
+        cluster_text(&cluster)
+    );
+    let runs = match (&a.router, a.mode) {
+        (Some(router), Mode::Live) => {
+            let engines = match &a.engines_json {
+                Some(p) => {
+                    let text = std::fs::read_to_string(p)
+                        .with_context(|| format!("reading {}", p.display()))?;
+                    let v: serde_json::Value =
+                        serde_json::from_str(text.trim()).with_context(|| {
+                            format!("{} is not the JSON printed by `engines`", p.display())
+                        })?;
+                    live::EnginesInfo::from_json(v)?.engines
+                }
+                None => Vec::new(),
+            };
+            let picker_metrics = match &a.router_metrics {
+                Some(m) => Some(
+                    m.trim_start_matches("http://")
+                        .trim_end_matches("/metrics")
+                        .parse()
+                        .with_context(|| format!("--router-metrics {m:?} is not host:port"))?,
+                ),
+                None => None,
+            };
+            let target = Target {
+                router: router.clone(),
+                name: a.router_name.clone(),
+                picker_metrics,
+                engines,
+            };
+            let http = live::http_client()?;
+            let total = super::driver::Driver::new(&workload, opts.max_requests).total_requests();
+            let pb = progress_bar(total, &a.router_name, hide);
+            let pbc = pb.clone();
+            let r = live::replay(&workload, &target, &opts, &http, &move |done, _, errors| {
+                pbc.set_position(done as u64);
+                if errors > 0 {
+                    pbc.set_message(format!("{errors} errors"));
+                }
+            })
+            .await?;
+            pb.finish_and_clear();
+            vec![r]
+        }
+        (Some(_), Mode::Offline) => anyhow::bail!("--router needs --mode live"),
+        (None, mode) => {
+            let policies = parse_policies(&a.policies).map_err(anyhow::Error::msg)?;
+            let exe = live::self_exe()?;
+            let jobs = a.jobs.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+            });
+            run_policies_jobs(&exe, &workload, mode, &policies, &opts, hide, jobs.max(1)).await?
+        }
+    };
+    let info = RunInfo {
+        mode: format!("{:?}", a.mode).to_lowercase(),
+        workload: workload.name.clone(),
+        cluster: cluster_text(&cluster),
+        command,
+    };
+    output(&runs, &info, a.json.as_ref(), a.report.as_ref())
+}
+
+/// The demo's workload: the generator's defaults over `duration_s`.
+pub fn demo_workload(duration_s: f64, seed: u64) -> Workload {
+    let cfg = GeneratorConfig {
+        duration_s,
+        ..GeneratorConfig::default()
+    };
+    workload::generated::generate(&cfg, seed)
+}
+
+async fn demo(d: DemoArgs) -> anyhow::Result<()> {
+    let cluster = ClusterArgs {
+        engines: d.engines,
+        dp_size: 1,
+        block_size: 16,
+        kv_blocks: None,
+        max_num_seqs: 256,
+        max_batched_tokens: 8192,
+        speedup: d.speedup,
+    }
+    .cluster()?;
+    let policies = parse_policies(&d.policies).map_err(anyhow::Error::msg)?;
+    let workload = demo_workload(d.duration_s, d.seed);
+    let opts = BenchOptions {
+        cluster: cluster.clone(),
+        seed: d.seed,
+        ..BenchOptions::default()
+    };
+    let hide = d.no_progress || !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    println!(
+        "kvroute demo: {} simulated engines and the kvroute picker on loopback",
+        cluster.engines
+    );
+    println!("workload: {}", workload.name);
+    println!(
+        "each policy gets a fresh cluster and the same {} requests; times are simulated ms\n",
+        workload.requests_per_pass()
+    );
+    let started = std::time::Instant::now();
+    let runs = run_policies(&workload, Mode::Live, &policies, &opts, hide).await?;
+    println!();
+    let info = RunInfo {
+        mode: "live (demo)".into(),
+        workload: workload.name.clone(),
+        cluster: cluster_text(&cluster),
+        command: "kvroute-bench demo".into(),
+    };
+    output(&runs, &info, d.json.as_ref(), d.report.as_ref())?;
+    let find = |s: Strategy| runs.iter().find(|r| r.summary.policy == s.as_str());
+    if let (Some(k), Some(l)) = (find(Strategy::CostModel), find(Strategy::LeastLoad)) {
+        let (k, l) = (&k.summary, &l.summary);
+        println!(
+            "\nkvroute (cost-model) vs least-load: p90 TTFT {:.0} ms vs {:.0} ms ({:.1}× lower), \
+             hit rate {:.0}% vs {:.0}%, SLO attainment {:.0}% vs {:.0}%, output {:.0} vs {:.0} tok/s",
+            k.ttft_ms_p90,
+            l.ttft_ms_p90,
+            if k.ttft_ms_p90 > 0.0 {
+                l.ttft_ms_p90 / k.ttft_ms_p90
+            } else {
+                0.0
+            },
+            k.hit_rate * 100.0,
+            l.hit_rate * 100.0,
+            k.slo_attainment * 100.0,
+            l.slo_attainment * 100.0,
+            k.output_tok_s,
+            l.output_tok_s
+        );
+    }
+    println!(
+        "finished in {:.0} s. Replay a real trace: kvroute-bench replay --mode offline --format mooncake \
+         --trace ../shared/traces/conversation_trace.jsonl",
+        started.elapsed().as_secs_f64()
+    );
+    let _ = Duration::ZERO;
+    Ok(())
+}

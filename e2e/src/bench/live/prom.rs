@@ -1,0 +1,138 @@
+//! The few Prometheus series the live runner reads: engine counters per rank and the
+//! picker's decision-latency histogram.
+
+use std::collections::BTreeMap;
+
+/// Largest exposition read.
+pub const MAX_BYTES: usize = 8 << 20;
+
+/// `name{labels} value` lines, with the labels as a map.
+fn samples(text: &str) -> impl Iterator<Item = (&str, BTreeMap<&str, &str>, f64)> {
+    text.lines().filter_map(|line| {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let (series, value) = line.rsplit_once(' ')?;
+        let value: f64 = value.parse().ok()?;
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.strip_suffix('}')?),
+            None => (series, ""),
+        };
+        let mut map = BTreeMap::new();
+        for pair in labels.split(',').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=')?;
+            map.insert(k.trim(), v.trim().trim_matches('"'));
+        }
+        Some((name, map, value))
+    })
+}
+
+/// Per-rank engine counters (vLLM names).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankCounters {
+    pub prompt_tokens: f64,
+    pub prefix_queries: f64,
+    pub prefix_hits: f64,
+    pub waiting: f64,
+    pub running: f64,
+}
+
+/// Counters by the `engine` label (the DP rank).
+pub fn engine_counters(text: &str) -> BTreeMap<u32, RankCounters> {
+    let mut out: BTreeMap<u32, RankCounters> = BTreeMap::new();
+    for (name, labels, v) in samples(text) {
+        let rank = labels
+            .get("engine")
+            .and_then(|e| e.parse().ok())
+            .unwrap_or(0);
+        let c = out.entry(rank).or_default();
+        match name {
+            "vllm:prompt_tokens_total" => c.prompt_tokens += v,
+            "vllm:prefix_cache_queries_total" => c.prefix_queries += v,
+            "vllm:prefix_cache_hits_total" => c.prefix_hits += v,
+            "vllm:num_requests_waiting" => c.waiting += v,
+            "vllm:num_requests_running" => c.running += v,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Cumulative buckets `(le, count)` of a histogram, summed over label sets.
+pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let bucket = format!("{name}_bucket");
+    let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for (n, labels, v) in samples(text) {
+        if n != bucket {
+            continue;
+        }
+        let le = match labels.get("le") {
+            Some(&"+Inf") => f64::INFINITY,
+            Some(s) => match s.parse::<f64>() {
+                Ok(x) => x,
+                Err(_) => continue,
+            },
+            None => continue,
+        };
+        let e = by_le.entry(le.to_bits()).or_insert((le, 0.0));
+        e.1 += v;
+    }
+    let mut v: Vec<(f64, f64)> = by_le.into_values().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// Quantile `q` of the difference of two cumulative histograms (`after - before`), linearly
+/// interpolated inside the bucket (the first bucket from 0). `None` without observations.
+pub fn histogram_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|&(le, c)| {
+            let b = before.iter().find(|(l, _)| *l == le).map_or(0.0, |x| x.1);
+            (le, (c - b).max(0.0))
+        })
+        .collect();
+    let total = delta.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let target = q * total;
+    let mut prev_le = 0.0;
+    let mut prev_c = 0.0;
+    for &(le, c) in &delta {
+        if c >= target {
+            if !le.is_finite() {
+                return Some(prev_le);
+            }
+            let frac = if c > prev_c {
+                (target - prev_c) / (c - prev_c)
+            } else {
+                1.0
+            };
+            return Some(prev_le + (le - prev_le) * frac);
+        }
+        prev_le = le;
+        prev_c = c;
+    }
+    Some(prev_le)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_and_histograms_parse() {
+        let text = "# HELP x\nvllm:prompt_tokens_total{engine=\"1\",model_name=\"m\"} 120.0\n\
+                    vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 60\n\
+                    h_bucket{le=\"0.001\"} 90\nh_bucket{le=\"0.002\"} 100\nh_bucket{le=\"+Inf\"} 100\n";
+        let c = engine_counters(text);
+        assert_eq!(c[&1].prompt_tokens, 120.0);
+        assert_eq!(c[&1].prefix_hits, 60.0);
+        let h = histogram(text, "h");
+        assert_eq!(h.len(), 3);
+        let p = histogram_quantile(&[], &h, 0.95).unwrap_or(0.0);
+        assert!((p - 0.0015).abs() < 1e-9, "{p}");
+    }
+}

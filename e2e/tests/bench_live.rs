@@ -1,0 +1,67 @@
+//! One short live replay: two simulated engines in a child process, the picker in another,
+//! streaming requests over loopback. Seconds, not minutes.
+
+use kvroute_e2e::bench::cli::{Mode, run_policies_with};
+use kvroute_e2e::bench::workload::generated::{GeneratorConfig, generate};
+use kvroute_e2e::bench::{BenchOptions, ClusterConfig};
+use kvroute_picker::config::Strategy;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_live_replay_has_no_errors_and_a_sane_report() {
+    let w = generate(
+        &GeneratorConfig {
+            groups: 2,
+            system_tokens: 600,
+            session_rate: 8.0,
+            duration_s: 3.0,
+            turns: 3.0,
+            user_tokens: 120,
+            output_tokens: 8,
+            think_ms: 200.0,
+            ..GeneratorConfig::default()
+        },
+        5,
+    );
+    let mut cluster = ClusterConfig {
+        engines: 2,
+        speedup: 2.0,
+        ..ClusterConfig::default()
+    };
+    cluster.engine.num_blocks = 4_096;
+    let opts = BenchOptions {
+        cluster,
+        max_requests: Some(50),
+        ..BenchOptions::default()
+    };
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    let runs = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        run_policies_with(
+            exe,
+            &w,
+            Mode::Live,
+            &[Strategy::CostModel.into()],
+            &opts,
+            true,
+        ),
+    )
+    .await
+    .expect("finishes in time")
+    .expect("runs");
+    let s = &runs[0].summary;
+    assert_eq!(s.errors, 0, "{:?}", runs[0].detail.error_samples);
+    assert!(s.requests >= 40 && s.requests <= 50, "{}", s.requests);
+    assert!(s.ttft_ms_p50 > 0.0 && s.ttft_ms_p50 <= s.ttft_ms_p99);
+    assert!(s.e2e_ms_p50 >= s.ttft_ms_p50);
+    assert!(s.output_tok_s > 0.0);
+    assert!(
+        s.hit_rate > 0.0 && s.hit_rate <= 1.0,
+        "engines reported their cache hits: {}",
+        s.hit_rate
+    );
+    assert!(s.hit_rate_ceiling > 0.0);
+    assert!(
+        s.decision_us_p99.is_some_and(|d| d > 0.0),
+        "the picker's histogram was read"
+    );
+}
