@@ -195,6 +195,14 @@ pub struct CostModelCalibration {
     /// picker did not send itself.
     #[schemars(range(min = 0))]
     pub assumed_waiting_tokens: u32,
+    /// The value of locality: each candidate is also charged this many times the prefill time
+    /// of the tokens it would recompute. The TTFT estimate counts a recomputation once, as
+    /// this request's latency, but it also takes engine time from every request queued behind
+    /// it and puts a second copy of the prefix in a cache, evicting others; near saturation
+    /// that feeds on itself. 0 = the greedy TTFT estimate. Default 8 (see
+    /// e2e/BENCHMARKS.md: best or near best on every Mooncake load tested).
+    #[schemars(range(min = 0.0))]
+    pub recompute_weight: f64,
 }
 
 impl Default for CostModelCalibration {
@@ -208,6 +216,7 @@ impl Default for CostModelCalibration {
             decode_quadratic_ms: -25.7,
             max_batched_tokens: 8192,
             assumed_waiting_tokens: 1024,
+            recompute_weight: 8.0,
         }
     }
 }
@@ -299,6 +308,10 @@ impl RoutingConfig {
             (
                 "routing.costModel.prefillConstantMs",
                 self.cost_model.prefill_constant_ms,
+            ),
+            (
+                "routing.costModel.recomputeWeight",
+                self.cost_model.recompute_weight,
             ),
         ];
         for (name, v) in finite_nonneg {

@@ -1,7 +1,6 @@
 //! The `kvroute-bench` command line.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -103,46 +102,49 @@ impl ClusterArgs {
     }
 }
 
-/// The built-in generator's parameters.
+/// The built-in generator's parameters [defaults: the demo's workload, see
+/// `GeneratorConfig::default`].
 #[derive(Debug, Clone, Args)]
 pub struct GenArgs {
-    /// Tenants, each with its own long system prompt.
-    #[arg(long, default_value_t = 8)]
-    pub gen_groups: u32,
-    #[arg(long, default_value_t = 3000)]
-    pub gen_system_tokens: u32,
-    /// New sessions per second.
-    #[arg(long, default_value_t = 4.0)]
-    pub gen_session_rate: f64,
-    /// Sessions start within this many seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub gen_duration_s: f64,
-    /// Mean turns per session.
-    #[arg(long, default_value_t = 6.0)]
-    pub gen_turns: f64,
-    /// Mean new user tokens per turn.
-    #[arg(long, default_value_t = 1200)]
-    pub gen_user_tokens: u32,
-    /// Mean output tokens per turn.
-    #[arg(long, default_value_t = 64)]
-    pub gen_output_tokens: u32,
-    /// Mean think time between turns (ms).
-    #[arg(long, default_value_t = 2000.0)]
-    pub gen_think_ms: f64,
+    /// Tenants, each with its own long system prompt [default: 8].
+    #[arg(long)]
+    pub gen_groups: Option<u32>,
+    /// Mean system prompt tokens [default: 8000].
+    #[arg(long)]
+    pub gen_system_tokens: Option<u32>,
+    /// New sessions per second [default: 6].
+    #[arg(long)]
+    pub gen_session_rate: Option<f64>,
+    /// Sessions start within this many seconds [default: 20].
+    #[arg(long)]
+    pub gen_duration_s: Option<f64>,
+    /// Mean turns per session [default: 6].
+    #[arg(long)]
+    pub gen_turns: Option<f64>,
+    /// Mean new user tokens per turn [default: 3000].
+    #[arg(long)]
+    pub gen_user_tokens: Option<u32>,
+    /// Mean output tokens per turn [default: 32].
+    #[arg(long)]
+    pub gen_output_tokens: Option<u32>,
+    /// Mean think time between turns, ms [default: 2000].
+    #[arg(long)]
+    pub gen_think_ms: Option<f64>,
 }
 
 impl GenArgs {
     fn config(&self) -> GeneratorConfig {
+        let d = GeneratorConfig::default();
         GeneratorConfig {
-            groups: self.gen_groups,
-            system_tokens: self.gen_system_tokens,
-            session_rate: self.gen_session_rate,
-            duration_s: self.gen_duration_s,
-            turns: self.gen_turns,
-            user_tokens: self.gen_user_tokens,
-            output_tokens: self.gen_output_tokens,
-            think_ms: self.gen_think_ms,
-            ..GeneratorConfig::default()
+            groups: self.gen_groups.unwrap_or(d.groups),
+            system_tokens: self.gen_system_tokens.unwrap_or(d.system_tokens),
+            session_rate: self.gen_session_rate.unwrap_or(d.session_rate),
+            duration_s: self.gen_duration_s.unwrap_or(d.duration_s),
+            turns: self.gen_turns.unwrap_or(d.turns),
+            user_tokens: self.gen_user_tokens.unwrap_or(d.user_tokens),
+            output_tokens: self.gen_output_tokens.unwrap_or(d.output_tokens),
+            think_ms: self.gen_think_ms.unwrap_or(d.think_ms),
+            ..d
         }
     }
 }
@@ -170,6 +172,9 @@ pub struct ReplayArgs {
     /// Replay at most this many requests.
     #[arg(long)]
     pub max_requests: Option<usize>,
+    /// Release no request after this many simulated seconds (those in flight complete).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
     /// Multiply the arrival rate (divides timestamps, session starts and think times).
     #[arg(long, default_value_t = 1.0)]
     pub arrival_scale: f64,
@@ -415,6 +420,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             tpot_ms: a.slo_tpot_ms,
         },
         max_requests: a.max_requests,
+        max_duration_ms: a.duration_s.map(|s| s * 1000.0),
         session_header: a.session_header,
         seed: a.seed,
         time_decisions: !a.no_decision_timing,
@@ -455,7 +461,9 @@ fn run_offline_parallel(
     jobs: usize,
     hide_progress: bool,
 ) -> anyhow::Result<Vec<PolicyRun>> {
-    let total = super::driver::Driver::new(workload, opts.max_requests).total_requests();
+    let total = super::driver::Driver::new(workload, opts.max_requests)
+        .with_deadline(opts.max_duration_ms)
+        .total_requests();
     let multi = indicatif::MultiProgress::with_draw_target(if hide_progress {
         ProgressDrawTarget::hidden()
     } else {
@@ -502,7 +510,9 @@ pub async fn run_policies_jobs(
     jobs: usize,
 ) -> anyhow::Result<Vec<PolicyRun>> {
     let mut runs = Vec::new();
-    let total = super::driver::Driver::new(workload, opts.max_requests).total_requests();
+    let total = super::driver::Driver::new(workload, opts.max_requests)
+        .with_deadline(opts.max_duration_ms)
+        .total_requests();
     if mode == Mode::Offline && jobs > 1 && policies.len() > 1 {
         return run_offline_parallel(workload, policies, opts, jobs, hide_progress);
     }
@@ -523,11 +533,8 @@ pub async fn run_policies_jobs(
                 r?
             }
             Mode::Live => {
-                let Some(strategy) = p.strategy() else {
-                    anyhow::bail!("{name} is an offline-only experimental policy");
-                };
                 pb.set_message("starting engines and picker");
-                let cluster = live::start_cluster(exe, opts, strategy, &http).await?;
+                let cluster = live::start_cluster(exe, opts, &p, &http).await?;
                 pb.set_message("");
                 let target = Target {
                     router: format!(
@@ -561,6 +568,12 @@ pub async fn run_policies_jobs(
             );
         }
         runs.push(run);
+    }
+    if mode == Mode::Live {
+        // the children's logs and configs are only worth keeping when something failed
+        if let Ok(dir) = live::procs::work_dir() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
     Ok(runs)
 }
@@ -639,7 +652,9 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
                 engines,
             };
             let http = live::http_client()?;
-            let total = super::driver::Driver::new(&workload, opts.max_requests).total_requests();
+            let total = super::driver::Driver::new(&workload, opts.max_requests)
+                .with_deadline(opts.max_duration_ms)
+                .total_requests();
             let pb = progress_bar(total, &a.router_name, hide);
             let pbc = pb.clone();
             let r = live::replay(&workload, &target, &opts, &http, &move |done, _, errors| {
@@ -696,6 +711,8 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
     let opts = BenchOptions {
         cluster: cluster.clone(),
         seed: d.seed,
+        // sessions started late would run their turns long after the others: cut the run
+        max_duration_ms: Some(d.duration_s * 1000.0),
         ..BenchOptions::default()
     };
     let hide = d.no_progress || !std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -705,8 +722,9 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
     );
     println!("workload: {}", workload.name);
     println!(
-        "each policy gets a fresh cluster and the same {} requests; times are simulated ms\n",
-        workload.requests_per_pass()
+        "each policy gets a fresh cluster and the same traffic for {:.0} simulated s; times are \
+         simulated ms\n",
+        d.duration_s
     );
     let started = std::time::Instant::now();
     let runs = run_policies(&workload, Mode::Live, &policies, &opts, hide).await?;
@@ -744,6 +762,5 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
          --trace ../shared/traces/conversation_trace.jsonl",
         started.elapsed().as_secs_f64()
     );
-    let _ = Duration::ZERO;
     Ok(())
 }

@@ -73,6 +73,8 @@ pub struct Driver {
     released: usize,
     active_sessions: usize,
     stopped: bool,
+    /// Nothing is released after this time (ms); `None` = no deadline.
+    deadline_ms: Option<f64>,
 }
 
 impl Driver {
@@ -103,6 +105,7 @@ impl Driver {
             released: 0,
             active_sessions: 0,
             stopped: max_requests == 0,
+            deadline_ms: None,
         };
         match &workload.plan {
             Plan::Timed(sessions) => {
@@ -123,6 +126,13 @@ impl Driver {
             }
         }
         d
+    }
+
+    /// Release nothing after `deadline_ms` (a run of bounded duration: requests in flight
+    /// then still complete).
+    pub fn with_deadline(mut self, deadline_ms: Option<f64>) -> Self {
+        self.deadline_ms = deadline_ms.filter(|d| d.is_finite() && *d >= 0.0);
+        self
     }
 
     /// Requests this run will release at most.
@@ -162,6 +172,11 @@ impl Driver {
         while let Some(Reverse((k, _, _))) = self.timers.peek() {
             let at = f64::from_bits(*k);
             if at > now_ms {
+                break;
+            }
+            if self.deadline_ms.is_some_and(|d| at > d) {
+                self.stopped = true;
+                self.timers.clear();
                 break;
             }
             let Some(Reverse((_, _, timer))) = self.timers.pop() else {

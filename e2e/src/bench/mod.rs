@@ -12,7 +12,6 @@
 pub mod ceiling;
 pub mod cli;
 pub mod driver;
-pub mod experiment;
 pub mod live;
 pub mod offline;
 pub mod report;
@@ -81,6 +80,8 @@ pub struct BenchOptions {
     pub scrape_ms: f64,
     pub slo: Slo,
     pub max_requests: Option<usize>,
+    /// Release no request after this many simulated ms.
+    pub max_duration_ms: Option<f64>,
     /// Send each request's session id in the routing config's session header.
     pub session_header: bool,
     pub seed: u64,
@@ -100,6 +101,7 @@ impl Default for BenchOptions {
                 tpot_ms: 100.0,
             },
             max_requests: None,
+            max_duration_ms: None,
             session_header: false,
             seed: 0,
             time_decisions: true,
@@ -114,60 +116,56 @@ pub struct PolicyRun {
     pub detail: RunDetail,
 }
 
-/// A policy to compare: one of the picker's strategies, or an experimental variant that only
-/// the offline mode can run (see [`experiment`]).
+/// A policy to compare: one of the picker's strategies, optionally with the cost model's
+/// `recomputeWeight` overridden (`cost-model:W`), so that weights can be swept on the same
+/// trace. Every spec is a routing configuration the picker itself runs, offline and live.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum PolicySpec {
-    Builtin(Strategy),
-    /// `cost-model-future[:WEIGHT]`: the cost model charging recomputed prefill `WEIGHT`
-    /// times more (default 1).
-    FutureCost {
-        weight: f64,
-    },
+pub struct PolicySpec {
+    pub strategy: Strategy,
+    /// `routing.costModel.recomputeWeight` for this run; `None` keeps the configured one.
+    pub recompute_weight: Option<f64>,
 }
 
 impl From<Strategy> for PolicySpec {
-    fn from(s: Strategy) -> Self {
-        Self::Builtin(s)
+    fn from(strategy: Strategy) -> Self {
+        Self {
+            strategy,
+            recompute_weight: None,
+        }
     }
 }
 
 impl PolicySpec {
-    /// The name in reports.
+    /// The name in reports (`cost-model`, `cost-model:0`, `least-load`...).
     pub fn name(&self) -> String {
-        match self {
-            Self::Builtin(s) => s.as_str().into(),
-            Self::FutureCost { weight } => format!("cost-model-future:{weight}"),
+        match self.recompute_weight {
+            Some(w) => format!("{}:{w}", self.strategy.as_str()),
+            None => self.strategy.as_str().into(),
         }
     }
 
-    /// The picker strategy it runs as (its routing config's `strategy`).
-    pub fn strategy(&self) -> Option<Strategy> {
-        match self {
-            Self::Builtin(s) => Some(*s),
-            Self::FutureCost { .. } => None,
+    /// `base` with this spec's strategy and overrides applied.
+    pub fn routing(
+        &self,
+        base: &kvroute_picker::config::RoutingConfig,
+    ) -> kvroute_picker::config::RoutingConfig {
+        let mut r = kvroute_picker::config::RoutingConfig {
+            strategy: self.strategy,
+            ..base.clone()
+        };
+        if let Some(w) = self.recompute_weight {
+            r.cost_model.recompute_weight = w;
         }
+        r
     }
 
     /// The policy object for the routing core.
     pub fn build(
         &self,
-        routing: &kvroute_picker::config::RoutingConfig,
+        base: &kvroute_picker::config::RoutingConfig,
         seed: u64,
     ) -> Box<dyn kvroute_picker::policy::Policy> {
-        match self {
-            Self::Builtin(s) => kvroute_picker::policy::build(
-                &kvroute_picker::config::RoutingConfig {
-                    strategy: *s,
-                    ..routing.clone()
-                },
-                seed,
-            ),
-            Self::FutureCost { weight } => Box::new(experiment::FutureCost {
-                cal: routing.cost_model,
-                weight: *weight,
-            }),
-        }
+        kvroute_picker::policy::build(&self.routing(base), seed)
     }
 }
 
@@ -175,25 +173,33 @@ impl PolicySpec {
 pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let spec = if let Some(rest) = name.strip_prefix("cost-model-future") {
-            let weight = match rest.strip_prefix(':') {
-                Some(w) => w
-                    .parse::<f64>()
+        let (strategy, weight) = match name.split_once(':') {
+            Some((s, w)) => (s, Some(w)),
+            None => (name, None),
+        };
+        let strategy = Strategy::from_cli(strategy).ok_or_else(|| {
+            format!(
+                "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], weighted, \
+                 cache-aware, kv-cost, least-load, round-robin, random"
+            )
+        })?;
+        let recompute_weight = match weight {
+            None => None,
+            Some(_) if strategy != Strategy::CostModel => {
+                return Err(format!(
+                    "{name:?}: only cost-model takes a weight (its recomputeWeight)"
+                ));
+            }
+            Some(w) => Some(
+                w.parse::<f64>()
                     .ok()
                     .filter(|w| w.is_finite() && *w >= 0.0)
-                    .ok_or_else(|| format!("bad weight in {name:?}"))?,
-                None if rest.is_empty() => 1.0,
-                None => return Err(format!("unknown policy {name:?}")),
-            };
-            PolicySpec::FutureCost { weight }
-        } else {
-            PolicySpec::Builtin(Strategy::from_cli(name).ok_or_else(|| {
-                format!(
-                    "unknown policy {name:?}: expected cost-model, weighted, cache-aware, \
-                     kv-cost, least-load, round-robin, random (or the offline-only \
-                     cost-model-future[:WEIGHT])"
-                )
-            })?)
+                    .ok_or_else(|| format!("bad recompute weight in {name:?}"))?,
+            ),
+        };
+        let spec = PolicySpec {
+            strategy,
+            recompute_weight,
         };
         if !out.contains(&spec) {
             out.push(spec);

@@ -10,9 +10,9 @@
 //! * each rank runs step after step while it has work; a step's tokens, finished requests and
 //!   KV events take effect at the step's end.
 //!
-//! Events at the same instant are processed in a fixed order (step ends, then scrapes, then
-//! the driver's releases), and nothing reads the wall clock except the optional decision
-//! timing, so the same inputs give the same results.
+//! Events at the same instant are processed in a fixed order (step ends and scrapes in the
+//! order they were scheduled, then the driver's releases), and nothing reads the wall clock
+//! except the optional decision timing, so the same inputs give the same results.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -22,7 +22,6 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-use kvroute_picker::config::{CostModelCalibration, RoutingConfig, Strategy};
 use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSnapshot, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex, Slot};
 use kvroute_picker::inflight::{InflightGuard, InflightTracker};
@@ -135,14 +134,8 @@ impl<'a> Sim<'a> {
                 });
             }
         }
-        let routing = RoutingConfig {
-            strategy: policy.strategy().unwrap_or(Strategy::CostModel),
-            cost_model: CostModelCalibration {
-                max_batched_tokens: c.engine.max_num_batched_tokens,
-                ..opts.routing.cost_model
-            },
-            ..opts.routing.clone()
-        };
+        let mut routing = policy.routing(&opts.routing);
+        routing.cost_model.max_batched_tokens = c.engine.max_num_batched_tokens;
         routing.validate().map_err(anyhow::Error::msg)?;
         let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
         let series_every = ((1000.0 / opts.scrape_ms.max(1.0)).round() as u64).max(1);
@@ -373,7 +366,7 @@ pub fn run(
 ) -> anyhow::Result<PolicyRun> {
     let policy = policy.into();
     let mut sim = Sim::new(workload, policy, opts)?;
-    let mut driver = Driver::new(workload, opts.max_requests);
+    let mut driver = Driver::new(workload, opts.max_requests).with_deadline(opts.max_duration_ms);
     let total = driver.total_requests();
     let mut issues: Vec<Issue> = Vec::new();
     let mut done: Vec<u64> = Vec::new();

@@ -164,6 +164,9 @@ fn ttft_cdf_svg(runs: &[PolicyRun]) -> anyhow::Result<String> {
             .map_err(plot_err)?;
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .x_labels(8)
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .x_desc("TTFT ms")
             .y_desc("fraction of requests")
             .draw()
@@ -219,6 +222,7 @@ fn hit_rate_svg(runs: &[PolicyRun]) -> anyhow::Result<String> {
         let names: Vec<String> = runs.iter().map(|r| r.summary.policy.clone()).collect();
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
             .disable_x_mesh()
             .x_labels(n * 2 + 1)
             .x_label_formatter(&|x| {
@@ -308,6 +312,7 @@ fn load_svg(run: &PolicyRun) -> anyhow::Result<String> {
             .map_err(plot_err)?;
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
             .x_desc("simulated s")
             .draw()
             .map_err(plot_err)?;

@@ -69,7 +69,11 @@ impl Policy for CostModel {
 
     fn score(&self, _req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
-            *s = -estimated_ttft_ms(&self.cal, &c.features);
+            // the greedy TTFT, plus the recomputation's cost to everyone else (locality has a
+            // future value: see `CostModelCalibration::recompute_weight`)
+            let recompute = prefill_ms(&self.cal, f64::from(c.features.uncached_tokens));
+            *s = -(estimated_ttft_ms(&self.cal, &c.features)
+                + self.cal.recompute_weight * recompute);
         }
     }
 }
@@ -99,6 +103,34 @@ mod tests {
             cand(2, feat(8192, 480, 1.0, 2.0)), // 7680 of 8192 cached, light load
         ];
         assert_eq!(pick(&p, &r, &cands), ep(2));
+    }
+
+    #[test]
+    fn recompute_weight_keeps_a_request_on_its_prefix_against_a_somewhat_shorter_wait() {
+        let r = req(8192);
+        // endpoint 1: idle and cold (ttft ≈ 169 ms, all of it recomputation: score ≈ 9 × 169);
+        // endpoint 2: 7680 of 8192 tokens cached, behind 12000 queued tokens (ttft ≈ 270 ms,
+        // 512 tokens recomputed: score ≈ 270 + 8 × 24)
+        let mut warm = feat(8192, 480, 1.0, 2.0);
+        warm.pending_tokens = 12_000;
+        warm.pending_requests = 1;
+        let cands = [cand(1, feat(8192, 0, 0.0, 0.0)), cand(2, warm)];
+        let greedy = CostModel::new(CostModelCalibration {
+            recompute_weight: 0.0,
+            ..CostModelCalibration::default()
+        });
+        assert_eq!(pick(&greedy, &r, &cands), ep(1), "greedy: the shorter TTFT");
+        let valued = CostModel::new(CostModelCalibration::default());
+        assert_eq!(
+            pick(&valued, &r, &cands),
+            ep(2),
+            "valued: 8k tokens of work saved"
+        );
+        // a much deeper queue (12 engine steps of prefill) still loses
+        let mut deep = warm;
+        deep.pending_tokens = 100_000;
+        let cands = [cand(1, feat(8192, 0, 0.0, 0.0)), cand(2, deep)];
+        assert_eq!(pick(&valued, &r, &cands), ep(1));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kvroute_picker::config::{CostModelCalibration, RoutingConfig, Strategy};
+use kvroute_picker::config::{CostModelCalibration, RoutingConfig};
 use kvroute_picker::pool::{DataParallel, KvEventsSpec, ModelConfigSpec, RankSelection};
 use kvroute_picker::service::settings::{
     IndexSettings, Limits, Listen, PickerConfig, ScrapeSettings, StaticEndpoint,
@@ -35,7 +35,7 @@ use super::driver::{Driver, Issue};
 use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
 use super::workload::tokens::prompt_tokens;
-use super::{BenchOptions, ClusterConfig, MODEL, PolicyRun};
+use super::{BenchOptions, ClusterConfig, MODEL, PolicyRun, PolicySpec};
 use crate::sim::server::{PortSpec, SimConfig};
 use client::SimClock;
 use procs::ChildGuard;
@@ -281,19 +281,16 @@ pub async fn start_engines(
     Err(last_err.unwrap_or_else(|| anyhow::anyhow!("engines did not start")))
 }
 
-/// Start engines and a picker with `strategy`, and wait until the picker is ready.
+/// Start engines and a picker running `policy`, and wait until the picker is ready.
 pub async fn start_cluster(
     exe: &Path,
     opts: &BenchOptions,
-    strategy: Strategy,
+    policy: &PolicySpec,
     http: &reqwest::Client,
 ) -> anyhow::Result<Cluster> {
-    let tag = strategy.as_str();
-    let (eng_guard, engines) = start_engines(exe, &opts.cluster, opts.seed, tag).await?;
-    let routing = RoutingConfig {
-        strategy,
-        ..opts.routing.clone()
-    };
+    let tag = policy.name().replace(':', "-");
+    let (eng_guard, engines) = start_engines(exe, &opts.cluster, opts.seed, &tag).await?;
+    let routing = policy.routing(&opts.routing);
     let cfg = picker_config(&engines, &opts.cluster, &routing, opts.scrape_ms)?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
     std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
@@ -421,14 +418,13 @@ pub async fn replay(
             let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
             loop {
                 let t = clock.now_ms() / 1000.0;
-                for (i, e) in engines.iter().enumerate() {
+                for e in &engines {
                     if let Some(text) = fetch(&http, &format!("http://{}/metrics", e.http)).await {
                         for (rank, c) in prom::engine_counters(&text) {
                             let s = series.entry(format!("{}#{rank}", e.http)).or_default();
                             if s.len() < 200_000 {
                                 s.push((t, c.waiting + c.running));
                             }
-                            let _ = i;
                         }
                     }
                 }
@@ -441,7 +437,7 @@ pub async fn replay(
         })
     };
 
-    let mut driver = Driver::new(workload, opts.max_requests);
+    let mut driver = Driver::new(workload, opts.max_requests).with_deadline(opts.max_duration_ms);
     let total = driver.total_requests();
     let mut ceilings = Ceilings::new(
         workload.block_tokens,
@@ -618,8 +614,35 @@ pub async fn run_engines(
     use std::io::Write as _;
     let handle = crate::sim::server::start(sim_config(cluster, seed, kv_base)).await?;
     {
+        // the simulator's own address JSON, plus ready-made URLs for other routers
+        let mut v = handle.ports_json();
+        if let Some(list) = v.get_mut("engines").and_then(|e| e.as_array_mut()) {
+            for e in list.iter_mut() {
+                let url = e
+                    .get("http")
+                    .and_then(|h| h.as_str())
+                    .map(|h| format!("http://{h}"));
+                let zmq = |key: &str| -> Vec<String> {
+                    e.get(key)
+                        .and_then(|k| k.as_array())
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|x| x.as_str())
+                                .map(|x| format!("tcp://{x}"))
+                                .collect()
+                        })
+                        .unwrap_or_default()
+                };
+                let (events, replay) = (zmq("kv_events"), zmq("replay"));
+                if let Some(obj) = e.as_object_mut() {
+                    obj.insert("url".into(), serde_json::json!(url));
+                    obj.insert("kv_event_endpoints".into(), serde_json::json!(events));
+                    obj.insert("kv_replay_endpoints".into(), serde_json::json!(replay));
+                }
+            }
+        }
         let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", handle.ports_json())?;
+        writeln!(out, "{v}")?;
         out.flush()?;
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -45,12 +45,12 @@ impl Default for GeneratorConfig {
     fn default() -> Self {
         Self {
             groups: 8,
-            system_tokens: 3_000,
-            session_rate: 4.0,
-            duration_s: 60.0,
+            system_tokens: 8_000,
+            session_rate: 6.0,
+            duration_s: 20.0,
             turns: 6.0,
-            user_tokens: 1_200,
-            output_tokens: 64,
+            user_tokens: 3_000,
+            output_tokens: 32,
             think_ms: 2_000.0,
             zipf: 1.0,
             block_tokens: 16,
