@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# The project's test command: format check, clippy with warnings denied, all tests.
-# Needs the Rust toolchain and Python 3 with pip (the ZMQ interop tests talk to a libzmq
-# publisher written with pyzmq).
+# The project's test command: format check, clippy with warnings denied, helm lint, all tests
+# (the end-to-end ones included, on a local Kubernetes control plane).
+# Needs the Rust toolchain, Go 1.26+ with the Go module proxy (to build the control plane's
+# binaries once: scripts/k8s-bins.sh) and Python 3 with pip (the ZMQ interop tests talk to a
+# libzmq publisher written with pyzmq).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c 'import zmq, msgpack' 2>/dev/null || python3 -m pip install --quiet 'pyzmq>=26' 'msgpack>=1.0'
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# etcd, kube-apiserver, kube-controller-manager, kubectl and helm at pinned versions, built from
+# the Go module proxy into a cache folder (only the first run on a machine builds them).
+KVROUTE_K8S_BIN_DIR="$(./scripts/k8s-bins.sh | tail -n 1)"
+export KVROUTE_K8S_BIN_DIR
+"$KVROUTE_K8S_BIN_DIR/helm" lint charts/kvroute
+# the chart rendered with several value sets, and bad values rejected by its schema
+HELM="$KVROUTE_K8S_BIN_DIR/helm" ./scripts/helm-check.sh
+
 cargo test --workspace --locked

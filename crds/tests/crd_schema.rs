@@ -21,9 +21,8 @@ fn committed_crd_matches_the_generated_one() {
     let committed = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         committed == generated,
-        "{} is out of date: run `cargo run -p kvroute-crds --bin crdgen crds/{}` (or this test with KVROUTE_UPDATE_CRDS=1) and commit it",
-        path.display(),
-        kvroute_crds::CRD_FILE
+        "{} is out of date: run `KVROUTE_UPDATE_CRDS=1 cargo test -p kvroute-crds` (it also regenerates the Helm chart's copy) and commit it",
+        path.display()
     );
 }
 

@@ -2,4 +2,5 @@
 //! the end-to-end harness.
 
 pub mod bench;
+pub mod cluster;
 pub mod sim;
