@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::block_keys::{BlockHasher, ChainRoot};
 use crate::index::{KvIndex, Slot, StoreOutcome};
-use crate::kv_events::{EventBatch, KvEvent};
+use crate::kv_events::{EventBatch, ExtraKey, KvEvent};
 
 /// What applying one batch did; counters feed the picker's metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -24,6 +24,9 @@ pub struct IngestStats {
     /// Blocks skipped because the event's block size or token count does not fit the model
     /// configuration (a misconfigured pool).
     pub malformed_blocks: u64,
+    /// Blocks stored under keys no request can match, because the engine folded inputs the
+    /// picker does not hash (multimodal or prompt-embedding extra keys) into them.
+    pub opaque_blocks: u64,
     /// The endpoint exceeded its block budget and was cleared: resynchronise it.
     pub overflowed: bool,
 }
@@ -41,6 +44,62 @@ pub struct IngestKeys<'a> {
     pub hasher: BlockHasher,
     /// The served model name (the chain root's first component).
     pub model: &'a str,
+}
+
+/// What a `BlockStored` event's extra keys mean for the picker's chain.
+///
+/// vLLM folds into a block's hash `[lora_name] + multimodal hashes + [cache_salt] +
+/// prompt-embedding hashes`, with the salt on the first block of a prefix only. The picker
+/// models the adapter and the salt (in the chain root, exactly as requests are hashed); a
+/// block with any other extra key cannot be matched by a request hashed from its tokens alone.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ExtraView<'a> {
+    salt: Option<&'a str>,
+    /// Index of the first block whose extra keys the picker does not model.
+    opaque_from: Option<usize>,
+}
+
+impl<'a> ExtraView<'a> {
+    fn of(
+        extra: &'a [Option<Vec<ExtraKey>>],
+        lora_name: Option<&str>,
+        lora_id: Option<i64>,
+        starts_prefix: bool,
+    ) -> Self {
+        let mut view = Self::default();
+        for (i, block) in extra.iter().enumerate() {
+            let Some(items) = block else { continue };
+            let mut lora_seen = false;
+            let rest: Vec<&ExtraKey> = items
+                .iter()
+                .filter(|k| {
+                    let is_lora = match k {
+                        ExtraKey::Str(s) => Some(s.as_str()) == lora_name,
+                        ExtraKey::Int(v) => Some(*v) == lora_id,
+                        ExtraKey::Other(_) => false,
+                    };
+                    // drop the adapter once; a second equal string is something else
+                    let drop = is_lora && !lora_seen;
+                    lora_seen |= drop;
+                    !drop
+                })
+                .collect();
+            match (i, starts_prefix, rest.as_slice()) {
+                (_, _, []) => {}
+                (0, true, [ExtraKey::Str(salt)]) => view.salt = Some(salt.as_str()),
+                _ => {
+                    view.opaque_from = Some(i);
+                    break;
+                }
+            }
+        }
+        view
+    }
+}
+
+/// A key derived from `parent` that no request chain produces.
+fn opaque_key(parent: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(b"kvroute:opaque-extra-keys", parent)
 }
 
 /// Apply every event of `batch` to `slot`'s blocks. Never fails: bad events are counted and
@@ -62,6 +121,9 @@ pub fn apply_batch(
                 token_ids,
                 block_size,
                 lora_name,
+                lora_id,
+                extra_keys,
+                cache_salt,
                 ..
             } => {
                 let n = block_hashes.len() as u64;
@@ -70,8 +132,15 @@ pub fn apply_batch(
                     stats.malformed_blocks += n;
                     continue;
                 }
+                let extra = ExtraView::of(
+                    extra_keys,
+                    lora_name.as_deref(),
+                    *lora_id,
+                    parent_block_hash.is_none(),
+                );
+                let salt = extra.salt.or(cache_salt.as_deref());
                 let parent = match parent_block_hash {
-                    None => ChainRoot::new(keys.model, lora_name.as_deref(), None).value(),
+                    None => ChainRoot::new(keys.model, lora_name.as_deref(), salt).value(),
                     Some(ph) => match index.key_for_engine_hash(slot, *ph) {
                         Some(k) => k,
                         None => {
@@ -81,7 +150,23 @@ pub fn apply_batch(
                     },
                 };
                 chain.clear();
-                keys.hasher.continue_into(parent, token_ids, &mut chain);
+                match extra.opaque_from {
+                    None => keys.hasher.continue_into(parent, token_ids, &mut chain),
+                    Some(first) => {
+                        // blocks from `first` on depend on inputs the picker does not hash
+                        // (images, embeddings): key them apart so no request matches them
+                        let split = (first * bs).min(token_ids.len());
+                        keys.hasher
+                            .continue_into(parent, &token_ids[..split], &mut chain);
+                        let last = chain.last().copied().unwrap_or(parent);
+                        keys.hasher.continue_into(
+                            opaque_key(last),
+                            &token_ids[split..],
+                            &mut chain,
+                        );
+                        stats.opaque_blocks += n - first as u64;
+                    }
+                }
                 pairs.clear();
                 pairs.extend(block_hashes.iter().copied().zip(chain.iter().copied()));
                 match index.store_after(slot, *parent_block_hash, &pairs) {
@@ -122,6 +207,8 @@ mod tests {
             lora_id: None,
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
+            cache_salt: None,
         }
     }
 
@@ -202,6 +289,8 @@ mod tests {
                     lora_id: None,
                     medium: None,
                     lora_name: None,
+                    extra_keys: Vec::new(),
+                    cache_salt: None,
                 },
             ]),
         );
@@ -244,5 +333,98 @@ mod tests {
         );
         assert!(s.overflowed && s.needs_resync());
         assert_eq!(ix.live_blocks(), 0);
+    }
+
+    fn matched_with(ix: &KvIndex, salt: Option<&str>, tokens: &[u32]) -> u32 {
+        let k = BlockHasher::new(4).keys(ChainRoot::new("m", None, salt), tokens);
+        let mut out: Vec<PrefixMatch> = Vec::new();
+        ix.longest_prefix(&k, &mut out);
+        out.first().map_or(0, |m| m.blocks)
+    }
+
+    fn with_extra(mut ev: KvEvent, keys: Vec<Option<Vec<ExtraKey>>>) -> KvEvent {
+        if let KvEvent::BlockStored { extra_keys, .. } = &mut ev {
+            *extra_keys = keys;
+        }
+        ev
+    }
+
+    #[test]
+    fn a_salted_prefix_credits_only_requests_with_that_salt() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..16).collect();
+        // vLLM: the salt is an extra key of the prefix's first block only
+        let first = with_extra(
+            stored(&[1, 2], None, prompt[..8].to_vec()),
+            vec![Some(vec![ExtraKey::Str("salt-a".into())]), None],
+        );
+        let rest = stored(&[3, 4], Some(2), prompt[8..].to_vec());
+        let s = apply_batch(&mut ix, slot, keys, &batch(vec![first, rest]));
+        assert_eq!((s.stored_blocks, s.opaque_blocks), (4, 0));
+        assert_eq!(matched_with(&ix, Some("salt-a"), &prompt), 4);
+        assert_eq!(matched_with(&ix, Some("salt-b"), &prompt), 0);
+        assert_eq!(matched_with(&ix, None, &prompt), 0);
+    }
+
+    #[test]
+    fn sglang_metadata_salt_and_lora_extra_keys_are_modelled() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..8).collect();
+        let mut ev = stored(&[1, 2], None, prompt.clone());
+        if let KvEvent::BlockStored { cache_salt, .. } = &mut ev {
+            *cache_salt = Some("t1".into());
+        }
+        apply_batch(&mut ix, slot, keys, &batch(vec![ev]));
+        assert_eq!(matched_with(&ix, Some("t1"), &prompt), 2);
+        // adapter on every block, salt on the first: both fold into the root
+        let (mut ix, slot, keys) = setup();
+        let mut ev = with_extra(
+            stored(&[1, 2], None, prompt.clone()),
+            vec![
+                Some(vec![
+                    ExtraKey::Str("sql".into()),
+                    ExtraKey::Str("t1".into()),
+                ]),
+                Some(vec![ExtraKey::Str("sql".into())]),
+            ],
+        );
+        if let KvEvent::BlockStored { lora_name, .. } = &mut ev {
+            *lora_name = Some("sql".into());
+        }
+        apply_batch(&mut ix, slot, keys, &batch(vec![ev]));
+        let k = BlockHasher::new(4).keys(ChainRoot::new("m", Some("sql"), Some("t1")), &prompt);
+        let mut out = Vec::new();
+        ix.longest_prefix(&k, &mut out);
+        assert_eq!(out.first().map(|m| m.blocks), Some(2));
+    }
+
+    #[test]
+    fn blocks_with_unmodelled_extra_keys_never_match() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..16).collect();
+        // an image hash on block 2: blocks 0-1 match, 2-3 do not
+        let ev = with_extra(
+            stored(&[1, 2, 3, 4], None, prompt.clone()),
+            vec![
+                None,
+                None,
+                Some(vec![ExtraKey::Str("mm-hash".into()), ExtraKey::Int(0)]),
+                None,
+            ],
+        );
+        let s = apply_batch(&mut ix, slot, keys, &batch(vec![ev]));
+        assert_eq!((s.stored_blocks, s.opaque_blocks), (4, 2));
+        assert_eq!(matched(&ix, &prompt), 2);
+        // a continuation of an opaque block stays opaque, and removal still works
+        let s = apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![stored(&[5], Some(4), (16..20).collect())]),
+        );
+        assert_eq!(s.orphan_blocks, 0);
+        let mut longer = prompt.clone();
+        longer.extend(16..20);
+        assert_eq!(matched(&ix, &longer), 2);
     }
 }

@@ -77,6 +77,12 @@ pub enum KvEvent {
         medium: Option<String>,
         /// LoRA adapter name; part of the engine's block key when set.
         lora_name: Option<String>,
+        /// vLLM's per-block extra keys (empty when not reported): what the engine folded into
+        /// each block's hash besides its tokens — the LoRA name, multimodal input hashes, the
+        /// request's `cache_salt` (first block of a prefix only) and prompt-embedding hashes.
+        extra_keys: Vec<Option<Vec<ExtraKey>>>,
+        /// SGLang's `cache_salt` (from `BlockStoredWithMetadata`'s metadata map).
+        cache_salt: Option<String>,
     },
     /// Blocks were evicted from the given tier.
     BlockRemoved {
@@ -88,6 +94,20 @@ pub enum KvEvent {
     /// The engine dropped its whole prefix cache (e.g. `reset_prefix_cache`).
     AllBlocksCleared,
 }
+
+/// One element of a block's extra keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExtraKey {
+    /// A string: a LoRA name, a cache salt or a multimodal hash.
+    Str(String),
+    /// An integer (older vLLM folds the numeric LoRA id).
+    Int(i64),
+    /// Anything else (bytes, tuples, non-UTF-8 strings): its msgpack encoding, verbatim.
+    Other(Vec<u8>),
+}
+
+/// Most extra keys one block may carry (vLLM has a handful: adapter, salt, one per image).
+pub const MAX_EXTRA_KEYS_PER_BLOCK: usize = 256;
 
 /// Bounds applied while decoding, so that a hostile or corrupt payload cannot make the picker
 /// allocate or loop without limit. Exceeding one is a [`DecodeError`], not a truncation.
@@ -588,6 +608,28 @@ impl Writer {
         }
     }
 
+    /// Extra keys as vLLM writes them: a list (one entry per block) of nil or tuples.
+    fn extra_keys(&mut self, keys: &[Option<Vec<ExtraKey>>]) {
+        let len = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        self.array_len(len);
+        for block in keys.iter().take(len as usize) {
+            match block {
+                None => self.nil(),
+                Some(items) => {
+                    let n = u32::try_from(items.len()).unwrap_or(u32::MAX);
+                    self.array_len(n);
+                    for k in items.iter().take(n as usize) {
+                        match k {
+                            ExtraKey::Str(v) => self.str(v),
+                            ExtraKey::Int(v) => self.sint(*v),
+                            ExtraKey::Other(raw) => self.buf.as_mut_vec().extend_from_slice(raw),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Writes the length prefix and at most `u32::MAX` elements, keeping the output valid.
     fn list<T: Copy>(&mut self, items: &[T], mut each: impl FnMut(&mut Self, T)) {
         let len = u32::try_from(items.len()).unwrap_or(u32::MAX);
@@ -619,8 +661,10 @@ impl Writer {
                 lora_id,
                 medium,
                 lora_name,
+                extra_keys,
+                cache_salt,
             } => {
-                self.array_len(8);
+                self.array_len(if extra_keys.is_empty() { 8 } else { 9 });
                 self.str(TAG_STORED);
                 self.list(block_hashes, |w, h| w.uint(h));
                 self.opt_uint(*parent_block_hash);
@@ -628,7 +672,18 @@ impl Writer {
                 self.uint(u64::from(*block_size));
                 self.opt_sint(*lora_id);
                 self.opt_str(medium.as_deref());
-                self.opt_str(lora_name.as_deref());
+                // SGLang's `BlockStoredWithMetadata` puts `{cache_salt}` in the `lora_name` slot
+                match (lora_name, cache_salt) {
+                    (None, Some(salt)) => {
+                        self.map_len(1);
+                        self.str("cache_salt");
+                        self.str(salt);
+                    }
+                    _ => self.opt_str(lora_name.as_deref()),
+                }
+                if !extra_keys.is_empty() {
+                    self.extra_keys(extra_keys);
+                }
             }
             KvEvent::BlockRemoved {
                 block_hashes,
@@ -656,8 +711,12 @@ impl Writer {
                 lora_id,
                 medium,
                 lora_name,
+                extra_keys,
+                cache_salt,
             } => {
-                self.map_len(8);
+                self.map_len(
+                    8 + u32::from(!extra_keys.is_empty()) + u32::from(cache_salt.is_some()),
+                );
                 self.str("type");
                 self.str(TAG_STORED);
                 self.str("block_hashes");
@@ -674,6 +733,14 @@ impl Writer {
                 self.opt_str(medium.as_deref());
                 self.str("lora_name");
                 self.opt_str(lora_name.as_deref());
+                if !extra_keys.is_empty() {
+                    self.str("extra_keys");
+                    self.extra_keys(extra_keys);
+                }
+                if let Some(salt) = cache_salt {
+                    self.str("cache_salt");
+                    self.str(salt);
+                }
             }
             KvEvent::BlockRemoved {
                 block_hashes,
@@ -780,6 +847,8 @@ struct Fields {
     lora_id: Option<i64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    extra_keys: Vec<Option<Vec<ExtraKey>>>,
+    cache_salt: Option<String>,
 }
 
 impl Fields {
@@ -802,6 +871,8 @@ impl Fields {
                 lora_id: self.lora_id,
                 medium: self.medium,
                 lora_name: self.lora_name,
+                extra_keys: self.extra_keys,
+                cache_salt: self.cache_salt,
             },
             Kind::Removed => KvEvent::BlockRemoved {
                 block_hashes: self.block_hashes.ok_or(DecodeError::MissingField {
@@ -1117,19 +1188,106 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A string-or-nil slot that some publishers fill with something else: SGLang's
-    /// `BlockStoredWithMetadata` puts a metadata map where vLLM has `lora_name`. Anything but
-    /// a string or nil is skipped and reads as `None`.
-    fn lenient_opt_string(&mut self, what: &'static str) -> Result<Option<String>> {
+    /// The `lora_name` slot of a positional `BlockStored`: a string or nil for vLLM, but
+    /// SGLang's `BlockStoredWithMetadata` puts a metadata map there (`{cache_salt}`). Returns
+    /// `(lora_name, cache_salt)`; anything else in the slot is skipped.
+    fn lora_name_or_metadata(&mut self) -> Result<(Option<String>, Option<String>)> {
         match self.peek_byte().map(Marker::from_u8) {
             Some(
                 Marker::Null | Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32,
-            ) => self.opt_string(what),
+            ) => Ok((self.opt_string("lora_name")?, None)),
+            Some(Marker::FixMap(_) | Marker::Map16 | Marker::Map32) => {
+                let offset = self.pos;
+                let Head::Map(n) = self.head("metadata")? else {
+                    return Ok((None, None));
+                };
+                self.enter(DEPTH_FIELD, offset)?;
+                let mut salt = None;
+                for _ in 0..n {
+                    let key = self.key(DEPTH_FIELD + 1)?;
+                    let is_str = matches!(
+                        self.peek_byte().map(Marker::from_u8),
+                        Some(Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32)
+                    );
+                    if key == Some(b"cache_salt") && is_str {
+                        salt = self.opt_string("cache_salt")?;
+                    } else {
+                        self.skip(DEPTH_FIELD + 1)?;
+                    }
+                }
+                Ok((None, salt))
+            }
             _ => {
                 self.skip(DEPTH_FIELD)?;
-                Ok(None)
+                Ok((None, None))
             }
         }
+    }
+
+    /// vLLM's `extra_keys`: nil, or a list with one entry per block, each nil or a tuple.
+    fn extra_keys(&mut self) -> Result<Vec<Option<Vec<ExtraKey>>>> {
+        if self.peek_byte() == Some(NIL) {
+            self.pos += 1;
+            return Ok(Vec::new());
+        }
+        let (n, cap) = self.list_header("extra_keys", self.limits.max_hashes_per_event)?;
+        let mut out = Vec::with_capacity(cap);
+        for _ in 0..n {
+            let offset = self.pos;
+            match self.head("extra_keys")? {
+                Head::Nil => out.push(None),
+                Head::Array(k) => {
+                    self.enter(DEPTH_FIELD + 1, offset)?;
+                    let len = usize::try_from(k).unwrap_or(usize::MAX);
+                    if len > MAX_EXTRA_KEYS_PER_BLOCK {
+                        return Err(DecodeError::TooMany {
+                            what: "extra_keys",
+                            len: u64::from(k),
+                            limit: MAX_EXTRA_KEYS_PER_BLOCK,
+                        });
+                    }
+                    let mut keys = Vec::with_capacity(len.min(self.remaining()));
+                    for _ in 0..k {
+                        keys.push(self.extra_key()?);
+                    }
+                    out.push(Some(keys));
+                }
+                other => {
+                    return Err(Self::unexpected(
+                        "extra_keys",
+                        "array or nil",
+                        other,
+                        offset,
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn extra_key(&mut self) -> Result<ExtraKey> {
+        let start = self.pos;
+        let key = match self.peek_byte().map(Marker::from_u8) {
+            Some(Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32) => {
+                match std::str::from_utf8(self.str_bytes("extra key")?) {
+                    Ok(v) => ExtraKey::Str(v.to_owned()),
+                    Err(_) => {
+                        ExtraKey::Other(self.buf.get(start..self.pos).unwrap_or_default().to_vec())
+                    }
+                }
+            }
+            _ => match self.head("extra key")? {
+                Head::Int(v) => ExtraKey::Int(v),
+                Head::Uint(v) if i64::try_from(v).is_ok() => ExtraKey::Int(v as i64),
+                _ => {
+                    // rewind and skip the whole value (it may be a container)
+                    self.pos = start;
+                    self.skip(DEPTH_FIELD + 2)?;
+                    ExtraKey::Other(self.buf.get(start..self.pos).unwrap_or_default().to_vec())
+                }
+            },
+        };
+        Ok(key)
     }
 
     fn hash(&mut self, what: &'static str) -> Result<u64> {
@@ -1359,10 +1517,15 @@ impl<'a> Reader<'a> {
                 } else {
                     None
                 };
-                let lora_name = if have > 6 {
-                    self.lenient_opt_string("lora_name")?
+                let (lora_name, cache_salt) = if have > 6 {
+                    self.lora_name_or_metadata()?
                 } else {
-                    None
+                    (None, None)
+                };
+                let extra_keys = if have > 7 {
+                    self.extra_keys()?
+                } else {
+                    Vec::new()
                 };
                 let event = KvEvent::BlockStored {
                     block_hashes,
@@ -1372,8 +1535,10 @@ impl<'a> Reader<'a> {
                     lora_id,
                     medium,
                     lora_name,
+                    extra_keys,
+                    cache_salt,
                 };
-                (event, have.min(7))
+                (event, have.min(8))
             }
             Kind::Removed => {
                 need(0, "block_hashes", TAG_REMOVED)?;
@@ -1438,6 +1603,12 @@ impl<'a> Reader<'a> {
                 (Kind::Stored, Some(b"lora_id")) => f.lora_id = self.opt_i64("lora_id")?,
                 (Kind::Stored, Some(b"lora_name")) => {
                     f.lora_name = self.opt_string("lora_name")?;
+                }
+                (Kind::Stored, Some(b"extra_keys")) => {
+                    f.extra_keys = self.extra_keys()?;
+                }
+                (Kind::Stored, Some(b"cache_salt")) => {
+                    f.cache_salt = self.lora_name_or_metadata()?.0;
                 }
                 // "type" again (when it was not first) and every unknown key.
                 _ => self.skip(DEPTH_FIELD)?,
@@ -1573,6 +1744,8 @@ mod tests {
             lora_id,
             medium,
             lora_name,
+            extra_keys: Vec::new(),
+            cache_salt: None,
         }
     }
 
@@ -1624,9 +1797,25 @@ mod tests {
         assert_eq!(decode(VLLM_ARRAY), want);
     }
 
+    /// `canonical_events()` with the extra keys gen_fixtures.py adds to the first event.
+    fn with_first_extra(
+        mut events: Vec<KvEvent>,
+        keys: Vec<Option<Vec<ExtraKey>>>,
+    ) -> Vec<KvEvent> {
+        if let Some(KvEvent::BlockStored { extra_keys, .. }) = events.first_mut() {
+            *extra_keys = keys;
+        }
+        events
+    }
+
+    fn tenant_a_extra() -> Option<Vec<ExtraKey>> {
+        Some(vec![ExtraKey::Str("tenant-a".into()), ExtraKey::Int(3)])
+    }
+
     #[test]
     fn vllm_array_extra_trailing_fields_are_ignored() {
-        let want = batch(1_718_000_001.5, canonical_events(), Some(0), 0);
+        let events = with_first_extra(canonical_events(), vec![tenant_a_extra(), None, None]);
+        let want = batch(1_718_000_001.5, events, Some(0), 0);
         assert_eq!(decode(VLLM_ARRAY_EXTRA_TRAILING), want);
     }
 
@@ -1644,7 +1833,13 @@ mod tests {
 
     #[test]
     fn vllm_map_events_with_unknown_keys() {
-        let want = batch(1_718_000_004.0, canonical_events(), Some(0), 0);
+        // `("img", b"\x00\x01")`: the bytes are kept as their msgpack encoding
+        let img = Some(vec![
+            ExtraKey::Str("img".into()),
+            ExtraKey::Other(vec![0xc4, 2, 0, 1]),
+        ]);
+        let events = with_first_extra(canonical_events(), vec![tenant_a_extra(), None, img]);
+        let want = batch(1_718_000_004.0, events, Some(0), 0);
         assert_eq!(decode(VLLM_MAP_EXTRA_KEYS), want);
     }
 
@@ -1708,12 +1903,16 @@ mod tests {
     }
 
     #[test]
-    fn sglang_metadata_map_in_lora_name_slot_is_ignored() {
+    fn sglang_metadata_map_in_lora_name_slot_gives_the_cache_salt() {
+        let mut salted = stored(&[32], Some(31), tokens_b(), None, s("GPU"), None);
+        if let KvEvent::BlockStored { cache_salt, .. } = &mut salted {
+            *cache_salt = s("tenant-a");
+        }
         let want = batch(
             1_718_000_008.0,
             vec![
                 stored(&[31], None, tokens_b(), None, None, None),
-                stored(&[32], Some(31), tokens_b(), None, s("GPU"), None),
+                salted,
                 removed(&[31], None),
             ],
             Some(0),

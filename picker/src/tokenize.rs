@@ -39,11 +39,12 @@
 //!   tools. `continue_final_message` is not supported.
 //! * `strftime_now` uses UTC; Python uses the server's local time zone.
 //!
-//! A template that deliberately builds a value nested tens of thousands of levels deep (for
-//! instance `{% set ns.x = [ns.x] %}` in a loop) can still overflow the thread's stack inside
-//! minijinja, whose `Drop` and `Display` of values recurse; fuel does not stop it because each
-//! level costs only a few units. Request data cannot do this (its nesting is capped at 128
-//! levels), so this is a matter of trusting the template's author, not the client.
+//! A template that deliberately builds a value nested hundreds of thousands of levels deep (for
+//! instance `{% set ns.x = [ns.x] %}` in a loop) makes minijinja recurse that deep in `Drop`
+//! and `Display`; fuel does not stop it because each level costs only a few units. Templates
+//! therefore render on a thread of their own with a large stack ([`RENDER_STACK_BYTES`]), deep
+//! enough for anything the fuel budget lets a template build. Request data cannot nest deeply
+//! at all (its nesting is capped at 128 levels).
 
 use std::borrow::Cow;
 use std::fmt::{self, Write as _};
@@ -571,13 +572,15 @@ impl PromptTokenizer {
             )));
         }
         match &self.template {
-            Some(template) => template.render(
-                messages,
-                tools.filter(|t| !t.is_null()),
-                add_generation_prompt,
-                extra,
-                &self.limits,
-            ),
+            Some(template) => on_render_stack(|| {
+                template.render(
+                    messages,
+                    tools.filter(|t| !t.is_null()),
+                    add_generation_prompt,
+                    extra,
+                    &self.limits,
+                )
+            }),
             None => fallback_render(list, tools, add_generation_prompt, &self.limits),
         }
     }
@@ -957,6 +960,39 @@ impl fmt::Display for RaisedByTemplate {
 }
 
 impl std::error::Error for RaisedByTemplate {}
+
+/// Stack reserved for one template render. minijinja's value `Drop` and `Display` recurse
+/// once per nesting level, and a template can nest a value once per few fuel units
+/// (`{% set ns.x = [ns.x] %}` in a loop), far deeper than any thread's default stack holds.
+/// The stack is virtual memory: only what a render actually touches is committed, and fuel
+/// bounds that. Measured: the deepest nesting the default fuel allows fits with room to spare
+/// (`tests::a_template_nesting_values_as_deep_as_fuel_allows_does_not_overflow`).
+pub const RENDER_STACK_BYTES: usize = 1 << 30;
+
+/// Runs a render on its own thread with [`RENDER_STACK_BYTES`] of stack, so a hostile template
+/// ends in an error instead of overflowing the caller's stack (which aborts the process).
+/// Costs a thread start (tens of microseconds) per chat request with a template.
+fn on_render_stack<F>(render: F) -> Result<String, TokenizeError>
+where
+    F: FnOnce() -> Result<String, TokenizeError> + Send,
+{
+    std::thread::scope(|scope| {
+        match std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(RENDER_STACK_BYTES)
+            .spawn_scoped(scope, render)
+        {
+            Ok(handle) => handle.join().unwrap_or_else(|_| {
+                Err(TokenizeError::TemplateRender(
+                    "the chat template panicked".into(),
+                ))
+            }),
+            Err(e) => Err(TokenizeError::TemplateRender(format!(
+                "cannot start a render thread: {e}"
+            ))),
+        }
+    })
+}
 
 /// Marks an error raised because a filter's output would exceed `max_rendered_bytes`.
 #[derive(Debug)]
@@ -2534,5 +2570,41 @@ mod tests {
     fn prompt_tokenizer_is_shareable() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<PromptTokenizer>();
+    }
+
+    /// Regression (hardening review): before renders ran on their own stack, this template
+    /// overflowed the stack of the calling thread and aborted the process.
+    #[test]
+    fn a_template_nesting_values_as_deep_as_fuel_allows_does_not_overflow() {
+        let source = "{% set ns = namespace(x=none) %}{% for i in range(100000) %}{% for j in range(100) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}{{ ns.x }}";
+        let tok = PromptTokenizer::new(
+            None,
+            Some(ChatTemplateSource {
+                source: source.into(),
+                bos_token: None,
+                eos_token: None,
+            }),
+            PromptTokenizerOptions::default(),
+        )
+        .expect("compiles");
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let r = tok.render_chat(&messages, None, true, None);
+        assert!(
+            matches!(r, Err(TokenizeError::TemplateLimit { .. })),
+            "{r:?}"
+        );
+        // the same with the output printed before fuel runs out
+        let shallow = source.replace("range(100000)", "range(50)");
+        let tok = PromptTokenizer::new(
+            None,
+            Some(ChatTemplateSource {
+                source: shallow,
+                bos_token: None,
+                eos_token: None,
+            }),
+            PromptTokenizerOptions::default(),
+        )
+        .expect("compiles");
+        let _ = tok.render_chat(&messages, None, true, None);
     }
 }

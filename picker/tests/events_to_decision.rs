@@ -86,6 +86,8 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
                 lora_id: None,
                 medium: Some("GPU".into()),
                 lora_name: None,
+                extra_keys: Vec::new(),
+                cache_salt: None,
             }],
             data_parallel_rank: Some(0),
             skipped_unknown: 0,

@@ -357,6 +357,18 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     let picker = start_picker(&yaml).await;
     let core = picker.core.clone();
     eventually(Duration::from_secs(3), || core.is_ready()).await;
+    // blocks the picker believes `a` holds (as if routed there)
+    let slot_a = {
+        let mut index = core.index.write();
+        let slot = index
+            .endpoints()
+            .find(|(_, id)| id.address == a.addr.ip())
+            .map(|(slot, _)| slot)
+            .expect("endpoint a is indexed");
+        index.record_routed(slot, &[11, 12, 13], core.now_ms());
+        assert_eq!(index.endpoint_blocks(slot), 3);
+        slot
+    };
     a.state.metrics_broken.store(true, Ordering::SeqCst);
     eventually(Duration::from_secs(3), || {
         core.endpoints
@@ -364,6 +376,11 @@ scrape: {{interval: 50ms, timeout: 100ms}}
             .endpoints()
             .iter()
             .any(|e| e.state == EndpointState::Stale)
+    })
+    .await;
+    // it may have restarted empty: nothing it held before is credited any more
+    eventually(Duration::from_secs(3), || {
+        core.index.read().endpoint_blocks(slot_a) == 0
     })
     .await;
     let before = a.state.requests.load(Ordering::SeqCst);

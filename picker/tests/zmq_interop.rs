@@ -170,6 +170,8 @@ fn expected(generation: u64, seq: u64) -> EventBatch {
         lora_id: None,
         medium: Some("GPU".to_owned()),
         lora_name: None,
+        extra_keys: Vec::new(),
+        cache_salt: None,
     }];
     if seq % 2 == 1 {
         events.push(KvEvent::BlockRemoved {

@@ -63,7 +63,10 @@
 //! - No maximum message size (libzmq's `ZMQ_MAXMSGSIZE`): the codec reserves the length a
 //!   frame header announces before reading it, so a peer announcing an absurd frame makes
 //!   the allocation fail and aborts the process. [`SubscriberConfig::max_payload_bytes`]
-//!   only bounds what is decoded. Only connect to engine endpoints you trust.
+//!   only bounds what is decoded. The picker service therefore never points this subscriber
+//!   at an engine directly: it connects through a frame-checking relay on loopback
+//!   ([`crate::feeds::zmtp_guard`]) that cuts any connection announcing a frame above the
+//!   limit. Use the relay too when embedding this subscriber elsewhere.
 
 use std::fmt;
 use std::future::Future;

@@ -1,1 +1,2 @@
 pub mod kv_subscriber;
+pub mod zmtp_guard;

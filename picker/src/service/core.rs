@@ -191,6 +191,8 @@ struct Head {
     add_generation_prompt: Option<Value>,
     #[serde(default)]
     chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
 }
 
 /// The chat fields the template needs.
@@ -211,6 +213,9 @@ pub struct ParsedRequest {
     pub stream: bool,
     pub prompt: Option<Prompt>,
     pub chat: Option<ChatFields>,
+    /// The client's own `cache_salt` (vLLM): the engine salts the prefix with it, so the
+    /// picker hashes with it too (unless tenancy replaces it).
+    pub cache_salt: Option<String>,
 }
 
 impl ParsedRequest {
@@ -254,6 +259,18 @@ impl ParsedRequest {
                 return Err(ApiError::bad_request(
                     "invalid_field",
                     "`stream` must be a boolean",
+                ));
+            }
+        };
+        let cache_salt = match head.cache_salt {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Some(s),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    format!(
+                        "`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
+                    ),
                 ));
             }
         };
@@ -329,33 +346,65 @@ impl ParsedRequest {
             stream,
             prompt,
             chat,
+            cache_salt,
         })
     }
 }
 
+/// Longest client `cache_salt` accepted.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
 /// Tenancy at run time: the spec plus the salt secret.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Tenancy {
     pub spec: TenancySpec,
     secret: Vec<u8>,
 }
 
+impl std::fmt::Debug for Tenancy {
+    /// Never prints the secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenancy")
+            .field("spec", &self.spec)
+            .field("secret_len", &self.secret.len())
+            .finish()
+    }
+}
+
 impl Tenancy {
     pub fn new(spec: TenancySpec) -> Result<Self, String> {
         let secret = match &spec.salt_secret_file {
-            Some(p) => {
-                let s = std::fs::read(p).map_err(|e| format!("tenancy.saltSecretFile {p}: {e}"))?;
-                let trimmed = s.trim_ascii().to_vec();
-                if trimmed.len() < 16 {
-                    return Err(format!(
-                        "tenancy.saltSecretFile {p}: the secret must be at least 16 bytes"
-                    ));
-                }
-                trimmed
-            }
+            Some(p) => Self::read_secret(p)?,
             None => Vec::new(),
         };
         Ok(Self { spec, secret })
+    }
+
+    fn read_secret(p: &str) -> Result<Vec<u8>, String> {
+        let s = std::fs::read(p).map_err(|e| format!("tenancy.saltSecretFile {p}: {e}"))?;
+        let trimmed = s.trim_ascii().to_vec();
+        if trimmed.len() < 16 {
+            return Err(format!(
+                "tenancy.saltSecretFile {p}: the secret must be at least 16 bytes"
+            ));
+        }
+        Ok(trimmed)
+    }
+
+    /// Re-read the secret file; `Some` with the new tenancy when its content changed (a
+    /// rotated Kubernetes Secret is swapped in place under the mount).
+    pub fn reloaded(&self) -> Result<Option<Self>, String> {
+        let Some(p) = &self.spec.salt_secret_file else {
+            return Ok(None);
+        };
+        let secret = Self::read_secret(p)?;
+        if secret == self.secret {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            spec: self.spec.clone(),
+            secret,
+        }))
     }
 
     /// The tenant of a request: its header, else the default, else an error when isolation
@@ -657,6 +706,25 @@ impl PickerCore {
         })
     }
 
+    /// Re-read the tenancy salt secret; `true` when it changed and the new salts apply.
+    /// Requests routed after this carry salts under the new secret (so the engines start
+    /// cold for every tenant, as they should after a rotation).
+    pub fn reload_tenancy_secret(&self) -> Result<bool, String> {
+        let current = self.tenancy.load_full();
+        match current.reloaded()? {
+            Some(next) => {
+                self.tenancy.store(Arc::new(next));
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The tenancy in force.
+    pub fn tenancy(&self) -> Arc<Tenancy> {
+        self.tenancy.load_full()
+    }
+
     /// Ready: endpoints are known and every scraped endpoint has reported once.
     pub fn is_ready(&self) -> bool {
         !self.endpoints.load().is_empty() && self.first_metrics.load(Ordering::Relaxed)
@@ -693,7 +761,11 @@ impl PickerCore {
             .ok_or_else(|| ApiError::unknown_model(&req.model))?;
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
-        let salt = tenancy.salt(tenant.as_deref());
+        // the tenant's salt replaces the client's own; either way the engine and the index
+        // see the same salt as this request's keys
+        let salt = tenancy
+            .salt(tenant.as_deref())
+            .or_else(|| req.cache_salt.clone());
 
         let (ids, kind) = self.tokens(&entry, req, &snapshot).await?;
         if ids.len() > self.limits.max_prompt_tokens {
@@ -934,7 +1006,9 @@ impl PickerCore {
                 _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
             }
         }
-        if let Some(salt) = &routed.salt {
+        if let Some(salt) = &routed.salt
+            && req.cache_salt.as_deref() != Some(salt.as_str())
+        {
             inject.push(("cache_salt", Value::from(salt.clone())));
         }
         if inject.is_empty() {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -13,6 +13,7 @@ use super::core::PickerCore;
 use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
 use crate::feeds::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
+use crate::feeds::zmtp_guard::spawn_guard;
 use crate::ingest::{IngestKeys, apply_batch};
 
 /// What a subscription is for; a change in any part means a new subscription.
@@ -64,6 +65,42 @@ fn desired(core: &PickerCore) -> HashMap<EndpointId, SubscriptionKey> {
     out
 }
 
+/// A token bucket over events, per publisher: `rate` events per second sustained, `burst` at
+/// once. Time is passed in so that it is tested without a clock.
+#[derive(Debug, Clone)]
+pub struct EventBudget {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl EventBudget {
+    pub fn new(rate: u64, burst: u64, now: Instant) -> Self {
+        let burst = burst.max(rate).max(1) as f64;
+        Self {
+            rate: rate.max(1) as f64,
+            burst,
+            tokens: burst,
+            last: now,
+        }
+    }
+
+    /// Take `n` events; `false` (taking nothing) when the publisher is over its budget.
+    pub fn take(&mut self, n: usize, now: Instant) -> bool {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + dt * self.rate).min(self.burst);
+        let n = n as f64;
+        if n <= self.tokens {
+            self.tokens -= n;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Apply one subscriber's events until it ends.
 async fn consume(
     core: Arc<PickerCore>,
@@ -74,9 +111,29 @@ async fn consume(
         hasher: BlockHasher::new(key.block_size),
         model: &key.model,
     };
+    let limits = &core.limits;
+    let mut budget = EventBudget::new(
+        limits.max_events_per_second,
+        limits.event_burst,
+        Instant::now(),
+    );
+    // set while batches are being dropped: the view was cleared once for this episode
+    let mut over_budget = false;
     while let Some(ev) = rx.recv().await {
         match ev {
             SubscriberEvent::Batch { batch, .. } => {
+                if !budget.take(batch.events.len(), Instant::now()) {
+                    core.metrics.event_problem("rate_limited");
+                    if !std::mem::replace(&mut over_budget, true) {
+                        tracing::warn!(endpoint = %key.endpoint, "KV event publisher over its rate limit: dropping batches, clearing the endpoint's blocks");
+                        let mut index = core.index.write();
+                        if let Some(slot) = index.slot(&key.endpoint) {
+                            index.clear_endpoint(slot);
+                        }
+                    }
+                    continue;
+                }
+                over_budget = false;
                 let stats = {
                     let mut index = core.index.write();
                     let Some(slot) = index.slot(&key.endpoint) else {
@@ -87,6 +144,9 @@ async fn consume(
                 core.metrics.event_batches.inc();
                 if stats.orphan_blocks > 0 {
                     core.metrics.event_problem("orphan_blocks");
+                }
+                if stats.opaque_blocks > 0 {
+                    core.metrics.event_problem("opaque_blocks");
                 }
                 if stats.malformed_blocks > 0 {
                     core.metrics.event_problem("malformed_blocks");
@@ -156,11 +216,38 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                         index.clear_endpoint(slot);
                     }
                 }
-                let mut cfg = SubscriberConfig::new(key.publisher.clone());
-                cfg.replay = key.replay.clone();
-                cfg.topic = key.topic.as_bytes().to_vec();
-                let (tx, rx) = cfg.channel();
+                // the engine's sockets are reached through frame-checking relays: the
+                // `zeromq` crate would abort on a frame announcing an absurd size
+                // (twice the payload bound: a merely oversized payload is skipped and counted
+                // by the subscriber; only absurd frames cost the connection)
+                let max_frame = (core.limits.max_event_payload_bytes as u64)
+                    .saturating_mul(2)
+                    .max(1 << 20);
                 let token = cancel.child_token();
+                let guarded = |upstream: String| {
+                    let token = token.clone();
+                    async move {
+                        match spawn_guard(&upstream, max_frame, Duration::from_secs(5), token).await
+                        {
+                            Ok(g) => g.endpoint,
+                            Err(e) => {
+                                tracing::warn!(%upstream, error = %e, "cannot start the frame guard; connecting directly");
+                                upstream
+                            }
+                        }
+                    }
+                };
+                let publisher = guarded(key.publisher.clone()).await;
+                let replay = match &key.replay {
+                    Some(r) => Some(guarded(r.clone()).await),
+                    None => None,
+                };
+                let mut cfg = SubscriberConfig::new(publisher);
+                cfg.replay = replay;
+                cfg.topic = key.topic.as_bytes().to_vec();
+                cfg.max_payload_bytes = core.limits.max_event_payload_bytes;
+                cfg.limits.max_events_per_batch = core.limits.max_events_per_batch;
+                let (tx, rx) = cfg.channel();
                 // the consumer ends when the subscriber (the sender) does
                 drop(spawn_subscriber(cfg, tx, token.clone()));
                 tokio::spawn(consume(core.clone(), key.clone(), rx));
@@ -176,5 +263,27 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
             }
             () = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_event_budget_allows_a_burst_then_the_sustained_rate() {
+        let t0 = Instant::now();
+        let mut b = EventBudget::new(100, 200, t0);
+        assert!(b.take(150, t0));
+        assert!(!b.take(100, t0), "only 50 left of the burst");
+        assert!(b.take(50, t0));
+        // a second later, 100 more
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(b.take(100, t1));
+        assert!(!b.take(1, t1));
+        // refills never exceed the burst
+        let t2 = t1 + Duration::from_secs(3600);
+        assert!(b.take(200, t2));
+        assert!(!b.take(1, t2));
     }
 }

@@ -7,6 +7,7 @@ pub mod ext_proc;
 pub mod gateway;
 pub mod http;
 pub mod kube_source;
+pub mod listener;
 pub mod metrics;
 pub mod scraper;
 pub mod settings;
@@ -25,6 +26,10 @@ use self::core::{PickerCore, PoolView};
 use self::http::{AppState, admin_app, inference_app, metrics_app};
 use self::settings::PickerConfig;
 use self::source::EndpointSource;
+
+/// How often the tenancy salt secret file is re-read: a rotated Kubernetes Secret reaches
+/// the mounted file within about a minute, and salts follow within this.
+pub const SECRET_RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Addresses the listeners actually bound (port 0 resolved).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -109,8 +114,27 @@ pub async fn start(
         admin_token,
     };
     let mut tasks = JoinSet::new();
-    tasks.spawn(serve(http_l, inference_app(state.clone()), cancel.clone()));
-    tasks.spawn(serve(admin_l, admin_app(state.clone()), cancel.clone()));
+    let conn_limits = listener::ConnLimits {
+        max_connections: config.limits.max_connections,
+        max_header_bytes: config.limits.max_header_bytes,
+        header_read_timeout: config.limits.header_read_timeout,
+    };
+    tasks.spawn(listener::serve_bounded(
+        http_l,
+        inference_app(state.clone()),
+        conn_limits,
+        Some(core.clone()),
+        cancel.clone(),
+        http::DRAIN_DEADLINE,
+    ));
+    tasks.spawn(listener::serve_bounded(
+        admin_l,
+        admin_app(state.clone()),
+        conn_limits,
+        Some(core.clone()),
+        cancel.clone(),
+        http::DRAIN_DEADLINE,
+    ));
     tasks.spawn(serve(metrics_l, metrics_app(state), cancel.clone()));
     if let Some(listener) = ext_l {
         let picker = Arc::new(gateway::GatewayPicker::new(core.clone()));
@@ -183,6 +207,22 @@ pub async fn start(
         }
     });
     tasks.spawn(events::run_event_manager(core.clone(), cancel.clone()));
+    // a rotated salt secret takes effect without a restart
+    let reload_core = core.clone();
+    let reload_cancel = cancel.clone();
+    tasks.spawn(async move {
+        loop {
+            tokio::select! {
+                () = reload_cancel.cancelled() => return,
+                () = tokio::time::sleep(SECRET_RELOAD_INTERVAL) => {}
+            }
+            match reload_core.reload_tenancy_secret() {
+                Ok(true) => tracing::info!("tenancy salt secret rotated"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot re-read the tenancy salt secret; keeping the current one"),
+            }
+        }
+    });
     tasks.spawn(scraper::run_scraper(
         core.clone(),
         config.scrape.clone(),

@@ -194,6 +194,18 @@ pub async fn run_scraper(
         }
         if !patches.is_empty() {
             core.endpoints.patch(&patches);
+            // A stale endpoint's cache can no longer be trusted: it may have restarted empty
+            // (sequence numbers restart too, so the event feed cannot tell), or events were
+            // lost while it was unreachable. Forget its blocks; its feed repopulates them.
+            let mut index = core.index.write();
+            for p in &patches {
+                if let EndpointPatch::SetState(id, EndpointState::Stale) = p
+                    && let Some(slot) = index.slot(id)
+                {
+                    let dropped = index.clear_endpoint(slot);
+                    tracing::info!(endpoint = %id, dropped, "cleared the stale endpoint's cached blocks");
+                }
+            }
         }
         core.metrics.stale_endpoints.set(stale as i64);
         core.metrics

@@ -93,6 +93,25 @@ pub struct Limits {
     pub max_render_concurrency: usize,
     #[serde(with = "duration_str")]
     pub render_timeout: Duration,
+    /// Open client connections per listener (inference and admin); past it a new connection
+    /// gets one 503 `too_many_connections` and is closed.
+    pub max_connections: usize,
+    /// Largest request head (request line plus headers) in bytes; 431 above. At least 8 KiB.
+    pub max_header_bytes: usize,
+    /// Time a client has to send its request head before the connection is closed.
+    #[serde(with = "duration_str")]
+    pub header_read_timeout: Duration,
+    /// Largest KV event message payload decoded, in bytes; larger messages are skipped and
+    /// counted (`kvroute_event_problems_total{problem="decode_error"}`).
+    pub max_event_payload_bytes: usize,
+    /// Events in one KV event batch; a larger batch is rejected whole.
+    pub max_events_per_batch: usize,
+    /// Sustained KV events per second accepted from one publisher (endpoint rank). Past it
+    /// (after `eventBurst`), batches are dropped and the endpoint's view is cleared, since it
+    /// can no longer be trusted; the events that follow rebuild it.
+    pub max_events_per_second: u64,
+    /// Events a publisher may send at once above the sustained rate.
+    pub event_burst: u64,
 }
 
 impl Default for Limits {
@@ -108,6 +127,13 @@ impl Default for Limits {
             max_inflight_total: 16_384,
             max_render_concurrency: 64,
             render_timeout: Duration::from_millis(500),
+            max_connections: 8192,
+            max_header_bytes: 64 * 1024,
+            header_read_timeout: Duration::from_secs(10),
+            max_event_payload_bytes: 64 << 20,
+            max_events_per_batch: 65_536,
+            max_events_per_second: 200_000,
+            event_burst: 400_000,
         }
     }
 }
@@ -230,6 +256,10 @@ impl PickerConfig {
             ("limits.maxMessages", l.max_messages),
             ("limits.maxInflightTotal", l.max_inflight_total),
             ("limits.maxRenderConcurrency", l.max_render_concurrency),
+            ("limits.maxConnections", l.max_connections),
+            ("limits.maxHeaderBytes", l.max_header_bytes),
+            ("limits.maxEventPayloadBytes", l.max_event_payload_bytes),
+            ("limits.maxEventsPerBatch", l.max_events_per_batch),
             ("index.maxEndpoints", self.index.max_endpoints),
         ] {
             if v == 0 {
@@ -238,6 +268,12 @@ impl PickerConfig {
         }
         if l.max_inflight_per_endpoint == 0 {
             return Err("limits.maxInflightPerEndpoint must be positive".into());
+        }
+        if l.max_events_per_second == 0 {
+            return Err("limits.maxEventsPerSecond must be positive".into());
+        }
+        if l.header_read_timeout.is_zero() {
+            return Err("limits.headerReadTimeout must be positive".into());
         }
         if self.scrape.interval.is_zero() || self.scrape.timeout.is_zero() {
             return Err("scrape.interval and scrape.timeout must be positive".into());

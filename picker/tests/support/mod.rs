@@ -31,6 +31,13 @@ pub struct EngineState {
     pub metrics_broken: AtomicBool,
     /// Completions never answer while set.
     pub hang: AtomicBool,
+    /// `/metrics` never answers while set (with `hang`: a wedged engine).
+    pub metrics_hang: AtomicBool,
+    /// Streams send their first chunk, then go silent forever while set.
+    pub stall_after_first: AtomicBool,
+    /// Streams send their first chunk, then the engine drops the connection while set (a
+    /// crash mid-stream).
+    pub crash_after_first: AtomicBool,
     pub waiting: AtomicU64,
 }
 
@@ -71,10 +78,20 @@ async fn completion(
         tokio::time::sleep(Duration::from_secs(3600)).await;
     }
     if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
-        let stream = futures::stream::iter(sse_chunks()).then(|c| async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            Ok::<_, std::io::Error>(Bytes::from(c))
-        });
+        let stall = s.stall_after_first.load(Ordering::SeqCst);
+        let crash = s.crash_after_first.load(Ordering::SeqCst);
+        let stream = futures::stream::iter(sse_chunks().into_iter().enumerate()).then(
+            move |(i, c)| async move {
+                if i == 1 && stall {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                }
+                if i == 1 && crash {
+                    return Err(std::io::Error::other("engine crashed"));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok::<_, std::io::Error>(Bytes::from(c))
+            },
+        );
         return Response::builder()
             .header("content-type", "text/event-stream")
             .body(Body::from_stream(stream))
@@ -93,6 +110,9 @@ use futures::StreamExt;
 async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
     if s.metrics_broken.load(Ordering::SeqCst) {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    }
+    if s.metrics_hang.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
     }
     let w = s.waiting.load(Ordering::SeqCst);
     let text = format!(

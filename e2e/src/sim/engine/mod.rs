@@ -45,7 +45,7 @@ use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_picker::kv_events::KvEvent;
+use kvroute_picker::kv_events::{ExtraKey, KvEvent};
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
@@ -263,6 +263,8 @@ struct Req {
     root: u64,
     lora_name: Option<Arc<str>>,
     lora_id: Option<i64>,
+    /// Reported in the first block's extra keys, as vLLM does.
+    cache_salt: Option<Arc<str>>,
     /// Chained engine hash of every full block of `tokens`.
     block_hashes: Vec<u64>,
     /// Physical blocks holding the request's KV, in order.
@@ -464,6 +466,7 @@ impl Rank {
             root,
             lora_name,
             lora_id,
+            cache_salt: request.cache_salt.as_deref().map(Arc::from),
             block_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
@@ -775,6 +778,23 @@ impl Rank {
             self.pool.register(req.blocks[i], h);
             hashes.push(h);
         }
+        // vLLM's extra keys: the adapter on every block, the salt on the prefix's first
+        let extra_keys = if req.lora_name.is_some() || req.cache_salt.is_some() {
+            (start..full)
+                .map(|i| {
+                    let mut keys = Vec::new();
+                    if let Some(l) = &req.lora_name {
+                        keys.push(ExtraKey::Str(l.to_string()));
+                    }
+                    if let (0, Some(s)) = (i, &req.cache_salt) {
+                        keys.push(ExtraKey::Str(s.to_string()));
+                    }
+                    (!keys.is_empty()).then_some(keys)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         events.push(KvEvent::BlockStored {
             block_hashes: hashes,
             parent_block_hash: start.checked_sub(1).map(|p| req.block_hashes[p]),
@@ -783,6 +803,8 @@ impl Rank {
             lora_id: req.lora_id,
             medium: Some(MEDIUM_GPU.to_owned()),
             lora_name: req.lora_name.as_deref().map(str::to_owned),
+            extra_keys,
+            cache_salt: None,
         });
         req.num_cached_blocks = full;
     }

@@ -1,0 +1,162 @@
+//! A KV event publisher misbehaving under the picker: garbage payloads, skipped sequence
+//! numbers and floods past the per-publisher rate. The picker keeps routing, counts the
+//! problems, and its view of the endpoint stays bounded.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute_picker::kv_events::{EventBatch, EventEncoding, KvEvent, encode_event_batch};
+use serde_json::json;
+use support::*;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+fn frames(seq: u64, payload: Vec<u8>) -> ZmqMessage {
+    let mut m = ZmqMessage::from(Bytes::new());
+    m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+    m.push_back(Bytes::from(payload));
+    m
+}
+
+fn stored_batch(seq: u64, blocks: u64) -> Vec<u8> {
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored {
+            block_hashes: (0..blocks).map(|i| seq * 1_000_000 + i + 1).collect(),
+            parent_block_hash: None,
+            token_ids: (0..blocks * 16)
+                .map(|t| (seq * 7 + t) as u32 % 30_000)
+                .collect(),
+            block_size: 16,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            cache_salt: None,
+        }],
+        data_parallel_rank: None,
+        skipped_unknown: 0,
+    };
+    encode_event_batch(&batch, EventEncoding::MapEvents)
+}
+
+fn problems(metrics: &str, kind: &str) -> u64 {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvroute_picker_kv_event_problems_total")
+                && l.contains(&format!("kind=\"{kind}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    client()
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_gaps_and_floods_are_counted_and_routing_continues() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let mut publisher = PubSocket::new();
+    let ep = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
+    let port: u16 = ep.to_string().rsplit(':').next().unwrap().parse().unwrap();
+    let picker = start_picker(&format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+    blockSize: 16
+    kvEvents: {{port: 1}}
+    kvCapacityBlocks: 64
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama, kvEventsPort: {port}}}
+routing: {{stalenessThreshold: 1m}}
+index: {{preciseSlack: 2}}
+limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
+"#,
+        engine.addr.port()
+    ))
+    .await;
+    let core = picker.core.clone();
+    let metrics_addr = picker.addrs.metrics;
+    // wait until the subscriber is connected: valid batches start landing in the index
+    let mut seq = 0u64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while core.index.read().live_blocks() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "subscriber never connected"
+        );
+        publisher
+            .send(frames(seq, stored_batch(seq, 1)))
+            .await
+            .unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // garbage payloads, an oversized one, and sequence numbers that jump ahead (no replay
+    // socket: each gap is a resync)
+    for i in 0..200u64 {
+        let payload = match i % 4 {
+            0 => vec![0xc1; 64],                     // never-used msgpack marker
+            1 => vec![0xdd, 0xff, 0xff, 0xff, 0xff], // array of 4G elements, no data
+            2 => vec![0u8; 70_000],                  // over maxEventPayloadBytes
+            _ => b"not msgpack at all".to_vec(),
+        };
+        publisher.send(frames(seq, payload)).await.unwrap();
+        seq += if i % 10 == 0 { 1000 } else { 1 };
+    }
+    // a flood of valid batches well past the budget (the capacity of 64 blocks x slack 2 is
+    // also exceeded: the index clears the endpoint rather than grow)
+    for _ in 0..400u64 {
+        publisher
+            .send(frames(seq, stored_batch(seq, 4)))
+            .await
+            .unwrap();
+        seq += 1;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = metrics_text(metrics_addr).await;
+        if problems(&m, "decode_error") > 0
+            && problems(&m, "resync") > 0
+            && problems(&m, "rate_limited") > 0
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "problems not counted:\n{}",
+            m.lines()
+                .filter(|l| l.contains("problems"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // bounded: never more than the endpoint's budget (capacity x slack)
+    assert!(core.index.read().live_blocks() <= 128);
+    // and the picker still routes
+    let resp = client()
+        .post(format!("http://{}/v1/completions", picker.addrs.http))
+        .json(&json!({"model": "llama", "prompt": "still here"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    picker.shutdown().await;
+}
