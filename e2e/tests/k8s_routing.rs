@@ -456,10 +456,9 @@ async fn a_crashed_engine_goes_stale_and_restarts_without_credit() {
         .unwrap();
 
     // a fresh process (empty cache) on the same address: routable again, and its old blocks
-    // are dropped (the KV-event subscriber sees a restarted publisher and resyncs).
-    // Known gap, reported: for a moment after the pod is Ready again the picker may still
-    // credit the old blocks (the endpoint turns ready as soon as its EndpointSlice says so,
-    // before the subscriber has reconnected), so this waits for the resync instead of
+    // are not credited. The picker forgets a stale endpoint's blocks; a restart quicker than
+    // the staleness threshold is caught by the KV-event subscriber's resync instead, which
+    // may land a moment after the endpoint is ready again, hence waiting for it rather than
     // asserting on the first view.
     cluster()
         .agent
