@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::tokens::mix64;
 use super::{
-    LoadOptions, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, MAX_RECORDS, Node, Plan, TimedSession,
+    LoadOptions, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, MAX_RECORDS, Node, TimedSession,
     TraceRequest, Workload, WorkloadError,
 };
 
@@ -124,26 +124,7 @@ pub fn parse(
             nodes: Arc::from(vec![Node::Request { think_ms: 0.0, req }]),
         });
     }
-    if sessions.is_empty() {
-        return Err(WorkloadError::file(path, "the trace holds no records"));
-    }
-    sessions.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
-    let first = sessions[0].start_ms;
-    for s in &mut sessions {
-        s.start_ms -= first;
-    }
-    Ok(Workload {
-        name: format!(
-            "azure {}",
-            path.file_name().map_or_else(
-                || path.display().to_string(),
-                |f| f.to_string_lossy().into_owned()
-            )
-        ),
-        block_tokens: BLOCK_TOKENS,
-        plan: Plan::Timed(sessions),
-        adjusted_records: 0,
-    })
+    Workload::timed_from_file("azure", path, sessions, BLOCK_TOKENS, 0)
 }
 
 #[cfg(test)]

@@ -173,6 +173,34 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// A timed workload from one trace file's records: ordered by start time (a stable sort
+    /// keeps the file order of equal timestamps) and shifted to start at 0.
+    pub(crate) fn timed_from_file(
+        kind: &str,
+        path: &Path,
+        mut sessions: Vec<TimedSession>,
+        block_tokens: u32,
+        adjusted_records: usize,
+    ) -> Result<Self, WorkloadError> {
+        let Some(first) = sessions.iter().map(|s| s.start_ms).reduce(f64::min) else {
+            return Err(WorkloadError::file(path, "the trace holds no records"));
+        };
+        sessions.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+        for s in &mut sessions {
+            s.start_ms -= first;
+        }
+        let file = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |f| f.to_string_lossy().into_owned(),
+        );
+        Ok(Self {
+            name: format!("{kind} {file}"),
+            block_tokens,
+            plan: Plan::Timed(sessions),
+            adjusted_records,
+        })
+    }
+
     /// Requests the plan holds (for a concurrent plan: one pass over the templates).
     pub fn requests_per_pass(&self) -> usize {
         match &self.plan {
