@@ -34,15 +34,16 @@ where
     }
 }
 
-/// A cache of `K` and the stream of its changes (deletions included), which keeps the cache
-/// current as the controller consumes it.
+/// A cache of `K` and the stream of its watch events, which keeps the cache current as the
+/// controller consumes it. Each stream backs off on its own errors (client-go's schedule), so
+/// one failing watch delays only itself.
 fn cached<K>(
     api: Api<K>,
     config: watcher::Config,
     mut trim: impl FnMut(&mut K) + Send + 'static,
 ) -> (
     Store<K>,
-    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+    impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 )
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -54,9 +55,28 @@ where
             o.meta_mut().managed_fields = None;
             trim(o);
         })
-        .reflect(writer)
-        .touched_objects();
+        .reflect(writer);
     (reader, stream)
+}
+
+/// The controller's pause after an error on its merged trigger streams: none, because every
+/// watch stream already backs off by itself ([`cached`]). kube-runtime's default pauses the
+/// whole merge, so while it waits no watch is polled, and each further error (after an API
+/// server restart every watch reports one `410 Expired` as it re-lists) lengthens the pause:
+/// the operator was deaf for minutes after a restart that lasted seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct NoMergedPause;
+
+impl Iterator for NoMergedPause {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(Duration::ZERO)
+    }
+}
+
+impl kube::runtime::utils::Backoff for NoMergedPause {
+    fn reset(&mut self) {}
 }
 
 /// Pools a pod change may affect: those whose selector matches it now, and those whose
@@ -142,15 +162,18 @@ pub async fn run(
     };
     let ctx = Arc::new(make_context(stores.clone()));
 
-    let controller = Controller::new(
+    let (pools, pool_stream) = cached(
         api::<InferencePool>(&client, ns),
         watcher::Config::default().any_semantic(),
-    )
-    .with_config(
-        controller::Config::default()
-            .debounce(Duration::from_millis(100))
-            .concurrency(4),
+        |_| {},
     );
+    let controller = Controller::for_stream(pool_stream.applied_objects(), pools)
+        .trigger_backoff(NoMergedPause)
+        .with_config(
+            controller::Config::default()
+                .debounce(Duration::from_millis(100))
+                .concurrency(4),
+        );
     let pools = controller.store();
     {
         let s = stores.clone();
@@ -174,14 +197,14 @@ pub async fn run(
     }
     let slices_for_map = stores.slices.clone();
     controller
-        .owns_stream(slice_stream)
-        .owns_stream(cm_stream)
-        .owns_stream(sa_stream)
-        .owns_stream(role_stream)
-        .owns_stream(rb_stream)
-        .owns_stream(deploy_stream)
-        .owns_stream(svc_stream)
-        .watches_stream(pod_stream, move |pod: Pod| {
+        .owns_stream(slice_stream.touched_objects())
+        .owns_stream(cm_stream.touched_objects())
+        .owns_stream(sa_stream.touched_objects())
+        .owns_stream(role_stream.touched_objects())
+        .owns_stream(rb_stream.touched_objects())
+        .owns_stream(deploy_stream.touched_objects())
+        .owns_stream(svc_stream.touched_objects())
+        .watches_stream(pod_stream.touched_objects(), move |pod: Pod| {
             pools_for_pod(&pod, &pools, &slices_for_map)
         })
         .graceful_shutdown_on(shutdown)

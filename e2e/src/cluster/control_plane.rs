@@ -72,10 +72,24 @@ pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<Client> {
 }
 
 /// A running control plane.
+/// With `KVROUTE_E2E_AUDIT` set, the API server logs every request a ServiceAccount (the
+/// operator, the pickers) makes, with its response code, to `logs/audit.log`.
+const AUDIT_POLICY: &str = "\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: [system:serviceaccounts]
+  - level: None
+";
+
 #[derive(Debug)]
 pub struct ControlPlane {
     // field order is drop order: processes first, then the reaper, then the folder
-    processes: Vec<Proc>,
+    processes: std::sync::Mutex<Vec<Proc>>,
+    /// How the API server was started, to restart it the same way (fault tests).
+    apiserver_args: Vec<std::ffi::OsString>,
     reaper: Reaper,
     pub bins: K8sBins,
     pub dir: PathBuf,
@@ -173,6 +187,16 @@ impl ControlPlane {
             .arg("--allow-privileged=true")
             .arg("--profiling=false")
             .arg("--v=1");
+        if std::env::var_os("KVROUTE_E2E_AUDIT").is_some() {
+            let policy = dir.join("audit-policy.yaml");
+            std::fs::write(&policy, AUDIT_POLICY)?;
+            api.arg(format!("--audit-policy-file={}", policy.display()))
+                .arg(format!(
+                    "--audit-log-path={}",
+                    logs.join("audit.log").display()
+                ));
+        }
+        let apiserver_args = api.get_args().map(ToOwned::to_owned).collect();
         processes.push(Proc::spawn(
             "kube-apiserver",
             api,
@@ -192,8 +216,9 @@ impl ControlPlane {
             },
             None,
         )?;
-        let mut plane = Self {
-            processes,
+        let plane = Self {
+            processes: std::sync::Mutex::new(processes),
+            apiserver_args,
             reaper,
             bins,
             dir: dir.clone(),
@@ -249,18 +274,27 @@ impl ControlPlane {
             plane.reaper.group(),
             &logs.join("kube-controller-manager.log"),
         )?;
-        plane.processes.push(cm);
+        plane.lock_processes().push(cm);
         Ok(plane)
     }
 
-    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+    fn lock_processes(&self) -> std::sync::MutexGuard<'_, Vec<Proc>> {
+        self.processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    async fn wait_ready(&self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         let client = client_from(&self.admin_kubeconfig).await?;
         let mut last;
         loop {
-            for p in &mut self.processes {
-                if let Some(status) = p.exited() {
-                    bail!("{} exited ({status})\n{}", p.name, p.tail());
+            {
+                let mut processes = self.lock_processes();
+                for p in processes.iter_mut() {
+                    if let Some(status) = p.exited() {
+                        bail!("{} exited ({status})\n{}", p.name, p.tail());
+                    }
                 }
             }
             let req = http::Request::get("/readyz").body(Vec::new())?;
@@ -270,7 +304,7 @@ impl ControlPlane {
                 Err(e) => last = e.to_string(),
             }
             if Instant::now() > deadline {
-                let tails: Vec<String> = self.processes.iter().map(Proc::tail).collect();
+                let tails: Vec<String> = self.lock_processes().iter().map(Proc::tail).collect();
                 bail!(
                     "kube-apiserver not ready within {READY_TIMEOUT:?}: {last}\n{}",
                     tails.join("\n")
@@ -278,6 +312,32 @@ impl ControlPlane {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
+    }
+
+    /// Stop the API server (SIGTERM, then SIGKILL): clients see connection errors until
+    /// [`Self::start_apiserver`]. etcd keeps the cluster's state.
+    pub fn stop_apiserver(&self) {
+        let mut processes = self.lock_processes();
+        if let Some(p) = processes.iter_mut().find(|p| p.name == "kube-apiserver") {
+            p.terminate(Duration::from_secs(10));
+        }
+        processes.retain(|p| p.name != "kube-apiserver");
+    }
+
+    /// Start the API server again, on the same address with the same settings, and wait for
+    /// `/readyz`.
+    pub async fn start_apiserver(&self) -> anyhow::Result<()> {
+        let mut api = Command::new(&self.bins.kube_apiserver);
+        api.args(&self.apiserver_args);
+        let n = self.lock_processes().len();
+        let proc = Proc::spawn(
+            "kube-apiserver",
+            api,
+            self.reaper.group(),
+            &self.log_dir().join(format!("kube-apiserver.{n}.log")),
+        )?;
+        self.lock_processes().push(proc);
+        self.wait_ready().await
     }
 
     /// An admin client on the calling task's runtime.

@@ -265,7 +265,11 @@ impl Cluster {
         let kubeconfig = self.operator_kubeconfig(name).await?;
         let mut cmd = Command::new(&self.bins.operator);
         cmd.env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info,kube=warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("KVROUTE_E2E_OPERATOR_LOG")
+                    .unwrap_or_else(|_| "info,kube=warn".into()),
+            )
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE")
             .args([
@@ -310,6 +314,27 @@ impl Cluster {
             .await?;
         *guard = Some(proc);
         Ok(())
+    }
+
+    /// After a control-plane outage: start the shared operator again if it exited, as the
+    /// kubelet restarts its pod. An operator that cannot renew its lease exits on purpose (a
+    /// replica that may have lost leadership must not keep writing). Returns how it exited.
+    pub async fn restart_operator_if_exited(
+        &self,
+    ) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        let mut guard = self.operator.lock().await;
+        let status = match guard.as_mut() {
+            Some(p) => match p.exited() {
+                None => return Ok(None),
+                Some(status) => status,
+            },
+            None => bail!("the shared operator was never started"),
+        };
+        let (proc, _) = self
+            .start_operator("kvroute-operator-e2e", &["--lease-name", LEASE])
+            .await?;
+        *guard = Some(proc);
+        Ok(Some(status))
     }
 
     /// What a namespace holds, and the node agent's log, for failure messages.
