@@ -224,6 +224,70 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
     a.shutdown();
 }
 
+/// A counter of `kvroute_picker_kv_event_problems_total` by kind, from the picker's registry.
+fn problems(p: &Running, kind: &str) -> u64 {
+    p.core
+        .metrics
+        .encode()
+        .lines()
+        .find(|l| {
+            l.starts_with("kvroute_picker_kv_event_problems_total")
+                && l.contains(&format!("kind=\"{kind}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// A simulated engine whose publisher floods garbage (random bytes, damaged payloads, jumps
+/// in the sequence numbers both ways, bad frames) between its real batches: every request
+/// through the picker still succeeds, the index never holds more blocks for the engine than
+/// it has, and once the flood stops the picker's view of the engine is rebuilt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
+    let a = sim("127.0.0.8").await;
+    let p = picker(&[&a], "CostModel").await;
+    let engine_url = format!("http://{}/v1/completions", a.addrs()[0].http);
+    let proxy_url = format!("http://{}/v1/completions", p.addrs.http);
+    complete(engine_url.clone(), &prompt(20, 256)).await;
+    eventually("first blocks", || indexed_blocks(&p, "127.0.0.8") >= 16).await;
+
+    let flood: kvroute_e2e::sim::server::fault::FaultSpec = serde_json::from_value(
+        json!({"kind": "garbage_events", "per_second": 20_000, "max_bytes": 4096}),
+    )
+    .unwrap();
+    a.inject(0, flood).await.unwrap();
+    for i in 0..40 {
+        // real traffic keeps producing real batches among the garbage
+        complete(proxy_url.clone(), &prompt(100 + i, 160)).await;
+        assert!(indexed_blocks(&p, "127.0.0.8") <= 4096);
+    }
+    eventually("decode errors counted", || problems(&p, "decode_error") > 0).await;
+    eventually("resyncs counted", || problems(&p, "resync") > 0).await;
+
+    let clear: kvroute_e2e::sim::server::fault::FaultSpec =
+        serde_json::from_value(json!({"kind": "clear"})).unwrap();
+    a.inject(0, clear).await.unwrap();
+    // a prefix cached after the flood is credited again
+    let after = prompt(21, 512);
+    complete(engine_url, &after).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = pick(&p, &after).await;
+        if r["matched_blocks"].as_u64().unwrap_or(0) >= 31 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the view was not rebuilt after the flood: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(indexed_blocks(&p, "127.0.0.8") <= 4096);
+    p.shutdown().await;
+    a.shutdown();
+}
+
 mod envoy {
     //! Envoy's side of an ext_proc stream, just enough for a BUFFERED request.
 

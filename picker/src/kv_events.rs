@@ -35,6 +35,7 @@
 
 use rmp::Marker;
 use rmp::encode::ByteBuf;
+use std::collections::VecDeque;
 use thiserror::Error;
 
 /// Sequence number of the replay end marker: vLLM/SGLang send `(-1).to_bytes(8, "big",
@@ -399,10 +400,19 @@ pub enum SeqOutcome {
 /// restarts the numbering, a number far below the expected one is a restart, not a duplicate:
 /// duplicates only come from overlapping a replay with the live stream, and a replay reaches
 /// back at most the publisher's buffer (10,000 batches by default), hence the default window.
+///
+/// A duplicate must also be a number this tracker has seen: it keeps the numbers it accepted
+/// as a few ranges ([`SequenceTracker::SEEN_RANGES`]). A lower number it never saw means the
+/// stream is below where the tracker thinks it is (a message numbered far ahead that the
+/// publisher never sent moved it, or the publisher restarted): that is a
+/// [`SeqOutcome::Restart`], so the tracker follows the stream again instead of taking every
+/// real batch up to the bogus number for a duplicate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SequenceTracker {
     next: Option<u64>,
     restart_window: u64,
+    /// Accepted numbers as inclusive ranges, oldest first, at most `SEEN_RANGES`.
+    seen: VecDeque<(u64, u64)>,
 }
 
 impl Default for SequenceTracker {
@@ -414,6 +424,10 @@ impl Default for SequenceTracker {
 impl SequenceTracker {
     /// Default restart window: vLLM's and SGLang's default replay buffer (`buffer_steps`).
     pub const DEFAULT_RESTART_WINDOW: u64 = 10_000;
+
+    /// Ranges of accepted numbers remembered. A healthy stream needs one; each gap starts
+    /// another until a replay or a reset.
+    pub const SEEN_RANGES: usize = 16;
 
     /// A tracker that has seen nothing yet.
     #[must_use]
@@ -427,24 +441,44 @@ impl SequenceTracker {
         Self {
             next: None,
             restart_window: window,
+            seen: VecDeque::new(),
         }
+    }
+
+    fn accept(&mut self, seq: u64) {
+        self.next = Some(seq.saturating_add(1));
+        match self.seen.back_mut() {
+            Some((_, hi)) if hi.saturating_add(1) == seq => *hi = seq,
+            Some(&mut (lo, hi)) if (lo..=hi).contains(&seq) => {}
+            _ => {
+                if self.seen.len() == Self::SEEN_RANGES {
+                    self.seen.pop_front();
+                }
+                self.seen.push_back((seq, seq));
+            }
+        }
+    }
+
+    fn was_seen(&self, seq: u64) -> bool {
+        self.seen.iter().any(|&(lo, hi)| (lo..=hi).contains(&seq))
     }
 
     /// Classifies `seq` and advances. Do not pass [`REPLAY_END_SEQ`]; it is not a batch.
     #[must_use = "a Duplicate must be dropped and a Gap or Restart handled"]
     pub fn observe(&mut self, seq: u64) -> SeqOutcome {
         let Some(expected) = self.next else {
-            self.next = Some(seq.saturating_add(1));
+            self.accept(seq);
             return SeqOutcome::First;
         };
         if seq == expected {
-            self.next = Some(seq.saturating_add(1));
+            self.accept(seq);
             SeqOutcome::InOrder
         } else if seq > expected {
-            self.next = Some(seq.saturating_add(1));
+            self.accept(seq);
             SeqOutcome::Gap { expected, got: seq }
-        } else if seq == 0 || expected - seq > self.restart_window {
-            self.next = Some(seq.saturating_add(1));
+        } else if seq == 0 || expected - seq > self.restart_window || !self.was_seen(seq) {
+            self.seen.clear();
+            self.accept(seq);
             SeqOutcome::Restart { expected, got: seq }
         } else {
             SeqOutcome::Duplicate
@@ -461,6 +495,7 @@ impl SequenceTracker {
     /// reconnect, an epoch change or a full resynchronization.
     pub fn reset(&mut self) {
         self.next = None;
+        self.seen.clear();
     }
 }
 
@@ -2519,7 +2554,7 @@ mod tests {
         assert_eq!(t.observe(5), SeqOutcome::First);
         assert_eq!(t.observe(6), SeqOutcome::InOrder);
         assert_eq!(t.observe(6), SeqOutcome::Duplicate);
-        assert_eq!(t.observe(2), SeqOutcome::Duplicate);
+        assert_eq!(t.observe(5), SeqOutcome::Duplicate);
         assert_eq!(
             t.observe(9),
             SeqOutcome::Gap {
@@ -2529,6 +2564,8 @@ mod tests {
         );
         assert_eq!(t.expected(), Some(10));
         assert_eq!(t.observe(10), SeqOutcome::InOrder);
+        assert_eq!(t.observe(9), SeqOutcome::Duplicate);
+        assert_eq!(t.observe(6), SeqOutcome::Duplicate);
         // Back to 0: the publisher restarted.
         assert_eq!(
             t.observe(0),
@@ -2542,7 +2579,14 @@ mod tests {
         assert_eq!(t.observe(1), SeqOutcome::First);
         // Far behind the window is a restart too (slow joiner missed seq 0).
         let mut t = SequenceTracker::with_restart_window(100);
-        assert_eq!(t.observe(1_000), SeqOutcome::First);
+        assert_eq!(t.observe(950), SeqOutcome::First);
+        assert_eq!(
+            t.observe(1_000),
+            SeqOutcome::Gap {
+                expected: 951,
+                got: 1_000
+            }
+        );
         assert_eq!(t.observe(950), SeqOutcome::Duplicate);
         assert_eq!(
             t.observe(3),
@@ -2557,5 +2601,50 @@ mod tests {
         assert_eq!(t.observe(u64::MAX - 1), SeqOutcome::First);
         assert_eq!(t.observe(u64::MAX), SeqOutcome::InOrder);
         assert_eq!(t.observe(u64::MAX), SeqOutcome::InOrder);
+    }
+
+    #[test]
+    fn a_number_never_seen_below_the_expected_one_restarts_tracking() {
+        // a message numbered far ahead moved the tracker; the real stream continues below it
+        let mut t = SequenceTracker::new();
+        for seq in 0..4 {
+            let _ = t.observe(seq);
+        }
+        assert_eq!(
+            t.observe(5_000),
+            SeqOutcome::Gap {
+                expected: 4,
+                got: 5_000
+            }
+        );
+        assert_eq!(
+            t.observe(4),
+            SeqOutcome::Restart {
+                expected: 5_001,
+                got: 4
+            }
+        );
+        assert_eq!(t.observe(5), SeqOutcome::InOrder);
+        // what came before the restart is forgotten: not a duplicate any more
+        assert_eq!(
+            t.observe(2),
+            SeqOutcome::Restart {
+                expected: 6,
+                got: 2
+            }
+        );
+    }
+
+    #[test]
+    fn seen_ranges_are_bounded() {
+        let mut t = SequenceTracker::new();
+        // every other number: each one a gap and a range of its own
+        for i in 0..100 {
+            let _ = t.observe(i * 2);
+        }
+        assert_eq!(t.seen.len(), SequenceTracker::SEEN_RANGES);
+        assert_eq!(t.observe(198), SeqOutcome::Duplicate);
+        // an old range fell out: its number is no longer a known duplicate
+        assert!(matches!(t.observe(2), SeqOutcome::Restart { .. }));
     }
 }

@@ -590,6 +590,70 @@ async fn pyzmq_sglang_epoch_change_resyncs() {
 // 5. Garbage never stops the stream
 // ------------------------------------------------------------------------------------------
 
+/// A message numbered far ahead that the publisher never sent is skipped: the replay that
+/// should fill the gap ends before it (publishers buffer every batch as they send it), so
+/// the batches the replay returned are kept, no resync, and the live stream goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_a_number_past_the_publishers_history_is_skipped() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        py.skip(3).await; // 2..=4 in the replay buffer only
+        // seq 5000, payload an empty msgpack array, consuming no number
+        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", "90"]}))
+            .await;
+        let mut want = batches(0, 0..5);
+        want.push(Ev::DecodeError(Some(5000)));
+        h.expect(&want).await;
+        assert_eq!(
+            h.decode_errors[0],
+            MessageError::NotFromPublisher { seq: 5000, next: 5 }
+        );
+        py.publish(2).await;
+        h.expect(&batches(0, 5..7)).await;
+        let stats = h.stats.snapshot();
+        assert_eq!(stats.resyncs, 0, "{stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
+
+/// The same when the publisher has nothing newer to replay (the replay reply is empty, so it
+/// cannot prove the number bogus): the view is resynchronized, and the real batches below
+/// the number are then taken for a restarted stream and followed, not dropped as duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_real_batches_below_a_bogus_number_are_followed() {
+    within(async {
+        let mut py = PyPublisher::start(&[]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", "90"]}))
+            .await;
+        h.until(&Ev::DecodeError(Some(5000))).await;
+        py.publish(3).await;
+        h.until(&Ev::Batch(0, 4)).await;
+        let delivered: Vec<Ev> = h
+            .seen
+            .iter()
+            .filter(|e| matches!(e, Ev::Batch(..)))
+            .cloned()
+            .collect();
+        let last_three = &delivered[delivered.len() - 3..];
+        assert_eq!(last_three, batches(0, 2..5), "all events: {:?}", h.seen);
+        let stats = h.stats.snapshot();
+        assert!(stats.resyncs >= 1, "{stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pyzmq_garbage_is_reported_and_skipped() {
     within(async {

@@ -306,6 +306,17 @@ pub enum MessageError {
         /// The limit.
         limit: usize,
     },
+    /// A live message numbered past the newest batch in the publisher's own replay buffer.
+    /// Publishers (vLLM's, SGLang's) buffer every batch as they send it, before they answer
+    /// a replay request, so the publisher never sent this number: following it would make
+    /// every real batch below it look like a duplicate.
+    #[error("sequence number {seq} is past the publisher's newest batch (next is {next})")]
+    NotFromPublisher {
+        /// The number received.
+        seq: u64,
+        /// The number after the newest batch the replay returned.
+        next: u64,
+    },
     /// A live message carried the replay end marker's sequence number, which is not a batch.
     #[error("sequence number {seq:#x} is reserved for the replay end marker")]
     ReservedSequence {
@@ -802,7 +813,18 @@ impl Feed {
         // Re-observe from `expected` so that the replayed batches count as in order.
         self.tracker.reset();
         match self.fill_with(&endpoint, None, expected, true).await? {
-            FillEnd::Complete | FillEnd::GaveUp => {}
+            FillEnd::Complete => {
+                // the replay reached the publisher's newest batch; if that is before `got`,
+                // the publisher never sent `got` (it buffers each batch as it sends it)
+                if let Some(next) = self.tracker.expected()
+                    && next < got
+                {
+                    return self
+                        .decode_error(Some(got), MessageError::NotFromPublisher { seq: got, next })
+                        .await;
+                }
+            }
+            FillEnd::GaveUp => {}
             FillEnd::Empty => {
                 self.resync(ResyncReason::ReplayShort {
                     requested: expected,

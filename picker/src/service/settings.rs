@@ -102,7 +102,7 @@ pub struct Limits {
     #[serde(with = "duration_str")]
     pub header_read_timeout: Duration,
     /// Largest KV event message payload decoded, in bytes; larger messages are skipped and
-    /// counted (`kvroute_event_problems_total{problem="decode_error"}`).
+    /// counted (`kvroute_picker_kv_event_problems_total{kind="decode_error"}`).
     pub max_event_payload_bytes: usize,
     /// Events in one KV event batch; a larger batch is rejected whole.
     pub max_events_per_batch: usize,

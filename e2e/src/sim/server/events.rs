@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use kvroute_picker::kv_events::{
@@ -40,11 +41,24 @@ pub(crate) struct DropPolicy {
     pub replayable: bool,
 }
 
+/// The garbage-events fault, read by the publisher every flood tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GarbagePolicy {
+    pub per_second: u32,
+    pub max_bytes: usize,
+}
+
+/// How often the flood sends its share of garbage.
+const FLOOD_TICK: Duration = Duration::from_millis(10);
+
 /// Publishing statistics (for logs and tests).
 #[derive(Debug, Default)]
 pub(crate) struct PublisherState {
     pub drop: DropPolicy,
+    pub garbage: Option<GarbagePolicy>,
     pub published: u64,
+    /// Garbage messages sent under the `garbage_events` fault.
+    pub garbage_sent: u64,
     pub dropped: u64,
     pub next_seq: u64,
 }
@@ -92,7 +106,21 @@ pub(crate) async fn run_publisher(
             }
             None => (None, None),
         };
+    // the last real payload, which garbage mutates into near-valid msgpack
+    let mut last_payload = Bytes::new();
+    let mut flood = tokio::time::interval(FLOOD_TICK);
+    flood.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut flood_credit = 0.0_f64;
     loop {
+        let garbage = state.lock().garbage;
+        let flood_tick = async {
+            match garbage {
+                Some(_) => {
+                    flood.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
         let replay_req = async {
             match replay_rx.as_mut() {
                 Some(r) => r.recv().await,
@@ -109,6 +137,7 @@ pub(crate) async fn run_publisher(
                 }
                 Some(PublishCmd::Batch(batch)) => {
                     let payload = Bytes::from(encode_event_batch(&batch, cfg.encoding));
+                    last_payload = payload.clone();
                     let (seq, drop, keep) = {
                         let mut st = state.lock();
                         let seq = st.next_seq;
@@ -143,6 +172,22 @@ pub(crate) async fn run_publisher(
                     }
                 }
             },
+            () = flood_tick => {
+                let Some(policy) = garbage else { continue };
+                flood_credit += f64::from(policy.per_second) * FLOOD_TICK.as_secs_f64();
+                let next_seq = state.lock().next_seq;
+                let mut sent = 0;
+                while flood_credit >= 1.0 {
+                    flood_credit -= 1.0;
+                    let frames = garbage_frames(&mut rng, &cfg.topic, next_seq, &last_payload, policy.max_bytes);
+                    if let Ok(msg) = ZmqMessage::try_from(frames)
+                        && pub_socket.send(msg).await.is_ok()
+                    {
+                        sent += 1;
+                    }
+                }
+                state.lock().garbage_sent += sent;
+            }
             req = replay_req => match req {
                 Ok(msg) => {
                     if let Some(tx) = replay_tx.as_mut() {
@@ -157,6 +202,55 @@ pub(crate) async fn run_publisher(
     }
     // Release the ports now, so that a restarted engine can bind them again.
     let _ = pub_socket.unbind_all().await;
+}
+
+/// One hostile message: what a buggy or malicious process on the engine's port might send.
+fn garbage_frames(
+    rng: &mut ChaCha8Rng,
+    topic: &Bytes,
+    next_seq: u64,
+    last_payload: &[u8],
+    max_bytes: usize,
+) -> Vec<Bytes> {
+    let random = |rng: &mut ChaCha8Rng| {
+        let mut b = vec![0_u8; rng.random_range(0..=max_bytes)];
+        rng.fill(&mut b[..]);
+        Bytes::from(b)
+    };
+    let seq = |s: u64| Bytes::copy_from_slice(&seq_frame(s));
+    match rng.random_range(0..6_u8) {
+        // random bytes under the next sequence number
+        0 => vec![topic.clone(), seq(next_seq), random(rng)],
+        // a real payload with flipped bytes or cut short, under a number far ahead (a gap)
+        1 | 2 => {
+            let mut p = last_payload.to_vec();
+            if p.is_empty() || rng.random_bool(0.5) {
+                p.truncate(rng.random_range(0..=p.len()));
+            } else {
+                for _ in 0..rng.random_range(1..=8) {
+                    let i = rng.random_range(0..p.len());
+                    p[i] = rng.random();
+                }
+            }
+            vec![
+                topic.clone(),
+                seq(next_seq + rng.random_range(1..10_000)),
+                Bytes::from(p),
+            ]
+        }
+        // a number from the past (a restart, or a replay of old traffic)
+        3 => vec![topic.clone(), seq(next_seq / 2), random(rng)],
+        // a malformed sequence frame
+        4 => vec![topic.clone(), Bytes::from_static(b"seq"), random(rng)],
+        // the wrong number of frames
+        _ => {
+            if rng.random_bool(0.5) {
+                vec![topic.clone()]
+            } else {
+                vec![topic.clone(), seq(next_seq), random(rng), random(rng)]
+            }
+        }
+    }
 }
 
 async fn serve_replay(tx: &mut RouterSendHalf, msg: ZmqMessage, buffer: &VecDeque<(u64, Bytes)>) {

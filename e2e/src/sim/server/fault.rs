@@ -38,7 +38,18 @@ pub enum Fault {
         #[serde(default)]
         seq: SeqMode,
     },
-    /// Undo `hang`, `slow` and `drop_events`.
+    /// Besides its real batches, the publisher floods its subscribers with `per_second`
+    /// hostile messages: random bytes (up to `max_bytes`), msgpack of the wrong shape, bad
+    /// sequence frames, and sequence numbers that jump ahead or back. They use no real
+    /// sequence numbers and never enter the replay buffer, as from a buggy or hostile process
+    /// publishing on the engine's port.
+    GarbageEvents {
+        #[serde(default = "garbage_rate")]
+        per_second: u32,
+        #[serde(default = "garbage_bytes")]
+        max_bytes: usize,
+    },
+    /// Undo `hang`, `slow`, `drop_events` and `garbage_events`.
     Clear,
 }
 
@@ -49,6 +60,18 @@ fn one() -> f64 {
 fn yes() -> bool {
     true
 }
+
+fn garbage_rate() -> u32 {
+    1_000
+}
+
+fn garbage_bytes() -> usize {
+    4_096
+}
+
+/// Highest garbage message rate and size accepted (the flood must not take the simulator down).
+pub const MAX_GARBAGE_PER_SECOND: u32 = 1_000_000;
+pub const MAX_GARBAGE_BYTES: usize = 16 << 20;
 
 /// How a crash shows itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -80,7 +103,8 @@ pub struct FaultSpec {
     /// Engine index in a multi-engine process (command line only; `None` = every engine).
     #[serde(default)]
     pub engine: Option<usize>,
-    /// Data-parallel rank for `slow`, `drop_events` and `restart` (`None` = every rank).
+    /// Data-parallel rank for `slow`, `drop_events`, `garbage_events` and `restart` (`None` =
+    /// every rank).
     #[serde(default)]
     pub rank: Option<u32>,
 }
@@ -98,6 +122,17 @@ impl FaultSpec {
             Fault::DropEvents { fraction, .. } if !(0.0..=1.0).contains(fraction) => Err(format!(
                 "drop_events fraction must be within 0..=1, got {fraction}"
             )),
+            Fault::GarbageEvents {
+                per_second,
+                max_bytes,
+            } if !(1..=MAX_GARBAGE_PER_SECOND).contains(per_second)
+                || !(1..=MAX_GARBAGE_BYTES).contains(max_bytes) =>
+            {
+                Err(format!(
+                    "garbage_events needs per_second within 1..={MAX_GARBAGE_PER_SECOND} and \
+                     max_bytes within 1..={MAX_GARBAGE_BYTES}, got {per_second} and {max_bytes}"
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -139,6 +174,23 @@ mod tests {
         assert_eq!(
             p(r#"{"kind":"restart","seq":"zero"}"#).fault,
             Fault::Restart { seq: SeqMode::Zero }
+        );
+        assert_eq!(
+            p(r#"{"kind":"garbage_events"}"#).fault,
+            Fault::GarbageEvents {
+                per_second: 1_000,
+                max_bytes: 4_096
+            }
+        );
+        assert!(
+            p(r#"{"kind":"garbage_events","per_second":0}"#)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            p(r#"{"kind":"garbage_events","max_bytes":999999999}"#)
+                .validate()
+                .is_err()
         );
         assert_eq!(p(r#"{"kind":"clear"}"#).fault, Fault::Clear);
         assert!(serde_json::from_str::<FaultSpec>(r#"{"kind":"melt"}"#).is_err());

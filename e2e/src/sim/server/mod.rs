@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::{PubSocket, RouterSocket, Socket};
 
 use crate::sim::engine::{EngineConfig, Rank};
-use events::{DropPolicy, PublisherConfig, PublisherState};
+use events::{DropPolicy, GarbagePolicy, PublisherConfig, PublisherState};
 pub use fault::{CrashMode, Fault, FaultSpec, SeqMode};
 pub use metrics::Flavor;
 use rank::{Clock, RankState};
@@ -564,6 +564,17 @@ pub(crate) async fn apply_fault(slot: &Arc<EngineSlot>, spec: &FaultSpec) {
                 };
             }
         }
+        Fault::GarbageEvents {
+            per_second,
+            max_bytes,
+        } => {
+            for r in ranks {
+                r.publisher.lock().garbage = Some(GarbagePolicy {
+                    per_second: *per_second,
+                    max_bytes: *max_bytes,
+                });
+            }
+        }
         Fault::Restart { seq } => {
             for r in ranks {
                 r.restart(*seq == SeqMode::Zero).await;
@@ -573,7 +584,9 @@ pub(crate) async fn apply_fault(slot: &Arc<EngineSlot>, spec: &FaultSpec) {
             rt.hang.send_replace(false);
             for r in &rt.ranks {
                 r.inner.lock().engine.set_slowdown(1.0);
-                r.publisher.lock().drop = DropPolicy::default();
+                let mut publisher = r.publisher.lock();
+                publisher.drop = DropPolicy::default();
+                publisher.garbage = None;
             }
         }
     }
