@@ -447,6 +447,43 @@ async fn pyzmq_replay_buffer_too_short_resyncs() {
     .await;
 }
 
+/// After a replay moved the view past them, live batches that waited in the socket's queue
+/// (numbered below the replayed range, older timestamps) are dropped: they are neither a
+/// publisher restart nor a reason to resync again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_stale_queued_batches_after_a_replay_are_dropped() {
+    within(async {
+        let mut py = PyPublisher::start(&["--buffer", "3"]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(2).await;
+        py.skip(6).await; // 3..=8; the buffer keeps 6, 7, 8
+        py.publish(1).await; // 9; the buffer keeps 7, 8, 9
+        let mut want = batches(0, 0..3);
+        want.push(Ev::Resync(ResyncReason::ReplayShort {
+            requested: 3,
+            first: Some(7),
+        }));
+        want.extend(batches(0, 7..10));
+        h.expect(&want).await;
+        // 4 and 5 arrive late, below the replayed range 7..=9
+        py.cmd(json!({"op": "stale", "seq": 4})).await;
+        py.cmd(json!({"op": "stale", "seq": 5})).await;
+        py.publish(1).await;
+        h.expect(&batches(0, 10..11)).await;
+        let stats = h.stats.snapshot();
+        assert_eq!(
+            stats.resyncs, 1,
+            "only the short replay resynced: {stats:?}"
+        );
+        assert!(stats.duplicates >= 2, "{stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pyzmq_unreachable_replay_socket_resyncs() {
     within(async {
@@ -622,11 +659,11 @@ async fn pyzmq_a_number_past_the_publishers_history_is_skipped() {
     .await;
 }
 
-/// The same when the publisher has nothing newer to replay (the replay reply is empty, so it
-/// cannot prove the number bogus): the view is resynchronized, and the real batches below
-/// the number are then taken for a restarted stream and followed, not dropped as duplicates.
+/// The same when the publisher has nothing newer to replay at all: the empty replay shows it
+/// never sent the number, so it is refused and the real batches after it are delivered in
+/// order, with no resync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pyzmq_real_batches_below_a_bogus_number_are_followed() {
+async fn pyzmq_a_number_past_an_empty_replay_is_refused() {
     within(async {
         let mut py = PyPublisher::start(&[]).await;
         let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
@@ -637,18 +674,46 @@ async fn pyzmq_real_batches_below_a_bogus_number_are_followed() {
         py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", "90"]}))
             .await;
         h.until(&Ev::DecodeError(Some(5000))).await;
+        assert_eq!(
+            h.decode_errors.last(),
+            Some(&MessageError::NotFromPublisher { seq: 5000, next: 2 })
+        );
         py.publish(3).await;
-        h.until(&Ev::Batch(0, 4)).await;
-        let delivered: Vec<Ev> = h
-            .seen
-            .iter()
-            .filter(|e| matches!(e, Ev::Batch(..)))
-            .cloned()
-            .collect();
-        let last_three = &delivered[delivered.len() - 3..];
-        assert_eq!(last_three, batches(0, 2..5), "all events: {:?}", h.seen);
+        h.expect(&batches(0, 2..5)).await;
         let stats = h.stats.snapshot();
-        assert!(stats.resyncs >= 1, "{stats:?}");
+        assert_eq!(stats.resyncs, 0, "{stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
+
+/// A publisher that keeps no replay buffer answers every replay empty: after a real gap its
+/// first two batches are refused, the third in a row shows the stream is real, and the
+/// subscriber resynchronizes and follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_a_publisher_without_a_buffer_is_followed_after_a_gap() {
+    within(async {
+        let mut py = PyPublisher::start(&["--buffer", "0"]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        py.skip(2).await; // 2, 3 lost for good
+        py.publish(4).await; // 4 and 5 refused, 6 accepted, 7
+        let want = vec![
+            Ev::Batch(0, 0),
+            Ev::Batch(0, 1),
+            Ev::DecodeError(Some(4)),
+            Ev::DecodeError(Some(5)),
+            Ev::Resync(ResyncReason::ReplayShort {
+                requested: 2,
+                first: None,
+            }),
+            Ev::Batch(0, 6),
+            Ev::Batch(0, 7),
+        ];
+        h.expect(&want).await;
         h.stop().await;
     })
     .await;

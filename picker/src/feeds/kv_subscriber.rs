@@ -482,6 +482,16 @@ struct Feed {
     /// replay that already delivered 0 overlaps the live stream exactly there; the timestamp
     /// tells that duplicate from a new process.
     zero_ts: Option<u64>,
+    /// Newest batch timestamp delivered from the current publisher process. A live batch
+    /// numbered below the expected one and older than this is stale, not a restart: it sat
+    /// in the socket's queue while a replay moved past it (a restarted process's batches are
+    /// newer than anything the old one sent).
+    newest_ts: Option<f64>,
+    /// The last live number refused because the publisher's replay held nothing from the
+    /// expected number on (it never sent it, or it keeps no replay buffer), and how many
+    /// consecutive numbers were refused so. [`REFUSALS_BEFORE_FOLLOWING`] in a row show the
+    /// stream really is there.
+    refused_ahead: Option<(u64, u32)>,
 }
 
 impl Feed {
@@ -500,6 +510,8 @@ impl Feed {
             last: None,
             epoch: None,
             zero_ts: None,
+            newest_ts: None,
+            refused_ahead: None,
         }
     }
 
@@ -689,6 +701,8 @@ impl Feed {
         self.floor = None;
         self.epoch = None;
         self.zero_ts = None;
+        self.newest_ts = None;
+        self.refused_ahead = None;
     }
 
     /// Fetches everything the publisher still buffers (its process start, when the buffer
@@ -769,6 +783,23 @@ impl Feed {
             bump(&self.stats.duplicates);
             return Ok(());
         }
+        let below = seq != 0
+            && self
+                .tracker
+                .expected()
+                .or(self.floor)
+                .is_some_and(|next| seq < next);
+        let item = match item {
+            // an undecodable message cannot show that the publisher restarted
+            Err(error) if below => return self.decode_error(Some(seq), error).await,
+            // older than what the view already holds: it waited in the socket's queue while
+            // a replay moved past it
+            Ok(batch) if below && self.newest_ts.is_some_and(|t| batch.ts < t) => {
+                bump(&self.stats.duplicates);
+                return Ok(());
+            }
+            other => other,
+        };
         let floor = self.floor.take();
         match self.tracker.observe(seq) {
             SeqOutcome::First => match floor {
@@ -826,6 +857,27 @@ impl Feed {
             }
             FillEnd::GaveUp => {}
             FillEnd::Empty => {
+                // the publisher holds nothing from `expected` on, so it did not send `got`
+                // either, unless it keeps no replay buffer: then consecutive numbers show
+                // the stream really is there
+                let run = match self.refused_ahead {
+                    Some((last, n)) if last.checked_add(1) == Some(got) => n + 1,
+                    _ => 1,
+                };
+                if run < REFUSALS_BEFORE_FOLLOWING {
+                    self.refused_ahead = Some((got, run));
+                    self.floor = Some(expected);
+                    return self
+                        .decode_error(
+                            Some(got),
+                            MessageError::NotFromPublisher {
+                                seq: got,
+                                next: expected,
+                            },
+                        )
+                        .await;
+                }
+                self.refused_ahead = None;
                 self.resync(ResyncReason::ReplayShort {
                     requested: expected,
                     first: None,
@@ -1059,6 +1111,12 @@ impl Feed {
         match item {
             Ok(batch) => {
                 self.last = Some((seq, batch.ts.to_bits()));
+                // a timestamp far in the future (a damaged batch) must not make every real
+                // batch look stale
+                let plausible = batch.ts.is_finite() && batch.ts <= unix_now() + 3_600.0;
+                if plausible && self.newest_ts.is_none_or(|t| batch.ts > t) {
+                    self.newest_ts = Some(batch.ts);
+                }
                 if seq == 0 {
                     self.zero_ts = Some(batch.ts.to_bits());
                 }
@@ -1119,6 +1177,18 @@ impl Feed {
             output = future => Ok(output),
         }
     }
+}
+
+/// Consecutive live numbers refused by empty replays (see [`MessageError::NotFromPublisher`])
+/// after which the subscriber accepts that the publisher keeps no replay buffer and follows
+/// it. Bogus numbers are rarely consecutive; a real stream always is.
+const REFUSALS_BEFORE_FOLLOWING: u32 = 3;
+
+/// Seconds since the Unix epoch (the unit of batch timestamps).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]
