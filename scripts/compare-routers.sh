@@ -7,12 +7,16 @@
 #   2. starts the router in front of them,
 #   3. replays the workload through it: `kvroute-bench replay --mode live --router URL`,
 #   4. stops both.
-# kvroute itself runs through `kvroute-bench replay --mode live` (engines + picker).
+# kvroute itself runs through `kvroute-bench replay --mode live` (engines + picker), with
+# cost-model, least-load and round-robin. `direct` is the null router: the client sends each
+# request straight to an engine, round robin, so kvroute round-robin minus direct is the
+# latency the picker's hop adds.
 #
 # Usage: scripts/compare-routers.sh [extra replay args...]
 #   env: ENGINES (8), SPEEDUP (1), MAX_REQUESTS (600), FORMAT/TRACE (default: generated),
 #        WITH_SGLANG (0), OUT (target/compare-routers), VENV (a temp dir),
-#        ROUTERS (default "kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware": which to run)
+#        ROUTERS (default "direct kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware":
+#        which to run)
 # Example: FORMAT=mooncake MAX_REQUESTS=2000 scripts/compare-routers.sh --arrival-scale 4
 set -euo pipefail
 
@@ -24,7 +28,7 @@ MAX_REQUESTS="${MAX_REQUESTS:-600}"
 FORMAT="${FORMAT:-generated}"
 TRACE="${TRACE:-}"
 WITH_SGLANG="${WITH_SGLANG:-0}"
-ROUTERS="${ROUTERS:-kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware}"
+ROUTERS="${ROUTERS:-direct kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware}"
 want() { [[ " $ROUTERS " == *" $1 "* ]]; }
 OUT="${OUT:-$ROOT/target/compare-routers}"
 VENV="${VENV:-$(mktemp -d)/venv}"
@@ -43,12 +47,14 @@ trap cleanup EXIT INT TERM
 echo "== building kvroute-bench"
 cargo build --release -q -p kvroute-e2e --bin kvroute-bench
 
-echo "== installing peers into $VENV"
-python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip >/dev/null
-"$VENV/bin/pip" install -q vllm-router
-if [ "$WITH_SGLANG" = 1 ]; then
-  "$VENV/bin/pip" install -q sglang-router || echo "sglang-router did not install; skipping it"
+if want vllm-kv_aware || want vllm-cache_aware || want sglang-cache_aware; then
+  echo "== installing peers into $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q vllm-router
+  if [ "$WITH_SGLANG" = 1 ]; then
+    "$VENV/bin/pip" install -q sglang-router || echo "sglang-router did not install; skipping it"
+  fi
 fi
 
 WORKLOAD=(--format "$FORMAT" --max-requests "$MAX_REQUESTS" --engines "$ENGINES" --speedup "$SPEEDUP")
@@ -124,9 +130,18 @@ sglang_cache_aware() {
     --worker-urls $URLS --policy cache_aware
 }
 
+if want direct; then
+  start_engines "$OUT/engines-direct.json"
+  echo "== replaying straight to the engines (no router, round robin)"
+  "$BENCH" replay --mode live --router direct --router-name direct-round-robin \
+    --engines-json "$OUT/engines-direct.json" "${WORKLOAD[@]}" --json "$OUT/direct.json" \
+    --no-progress | tee "$OUT/direct.txt" || echo "direct: replay failed"
+  kill "$ENGINES_PID" 2>/dev/null || true
+  wait "$ENGINES_PID" 2>/dev/null || true
+fi
 if want kvroute; then
-  echo "== kvroute (cost-model, least-load) through its own picker"
-  "$BENCH" replay --mode live --policies cost-model,least-load "${WORKLOAD[@]}" \
+  echo "== kvroute (cost-model, least-load, round-robin) through its own picker"
+  "$BENCH" replay --mode live --policies cost-model,least-load,round-robin "${WORKLOAD[@]}" \
     --json "$OUT/kvroute.json" --no-progress | tee "$OUT/kvroute.txt"
 fi
 want vllm-kv_aware && run_peer vllm-router-kv_aware vllm_kv_aware

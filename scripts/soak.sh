@@ -7,14 +7,16 @@
 #   window FAULT_CRASH:   engine 1 crashes mid-stream (connections dropped), back after 5 s
 #                         with an empty cache and sequence numbers from 0
 #   window FAULT_EVENTS:  engine 2 drops all KV event batches for good (gaps, no replay)
+#   window FAULT_GARBAGE: engine 3's publisher floods GARBAGE_RATE hostile messages per second
+#                         (random bytes, damaged payloads, bogus sequence numbers, bad frames)
 # Results: $OUT/summary.tsv (one line per window) and the raw wrk output per window.
 #
-#   scripts/soak.sh                        # 8 windows of 30 s (about 4.5 minutes)
+#   scripts/soak.sh                        # 10 windows of 30 s (about 5.5 minutes)
 #   WINDOWS=20 WINDOW_S=60 scripts/soak.sh # longer
 #   SKIP_BUILD=1 BIN=/tmp/kvr-t7/release scripts/soak.sh
 set -euo pipefail
 
-WINDOWS=${WINDOWS:-8}
+WINDOWS=${WINDOWS:-10}
 WINDOW_S=${WINDOW_S:-30}
 ENGINES=${ENGINES:-4}
 CONNS=${CONNS:-32}
@@ -22,6 +24,8 @@ SPEEDUP=${SPEEDUP:-50}
 FAULT_HANG=${FAULT_HANG:-3}
 FAULT_CRASH=${FAULT_CRASH:-5}
 FAULT_EVENTS=${FAULT_EVENTS:-6}
+FAULT_GARBAGE=${FAULT_GARBAGE:-8}
+GARBAGE_RATE=${GARBAGE_RATE:-20000}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 BIN=${BIN:-$TARGET/release}
@@ -131,6 +135,11 @@ for w in $(seq 1 "$WINDOWS"); do
     fault 2 '{"kind":"drop_events","fraction":1.0,"replayable":false}'; label=drop_events_engine2
   fi
   if (( w == FAULT_EVENTS + 1 )); then fault 2 '{"kind":"clear"}'; fi
+  if (( w == FAULT_GARBAGE )); then
+    fault 3 "{\"kind\":\"garbage_events\",\"per_second\":$GARBAGE_RATE,\"max_bytes\":4096}"
+    label=garbage_events_engine3
+  fi
+  if (( w == FAULT_GARBAGE + 1 )); then fault 3 '{"kind":"clear"}'; fi
   wrk -t2 -c"$CONNS" -d"${WINDOW_S}s" --timeout 10s --latency -s "$OUT/load.lua" \
     "http://127.0.0.1:$HTTP/v1/completions" > "$OUT/wrk-$w.txt" 2>&1 || true
   rss=$(awk '/VmRSS/ {print $2}' "/proc/$PICKER/status" 2>/dev/null || echo dead)

@@ -106,45 +106,44 @@ impl ClusterArgs {
 /// `GeneratorConfig::default`].
 #[derive(Debug, Clone, Args)]
 pub struct GenArgs {
-    /// Tenants, each with its own long system prompt [default: 8].
-    #[arg(long)]
-    pub gen_groups: Option<u32>,
-    /// Mean system prompt tokens [default: 8000].
-    #[arg(long)]
-    pub gen_system_tokens: Option<u32>,
-    /// New sessions per second [default: 6].
-    #[arg(long)]
-    pub gen_session_rate: Option<f64>,
-    /// Sessions start within this many seconds [default: 20].
-    #[arg(long)]
-    pub gen_duration_s: Option<f64>,
-    /// Mean turns per session [default: 6].
-    #[arg(long)]
-    pub gen_turns: Option<f64>,
-    /// Mean new user tokens per turn [default: 3000].
-    #[arg(long)]
-    pub gen_user_tokens: Option<u32>,
-    /// Mean output tokens per turn [default: 32].
-    #[arg(long)]
-    pub gen_output_tokens: Option<u32>,
-    /// Mean think time between turns, ms [default: 2000].
-    #[arg(long)]
-    pub gen_think_ms: Option<f64>,
+    /// Tenants, each with its own long system prompt.
+    #[arg(long, default_value_t = GeneratorConfig::default().groups)]
+    pub gen_groups: u32,
+    /// Mean system prompt tokens.
+    #[arg(long, default_value_t = GeneratorConfig::default().system_tokens)]
+    pub gen_system_tokens: u32,
+    /// New sessions per second.
+    #[arg(long, default_value_t = GeneratorConfig::default().session_rate)]
+    pub gen_session_rate: f64,
+    /// Sessions start within this many seconds.
+    #[arg(long, default_value_t = GeneratorConfig::default().duration_s)]
+    pub gen_duration_s: f64,
+    /// Mean turns per session.
+    #[arg(long, default_value_t = GeneratorConfig::default().turns)]
+    pub gen_turns: f64,
+    /// Mean new user tokens per turn.
+    #[arg(long, default_value_t = GeneratorConfig::default().user_tokens)]
+    pub gen_user_tokens: u32,
+    /// Mean output tokens per turn.
+    #[arg(long, default_value_t = GeneratorConfig::default().output_tokens)]
+    pub gen_output_tokens: u32,
+    /// Mean think time between turns, ms.
+    #[arg(long, default_value_t = GeneratorConfig::default().think_ms)]
+    pub gen_think_ms: f64,
 }
 
 impl GenArgs {
     fn config(&self) -> GeneratorConfig {
-        let d = GeneratorConfig::default();
         GeneratorConfig {
-            groups: self.gen_groups.unwrap_or(d.groups),
-            system_tokens: self.gen_system_tokens.unwrap_or(d.system_tokens),
-            session_rate: self.gen_session_rate.unwrap_or(d.session_rate),
-            duration_s: self.gen_duration_s.unwrap_or(d.duration_s),
-            turns: self.gen_turns.unwrap_or(d.turns),
-            user_tokens: self.gen_user_tokens.unwrap_or(d.user_tokens),
-            output_tokens: self.gen_output_tokens.unwrap_or(d.output_tokens),
-            think_ms: self.gen_think_ms.unwrap_or(d.think_ms),
-            ..d
+            groups: self.gen_groups,
+            system_tokens: self.gen_system_tokens,
+            session_rate: self.gen_session_rate,
+            duration_s: self.gen_duration_s,
+            turns: self.gen_turns,
+            user_tokens: self.gen_user_tokens,
+            output_tokens: self.gen_output_tokens,
+            think_ms: self.gen_think_ms,
+            ..GeneratorConfig::default()
         }
     }
 }
@@ -212,7 +211,9 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Live: replay through this already running OpenAI-compatible router instead of
-    /// starting engines and pickers (e.g. http://127.0.0.1:8080).
+    /// starting engines and pickers (e.g. http://127.0.0.1:8080). `direct`: no router, each
+    /// request straight to an engine of --engines-json, round robin (the baseline for the
+    /// latency a router adds).
     #[arg(long)]
     pub router: Option<String>,
     /// Live with --router: the name to report.

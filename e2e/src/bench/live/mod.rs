@@ -216,7 +216,9 @@ pub fn picker_config(
 /// Where to send requests and what to scrape.
 #[derive(Debug, Clone)]
 pub struct Target {
-    /// Base URL of the router (`http://127.0.0.1:8080`).
+    /// Base URL of the router (`http://127.0.0.1:8080`), or [`DIRECT`]: no router, each
+    /// request goes straight to one of `engines`, round robin by request id (the baseline
+    /// for the latency a router adds).
     pub router: String,
     /// Name in the report.
     pub name: String,
@@ -381,6 +383,9 @@ async fn engine_counters(
 
 const DECISION_HISTOGRAM: &str = "kvroute_picker_decision_seconds";
 
+/// [`Target::router`] value for "no router".
+pub const DIRECT: &str = "direct";
+
 /// Replay `workload` through `target`, recording as it goes. `progress(done, total, errors)`.
 pub async fn replay(
     workload: &Workload,
@@ -394,7 +399,22 @@ pub async fn replay(
         speedup.is_finite() && speedup > 0.0,
         "--speedup must be positive"
     );
-    let url = format!("{}/v1/completions", target.router.trim_end_matches('/'));
+    let urls: Vec<Arc<str>> = if target.router == DIRECT {
+        anyhow::ensure!(
+            !target.engines.is_empty(),
+            "--router direct needs the engines (--engines-json)"
+        );
+        target
+            .engines
+            .iter()
+            .map(|e| Arc::from(format!("http://{}/v1/completions", e.http)))
+            .collect()
+    } else {
+        vec![Arc::from(format!(
+            "{}/v1/completions",
+            target.router.trim_end_matches('/')
+        ))]
+    };
     let before = engine_counters(http, &target.engines).await;
     let hist_before = match target.picker_metrics {
         Some(m) => fetch(http, &format!("http://{m}/metrics"))
@@ -449,7 +469,6 @@ pub async fn replay(
     let session_header: Option<Arc<str>> = opts
         .session_header
         .then(|| Arc::from(opts.routing.session_header.as_str()));
-    let url: Arc<str> = Arc::from(url);
     let mut records: Vec<RequestRecord> = Vec::with_capacity(total.min(1 << 20));
     let mut issues: Vec<Issue> = Vec::new();
     let mut errors = 0usize;
@@ -464,7 +483,7 @@ pub async fn replay(
                 .context("client slots closed")?;
             let tx = tx.clone();
             let http = http.clone();
-            let url = url.clone();
+            let url = urls[(issue.id % urls.len() as u64) as usize].clone();
             let header = session_header.clone();
             tokio::spawn(async move {
                 let prompt = prompt_tokens(&issue.hash_ids, block_tokens, issue.input_len);
