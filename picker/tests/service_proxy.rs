@@ -4,7 +4,8 @@
 
 mod support;
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_picker::endpoint::EndpointState;
@@ -144,6 +145,64 @@ routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
         "round robin hit the dead endpoint"
     );
     picker.shutdown().await;
+}
+
+/// An endpoint that accepts the connection, reads the request and closes without a byte of
+/// response (an engine crashing while the request is queued) costs a retry, not an error.
+#[tokio::test]
+async fn a_connection_closed_before_the_response_is_retried_on_the_next_fallback() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let closer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closer_port = closer.local_addr().unwrap().port();
+    let closes = Arc::new(AtomicUsize::new(0));
+    let counted = closes.clone();
+    let closer_task = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = closer.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0_u8; 64 * 1024];
+                if let Ok(n) = tokio::io::AsyncReadExt::read(&mut conn, &mut buf).await
+                    && buf[..n].starts_with(b"POST")
+                {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+                // dropped: closed with no response
+            });
+        }
+    });
+    let yaml = format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.1, modelConfig: llama, port: {closer_port}}}
+routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
+"#,
+        engine.addr.port()
+    );
+    let picker = start_picker(&yaml).await;
+    for i in 0..6 {
+        let resp = post(
+            format!("http://{}/v1/completions", picker.addrs.http),
+            json!({"model": "llama", "prompt": format!("request {i}")}),
+        )
+        .await;
+        assert_eq!(resp.status(), 200, "request {i}");
+    }
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), 6);
+    assert!(
+        closes.load(Ordering::SeqCst) >= 2,
+        "round robin sent requests to the closing endpoint"
+    );
+    assert!(picker.core.metrics.retries.get() >= 2);
+    picker.shutdown().await;
+    closer_task.abort();
 }
 
 #[tokio::test]

@@ -193,7 +193,7 @@ async fn proxy_inner(
     let routed = core.route(&parsed, &headers, None, false).await?;
     core.record_routed(&routed);
     let d = &routed.decision;
-    // the chosen endpoint, then one retry on the next fallback if the connection fails
+    // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = std::iter::once(d.endpoint)
         .chain(d.fallbacks.first().copied())
         .collect();
@@ -228,20 +228,24 @@ async fn proxy_inner(
                     core.limits.upstream_timeout
                 )));
             }
-            Ok(Err(e)) if e.is_connect() => {
-                last_err = ApiError::bad_gateway(format!("cannot connect to endpoint {ep}: {e}"));
-                if attempt + 1 < targets.len() {
-                    core.metrics.retries.inc();
-                    tracing::warn!(endpoint = %ep, error = %e, "connection failed, retrying on the next fallback");
-                }
-            }
             Ok(Err(e)) if e.is_timeout() => {
                 return Err(ApiError::gateway_timeout(format!(
                     "endpoint {ep} timed out: {e}"
                 )));
             }
-            Ok(Err(e)) => {
+            Ok(Err(e)) if e.is_builder() => {
                 return Err(ApiError::bad_gateway(format!("endpoint {ep} failed: {e}")));
+            }
+            // refused, reset or closed before the response head: the client has seen nothing
+            // yet, so the request can go to the next fallback (an engine that crashed while
+            // it was queued or prefilling)
+            Ok(Err(e)) => {
+                last_err =
+                    ApiError::bad_gateway(format!("endpoint {ep} failed before responding: {e}"));
+                if attempt + 1 < targets.len() {
+                    core.metrics.retries.inc();
+                    tracing::warn!(endpoint = %ep, error = %e, "endpoint failed before responding, retrying on the next fallback");
+                }
             }
             Ok(Ok(resp)) => return Ok(stream_back(core.clone(), resp, guard, sent, admission)),
         }
