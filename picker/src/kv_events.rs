@@ -2635,6 +2635,52 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Whatever numbers arrive: the tracker never claims a duplicate it did not accept
+        /// (since its last restart or reset), moves to `seq + 1` on everything else, keeps
+        /// its bounded ranges, and reads a contiguous run as in order.
+        #[test]
+        fn the_sequence_tracker_is_sound_on_any_stream(
+            seqs in proptest::collection::vec(
+                proptest::prop_oneof![0u64..64, 0u64..20_000, proptest::prelude::any::<u64>()],
+                1..200,
+            ),
+            window in 1u64..20_000,
+        ) {
+            let mut t = SequenceTracker::with_restart_window(window);
+            let mut accepted = std::collections::BTreeSet::new();
+            for seq in seqs {
+                let before = t.expected();
+                let outcome = t.observe(seq);
+                proptest::prop_assert!(t.seen.len() <= SequenceTracker::SEEN_RANGES);
+                match outcome {
+                    SeqOutcome::Duplicate => {
+                        proptest::prop_assert!(accepted.contains(&seq), "{seq} never accepted");
+                        proptest::prop_assert_eq!(t.expected(), before);
+                    }
+                    SeqOutcome::InOrder => {
+                        proptest::prop_assert_eq!(before, Some(seq));
+                    }
+                    SeqOutcome::Restart { .. } => {
+                        accepted.clear();
+                    }
+                    SeqOutcome::First | SeqOutcome::Gap { .. } => {}
+                }
+                if outcome != SeqOutcome::Duplicate {
+                    accepted.insert(seq);
+                    proptest::prop_assert_eq!(t.expected(), Some(seq.saturating_add(1)));
+                }
+            }
+            // then a contiguous run from where it stands is in order all the way
+            let next = t.expected().unwrap_or(0);
+            if next < u64::MAX - 100 {
+                for seq in next..next + 100 {
+                    proptest::prop_assert_eq!(t.observe(seq), SeqOutcome::InOrder);
+                }
+            }
+        }
+    }
+
     #[test]
     fn seen_ranges_are_bounded() {
         let mut t = SequenceTracker::new();
