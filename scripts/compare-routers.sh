@@ -15,8 +15,9 @@
 # Usage: scripts/compare-routers.sh [extra replay args...]
 #   env: ENGINES (8), SPEEDUP (1), MAX_REQUESTS (600), FORMAT/TRACE (default: generated),
 #        WITH_SGLANG (0), OUT (target/compare-routers), VENV (a temp dir),
-#        ROUTERS (default "direct kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware":
-#        which to run)
+#        ROUTERS (default "direct kvroute vllm-round_robin vllm-kv_aware vllm-cache_aware
+#        sglang-cache_aware": which to run), KVROUTE_POLICIES (cost-model,least-load,round-robin)
+# Added latency of a router = its round robin's TTFT minus direct's (same placement, one hop).
 # Example: FORMAT=mooncake MAX_REQUESTS=2000 scripts/compare-routers.sh --arrival-scale 4
 set -euo pipefail
 
@@ -28,7 +29,8 @@ MAX_REQUESTS="${MAX_REQUESTS:-600}"
 FORMAT="${FORMAT:-generated}"
 TRACE="${TRACE:-}"
 WITH_SGLANG="${WITH_SGLANG:-0}"
-ROUTERS="${ROUTERS:-direct kvroute vllm-kv_aware vllm-cache_aware sglang-cache_aware}"
+ROUTERS="${ROUTERS:-direct kvroute vllm-round_robin vllm-kv_aware vllm-cache_aware sglang-cache_aware}"
+KVROUTE_POLICIES="${KVROUTE_POLICIES:-cost-model,least-load,round-robin}"
 want() { [[ " $ROUTERS " == *" $1 "* ]]; }
 OUT="${OUT:-$ROOT/target/compare-routers}"
 VENV="${VENV:-$(mktemp -d)/venv}"
@@ -47,7 +49,7 @@ trap cleanup EXIT INT TERM
 echo "== building kvroute-bench"
 cargo build --release -q -p kvroute-e2e --bin kvroute-bench
 
-if want vllm-kv_aware || want vllm-cache_aware || want sglang-cache_aware; then
+if want vllm-round_robin || want vllm-kv_aware || want vllm-cache_aware || want sglang-cache_aware; then
   echo "== installing peers into $VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
@@ -124,6 +126,7 @@ vllm_router() {
 }
 vllm_kv_aware() { vllm_router --policy kv_aware $EVENTS --kv-event-block-size 16 --kv-event-model sim-model; }
 vllm_cache_aware() { vllm_router --policy cache_aware; }
+vllm_round_robin() { vllm_router --policy round_robin; }
 sglang_cache_aware() {
   # shellcheck disable=SC2086
   exec "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$ROUTER_PORT" \
@@ -140,10 +143,11 @@ if want direct; then
   wait "$ENGINES_PID" 2>/dev/null || true
 fi
 if want kvroute; then
-  echo "== kvroute (cost-model, least-load, round-robin) through its own picker"
-  "$BENCH" replay --mode live --policies cost-model,least-load,round-robin "${WORKLOAD[@]}" \
+  echo "== kvroute ($KVROUTE_POLICIES) through its own picker"
+  "$BENCH" replay --mode live --policies "$KVROUTE_POLICIES" "${WORKLOAD[@]}" \
     --json "$OUT/kvroute.json" --no-progress | tee "$OUT/kvroute.txt"
 fi
+want vllm-round_robin && run_peer vllm-router-round_robin vllm_round_robin
 want vllm-kv_aware && run_peer vllm-router-kv_aware vllm_kv_aware
 want vllm-cache_aware && run_peer vllm-router-cache_aware vllm_cache_aware
 if want sglang-cache_aware && [ "$WITH_SGLANG" = 1 ] \
