@@ -42,8 +42,9 @@
 //! A template that deliberately builds a value nested hundreds of thousands of levels deep (for
 //! instance `{% set ns.x = [ns.x] %}` in a loop) makes minijinja recurse that deep in `Drop`
 //! and `Display`; fuel does not stop it because each level costs only a few units. Templates
-//! therefore render on a thread of their own with a large stack ([`RENDER_STACK_BYTES`]), deep
-//! enough for anything the fuel budget lets a template build. Request data cannot nest deeply
+//! therefore render on a large stack segment of their own ([`RENDER_STACK_BYTES`], switched to
+//! on the calling thread with `stacker`), deep enough for anything the fuel budget lets a
+//! template build. Request data cannot nest deeply
 //! at all (its nesting is capped at 128 levels).
 
 use std::borrow::Cow;
@@ -969,28 +970,21 @@ impl std::error::Error for RaisedByTemplate {}
 /// (`tests::a_template_nesting_values_as_deep_as_fuel_allows_does_not_overflow`).
 pub const RENDER_STACK_BYTES: usize = 1 << 30;
 
-/// Runs a render on its own thread with [`RENDER_STACK_BYTES`] of stack, so a hostile template
-/// ends in an error instead of overflowing the caller's stack (which aborts the process).
-/// Costs a thread start (tens of microseconds) per chat request with a template.
+/// Runs a render on a fresh stack segment of [`RENDER_STACK_BYTES`] on the calling thread
+/// (`stacker` maps it, switches to it, and unmaps it afterwards; no thread is started), so a
+/// hostile template ends in an error instead of overflowing the caller's stack, which would
+/// abort the process. A panic inside the template engine becomes an error too.
 fn on_render_stack<F>(render: F) -> Result<String, TokenizeError>
 where
-    F: FnOnce() -> Result<String, TokenizeError> + Send,
+    F: FnOnce() -> Result<String, TokenizeError>,
 {
-    std::thread::scope(|scope| {
-        match std::thread::Builder::new()
-            .name("chat-template".into())
-            .stack_size(RENDER_STACK_BYTES)
-            .spawn_scoped(scope, render)
-        {
-            Ok(handle) => handle.join().unwrap_or_else(|_| {
-                Err(TokenizeError::TemplateRender(
-                    "the chat template panicked".into(),
-                ))
-            }),
-            Err(e) => Err(TokenizeError::TemplateRender(format!(
-                "cannot start a render thread: {e}"
-            ))),
-        }
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        stacker::grow(RENDER_STACK_BYTES, render)
+    }))
+    .unwrap_or_else(|_| {
+        Err(TokenizeError::TemplateRender(
+            "the chat template panicked".into(),
+        ))
     })
 }
 
