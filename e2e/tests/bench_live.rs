@@ -26,15 +26,21 @@ fn small_workload() -> kvroute_e2e::bench::workload::Workload {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn short_live_replay_has_no_errors_and_a_sane_report() {
-    let w = small_workload();
+/// Two engines, fast enough for a test.
+fn small_cluster() -> ClusterConfig {
     let mut cluster = ClusterConfig {
         engines: 2,
         speedup: 2.0,
         ..ClusterConfig::default()
     };
     cluster.engine.num_blocks = 4_096;
+    cluster
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_live_replay_has_no_errors_and_a_sane_report() {
+    let w = small_workload();
+    let cluster = small_cluster();
     let opts = BenchOptions {
         cluster,
         max_requests: Some(50),
@@ -78,12 +84,7 @@ async fn short_live_replay_has_no_errors_and_a_sane_report() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_replay_spreads_requests_over_the_engines_without_a_router() {
     let w = small_workload();
-    let mut cluster = ClusterConfig {
-        engines: 2,
-        speedup: 2.0,
-        ..ClusterConfig::default()
-    };
-    cluster.engine.num_blocks = 4_096;
+    let cluster = small_cluster();
     let opts = BenchOptions {
         cluster: cluster.clone(),
         max_requests: Some(40),

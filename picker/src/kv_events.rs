@@ -361,6 +361,14 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
+/// Seconds since the Unix epoch now: the unit and clock of [`EventBatch::ts`].
+#[must_use]
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 // ------------------------------------------------------------------------------------------
 // Sequence tracking
 // ------------------------------------------------------------------------------------------

@@ -113,10 +113,10 @@ endpoints:
     }
 }
 
-#[tokio::test]
-async fn a_refused_connection_is_retried_on_the_next_fallback() {
+/// Round robin between a working engine and `bad_port`: every one of 6 requests succeeds,
+/// those that met `bad_port` through a retry on the next fallback.
+async fn round_robin_survives_a_failing_endpoint(bad_port: u16) {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let dead = refused_port().await;
     let yaml = format!(
         r#"
 modelConfigs:
@@ -125,7 +125,7 @@ modelConfigs:
     port: {}
 endpoints:
   - {{address: 127.0.0.1, modelConfig: llama}}
-  - {{address: 127.0.0.1, modelConfig: llama, port: {dead}}}
+  - {{address: 127.0.0.1, modelConfig: llama, port: {bad_port}}}
 routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
 "#,
         engine.addr.port()
@@ -142,16 +142,20 @@ routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
     assert_eq!(engine.state.requests.load(Ordering::SeqCst), 6);
     assert!(
         picker.core.metrics.retries.get() >= 2,
-        "round robin hit the dead endpoint"
+        "round robin hit the failing endpoint"
     );
     picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_retried_on_the_next_fallback() {
+    round_robin_survives_a_failing_endpoint(refused_port().await).await;
 }
 
 /// An endpoint that accepts the connection, reads the request and closes without a byte of
 /// response (an engine crashing while the request is queued) costs a retry, not an error.
 #[tokio::test]
 async fn a_connection_closed_before_the_response_is_retried_on_the_next_fallback() {
-    let engine = FakeEngine::start("127.0.0.1").await;
     let closer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let closer_port = closer.local_addr().unwrap().port();
     let closes = Arc::new(AtomicUsize::new(0));
@@ -173,35 +177,11 @@ async fn a_connection_closed_before_the_response_is_retried_on_the_next_fallback
             });
         }
     });
-    let yaml = format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-  - {{address: 127.0.0.1, modelConfig: llama, port: {closer_port}}}
-routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
-"#,
-        engine.addr.port()
-    );
-    let picker = start_picker(&yaml).await;
-    for i in 0..6 {
-        let resp = post(
-            format!("http://{}/v1/completions", picker.addrs.http),
-            json!({"model": "llama", "prompt": format!("request {i}")}),
-        )
-        .await;
-        assert_eq!(resp.status(), 200, "request {i}");
-    }
-    assert_eq!(engine.state.requests.load(Ordering::SeqCst), 6);
+    round_robin_survives_a_failing_endpoint(closer_port).await;
     assert!(
         closes.load(Ordering::SeqCst) >= 2,
         "round robin sent requests to the closing endpoint"
     );
-    assert!(picker.core.metrics.retries.get() >= 2);
-    picker.shutdown().await;
     closer_task.abort();
 }
 

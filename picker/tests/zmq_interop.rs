@@ -424,34 +424,11 @@ async fn pyzmq_gap_without_replay_socket_resyncs() {
     .await;
 }
 
+/// A replay that no longer reaches back far enough resyncs. Afterwards, live batches that
+/// waited in the socket's queue (numbered below the replayed range, older timestamps) are
+/// dropped: they are neither a publisher restart nor a reason to resync again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pyzmq_replay_buffer_too_short_resyncs() {
-    within(async {
-        let mut py = PyPublisher::start(&["--buffer", "3"]).await;
-        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
-        h.until(&Ev::Connected).await;
-        py.publish(1).await;
-        py.warm_up(&h.stats).await;
-        py.publish(2).await;
-        py.skip(6).await; // 3..=8; the buffer keeps 6, 7, 8
-        py.publish(1).await; // 9; the buffer keeps 7, 8, 9
-        let mut want = batches(0, 0..3);
-        want.push(Ev::Resync(ResyncReason::ReplayShort {
-            requested: 3,
-            first: Some(7),
-        }));
-        want.extend(batches(0, 7..10));
-        h.expect(&want).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-/// After a replay moved the view past them, live batches that waited in the socket's queue
-/// (numbered below the replayed range, older timestamps) are dropped: they are neither a
-/// publisher restart nor a reason to resync again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pyzmq_stale_queued_batches_after_a_replay_are_dropped() {
+async fn pyzmq_replay_buffer_too_short_resyncs_and_stale_batches_after_it_are_dropped() {
     within(async {
         let mut py = PyPublisher::start(&["--buffer", "3"]).await;
         let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));

@@ -1113,7 +1113,8 @@ impl Feed {
                 self.last = Some((seq, batch.ts.to_bits()));
                 // a timestamp far in the future (a damaged batch) must not make every real
                 // batch look stale
-                let plausible = batch.ts.is_finite() && batch.ts <= unix_now() + 3_600.0;
+                let plausible =
+                    batch.ts.is_finite() && batch.ts <= crate::kv_events::unix_now() + 3_600.0;
                 if plausible && self.newest_ts.is_none_or(|t| batch.ts > t) {
                     self.newest_ts = Some(batch.ts);
                 }
@@ -1183,13 +1184,6 @@ impl Feed {
 /// after which the subscriber accepts that the publisher keeps no replay buffer and follows
 /// it. Bogus numbers are rarely consecutive; a real stream always is.
 const REFUSALS_BEFORE_FOLLOWING: u32 = 3;
-
-/// Seconds since the Unix epoch (the unit of batch timestamps).
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -163,10 +163,7 @@ async fn consume(
                     core.metrics.event_problem("overflow");
                     tracing::warn!(endpoint = %key.endpoint, "endpoint exceeded its block budget; cleared");
                 }
-                let now = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64());
-                let lag = now - batch.ts;
+                let lag = crate::kv_events::unix_now() - batch.ts;
                 if (0.0..3600.0).contains(&lag) {
                     core.metrics.event_lag_seconds.observe(lag);
                 }
