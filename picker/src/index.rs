@@ -761,6 +761,12 @@ impl Chains {
     }
 }
 
+/// Blocks of an endpoint's budget whose table room is allocated when the endpoint is added
+/// (the rest, if its budget is larger, as it fills): 1.4 MB of table at most.
+const PRESIZE_BLOCKS: usize = 1 << 16;
+/// Keys the global table is presized for at most, whatever the endpoints' budgets (43 MB).
+const PRESIZE_KEYS: usize = 1 << 21;
+
 /// How many blocks ahead a batch loads table slots so that their cache misses overlap.
 const AHEAD: usize = 32;
 
@@ -847,11 +853,24 @@ impl KvIndex {
         if self.slot_of.len() >= limit {
             return Err(IndexError::TooManyEndpoints(limit));
         }
+        let mut by_engine_hash = Table::with_limit(max_blocks);
+        let presize = max_blocks.min(PRESIZE_BLOCKS);
+        if mode == IndexMode::Precise {
+            by_engine_hash.reserve(presize);
+        }
+        // Every block the endpoint may hold can be a distinct key: room in the key table is
+        // made now (growing it at least twofold) rather than by many rebuilds while it warms up.
+        let want = (self.budgeted_blocks() + presize).min(PRESIZE_KEYS);
+        let keys = &mut self.chains.by_key;
+        if buckets_for(want) > keys.buckets.len() {
+            let doubled = keys.buckets.len() * BUCKET * 2 * LOAD_NUM / LOAD_DEN;
+            keys.reserve(want.max(doubled.min(PRESIZE_KEYS)));
+        }
         let entry = EndpointEntry {
             id,
             mode,
             max_blocks,
-            by_engine_hash: Table::with_limit(max_blocks),
+            by_engine_hash,
             approx: LinkedHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
@@ -915,6 +934,15 @@ impl KvIndex {
             .iter()
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as Slot, e.id)))
+    }
+
+    /// Blocks the tracked endpoints may hold together, as far as presizing goes.
+    fn budgeted_blocks(&self) -> usize {
+        self.endpoints
+            .iter()
+            .flatten()
+            .map(|e| e.max_blocks.min(PRESIZE_BLOCKS))
+            .sum()
     }
 
     fn entry(&self, slot: Slot) -> Option<&EndpointEntry> {
