@@ -2,9 +2,10 @@
 # Picker overhead over loopback: the same requests sent straight to a simulated engine that
 # answers (almost) instantly, and through kvroute-picker in front of it, by wrk from a separate
 # process. Added latency = picker percentile - direct percentile. Also the pick API's
-# sustained decisions/s (tokenize + hash + match + score, nothing forwarded).
+# sustained decisions/s (tokenize + hash + match + score, nothing forwarded). Prompts: token
+# ids, text (a new ending per request) and chat (a 16-turn history, a new question per request).
 #
-#   scripts/bench-picker-overhead.sh [seconds-per-run]
+#   [KINDS="ids text chat"] scripts/bench-picker-overhead.sh [seconds-per-run]
 #
 # Needs wrk (apt-get install wrk) and python3. Everything binds 127.0.0.1; every process it
 # starts is stopped on exit.
@@ -45,7 +46,9 @@ for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
 PHTTP=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$TMP/picker.json")
 PADMIN=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' "$TMP/picker.json")
 
-# request bodies: token-id prompts (no tokenization) and text prompts (tokenized by the picker)
+# request bodies: token-id prompts (no tokenization), text prompts (tokenized by the picker;
+# each request ends differently, so none is served whole from the tokenizer's piece cache) and
+# chats (a long conversation whose history repeats and whose last question is new each time)
 python3 - "$TMP" <<'PY'
 import json, sys, random
 out = sys.argv[1]
@@ -57,12 +60,29 @@ for k in (1, 8, 128):
     json.dump({"model": "bench", "prompt": ids, "max_tokens": 1}, open(f"{out}/ids{k}k.json", "w"))
     # the fixture tokenizer makes roughly one token per 1.8 characters of this text
     text = " ".join(random.choice(words) + str(i % 97) for i in range(int(n / 2.2)))
-    json.dump({"model": "bench", "prompt": text, "max_tokens": 1}, open(f"{out}/text{k}k.json", "w"))
+    json.dump({"model": "bench", "prompt": text + " request @@N@@", "max_tokens": 1},
+              open(f"{out}/text{k}k.json", "w"))
+    turns = [{"role": "system", "content": "You are a helpful assistant."}]
+    per = len(text) // 16
+    for t in range(16):
+        turns.append({"role": "user" if t % 2 == 0 else "assistant",
+                      "content": text[t * per:(t + 1) * per]})
+    turns.append({"role": "user", "content": "question @@N@@: why?"})
+    json.dump({"model": "bench", "messages": turns, "max_tokens": 1}, open(f"{out}/chat{k}k.json", "w"))
 PY
 cat >"$TMP/post.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-local f = io.open(os.getenv("BODY"), "rb"); wrk.body = f:read("*a"); f:close()
+local f = io.open(os.getenv("BODY"), "rb"); local body = f:read("*a"); f:close()
+local at = body:find("@@N@@", 1, true)
+local head, tail = body, nil
+if at then head, tail = body:sub(1, at - 1), body:sub(at + 5) end
+local n = 0
+function request()
+  n = n + 1
+  if tail then return wrk.format(nil, nil, nil, head .. n .. tail) end
+  return wrk.format(nil, nil, nil, body)
+end
 function done(summary, latency, requests)
   io.write(string.format("RESULT %d %d %.1f %.1f %.1f\n", summary.requests, summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
     latency:percentile(50), latency:percentile(99), summary.requests / (summary.duration / 1e6)))
@@ -72,11 +92,13 @@ run() { # url body conns -> "requests errors p50us p99us rps"
   BODY="$2" wrk -t1 -c"$3" -d"${DUR}s" --timeout 30s -s "$TMP/post.lua" "$1" | awk '/^RESULT/ {print $2, $3, $4, $5, $6}'
 }
 printf "%-10s %-8s %10s %10s %10s %10s %10s %12s\n" prompt path p50_us p99_us add_p50_us add_p99_us errors req_per_s
-for kind in ids text; do
+for kind in ${KINDS:-ids text chat}; do
+  path=/v1/completions
+  [ "$kind" = chat ] && path=/v1/chat/completions
   for k in 1 8 128; do
     body="$TMP/${kind}${k}k.json"
-    read -r n1 e1 d50 d99 drps < <(run "http://$HTTP/v1/completions" "$body" 1)
-    read -r n2 e2 p50 p99 prps < <(run "http://$PHTTP/v1/completions" "$body" 1)
+    read -r n1 e1 d50 d99 drps < <(run "http://$HTTP$path" "$body" 1)
+    read -r n2 e2 p50 p99 prps < <(run "http://$PHTTP$path" "$body" 1)
     printf "%-10s %-8s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" direct "$d50" "$d99" - - "$e1" "$drps"
     printf "%-10s %-8s %10.0f %10.0f %10.0f %10.0f %10s %12.1f\n" "${kind}-${k}k" picker "$p50" "$p99" \
       "$(python3 -c "print($p50-$d50)")" "$(python3 -c "print($p99-$d99)")" "$e2" "$prps"

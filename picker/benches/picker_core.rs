@@ -184,60 +184,101 @@ fn bench_decision(c: &mut Criterion) {
 }
 
 /// Tokenization of a completion prompt and of a chat rendered through its template, with the
-/// test tokenizer (a small byte-level BPE; see BENCHMARKS.md for what that means).
+/// test tokenizer (a small byte-level BPE; see BENCHMARKS.md for what that means): cold (no
+/// piece cache), the same prompt again (warm cache), and the next turn of a conversation
+/// (history in the cache, one new message).
 fn bench_tokenize(c: &mut Criterion) {
     use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
-    let tok = PromptTokenizer::from_hf_files(
-        Some(include_bytes!("../tests/fixtures/tokenizer/tokenizer.json")),
-        Some(include_str!(
-            "../tests/fixtures/tokenizer/tokenizer_config.json"
-        )),
-        PromptTokenizerOptions::default(),
-    )
-    .expect("fixture tokenizer");
+    let build = |piece_cache_tokens| {
+        PromptTokenizer::from_hf_files(
+            Some(include_bytes!("../tests/fixtures/tokenizer/tokenizer.json")),
+            Some(include_str!(
+                "../tests/fixtures/tokenizer/tokenizer_config.json"
+            )),
+            PromptTokenizerOptions {
+                piece_cache_tokens,
+                ..PromptTokenizerOptions::default()
+            },
+        )
+        .expect("fixture tokenizer")
+    };
+    let cold = build(0);
+    let warm = build(PromptTokenizerOptions::default().piece_cache_tokens);
+    let chat = |tok: &PromptTokenizer, messages: &serde_json::Value| {
+        tok.tokenize(PromptInput::Chat {
+            messages,
+            tools: None,
+            add_generation_prompt: true,
+            extra: None,
+        })
+        .map(|t| t.ids.len())
+    };
     let mut g = c.benchmark_group("tokenize");
     g.measurement_time(Duration::from_secs(3)).sample_size(10);
     let sentence = "KV-cache aware routing sends requests that share a prompt prefix to the same \
                     server, unless the queue there costs more than the prefill it saves. ";
     for target in [8 * 1024usize, 128 * 1024] {
-        let mut text = String::new();
+        // 16 paragraphs of about target/16 tokens each
+        let mut paragraphs = Vec::new();
         let mut n = 0;
-        while tok
-            .tokenize(PromptInput::Text(&text))
-            .map_or(0, |t| t.ids.len())
-            < target
-        {
-            for _ in 0..64 {
-                text.push_str(sentence);
-                text.push_str(&n.to_string());
-                text.push(' ');
-                n += 1;
+        for _ in 0..16 {
+            let mut p = String::new();
+            while cold
+                .tokenize(PromptInput::Text(&p))
+                .map_or(0, |t| t.ids.len())
+                < target / 16
+            {
+                for _ in 0..16 {
+                    p.push_str(sentence);
+                    p.push_str(&n.to_string());
+                    p.push(' ');
+                    n += 1;
+                }
             }
+            paragraphs.push(p);
         }
+        let text = paragraphs.concat();
         let label = format!("{}k", target / 1024);
-        let n_tokens = tok
+        let n_tokens = cold
             .tokenize(PromptInput::Text(&text))
             .map_or(0, |t| t.ids.len());
         g.throughput(Throughput::Elements(n_tokens as u64));
-        g.bench_function(BenchmarkId::new("text", &label), |b| {
-            b.iter(|| {
-                black_box(tok.tokenize(PromptInput::Text(black_box(&text)))).map(|t| t.ids.len())
-            })
-        });
-        let messages = serde_json::json!([
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": text},
-        ]);
-        g.bench_function(BenchmarkId::new("chat_template", &label), |b| {
-            b.iter(|| {
-                black_box(tok.tokenize(PromptInput::Chat {
-                    messages: black_box(&messages),
-                    tools: None,
-                    add_generation_prompt: true,
-                    extra: None,
-                }))
-                .map(|t| t.ids.len())
-            })
+        for (name, tok) in [("text_cold", &cold), ("text_repeated", &warm)] {
+            g.bench_function(BenchmarkId::new(name, &label), |b| {
+                b.iter(|| {
+                    black_box(tok.tokenize(PromptInput::Text(black_box(&text))))
+                        .map(|t| t.ids.len())
+                })
+            });
+        }
+        // a conversation: the paragraphs as alternating turns, then a new question each time
+        let mut history: Vec<serde_json::Value> =
+            vec![serde_json::json!({"role": "system", "content": "You are a helpful assistant."})];
+        for (i, p) in paragraphs.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            history.push(serde_json::json!({"role": role, "content": p}));
+        }
+        let turn = |i: u64| {
+            let mut m = history.clone();
+            m.push(serde_json::json!({"role": "user", "content": format!("question {i}: why?")}));
+            serde_json::Value::Array(m)
+        };
+        let fixed = turn(0);
+        for (name, tok) in [("chat_cold", &cold), ("chat_repeated", &warm)] {
+            g.bench_function(BenchmarkId::new(name, &label), |b| {
+                b.iter(|| black_box(chat(tok, black_box(&fixed))))
+            });
+        }
+        let mut i = 0;
+        g.bench_function(BenchmarkId::new("chat_next_turn", &label), |b| {
+            b.iter_batched(
+                || {
+                    i += 1;
+                    turn(i)
+                },
+                |m| black_box(chat(&warm, &m)),
+                criterion::BatchSize::LargeInput,
+            )
         });
     }
     g.finish();

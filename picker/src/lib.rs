@@ -26,4 +26,5 @@ pub mod pool {
 pub mod router;
 pub mod service;
 pub mod session;
+pub mod token_cache;
 pub mod tokenize;

@@ -57,6 +57,8 @@ use minijinja::{AutoEscape, Environment, ErrorKind, Output, State, Value};
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+use crate::token_cache::{PieceCacheOff, PieceCacheStats, PieceEncoder, PieceEncoding};
+
 /// Name under which the chat template is stored in the environment. It has no file extension
 /// on purpose: minijinja picks HTML auto-escaping from `.html`-like names, and chat prompts
 /// must never be escaped.
@@ -119,6 +121,8 @@ pub struct PromptTokenizerOptions {
     pub char_chunk_tokens: usize,
     /// Request limits.
     pub limits: TokenizeLimits,
+    /// Token ids the piece cache may hold (see [`crate::token_cache`]); 0 turns it off.
+    pub piece_cache_tokens: usize,
 }
 
 impl Default for PromptTokenizerOptions {
@@ -128,6 +132,8 @@ impl Default for PromptTokenizerOptions {
             // 16-token KV block.
             char_chunk_tokens: 64,
             limits: TokenizeLimits::default(),
+            // 16 MiB of ids: a few hundred long system prompts, documents and conversations.
+            piece_cache_tokens: 1 << 22,
         }
     }
 }
@@ -289,6 +295,8 @@ pub struct TokenizedPrompt {
     /// Characters of the text that was encoded (the rendered chat or the completion prompt);
     /// 0 for token-id input.
     pub rendered_chars: usize,
+    /// How many of `ids` came from the piece cache instead of the tokenizer.
+    pub cached_tokens: usize,
 }
 
 /// Which template limit stopped a render.
@@ -394,6 +402,8 @@ pub enum TokenizeError {
 /// Converts requests into token ids; build once per model and share (it is `Send + Sync`).
 pub struct PromptTokenizer {
     tokenizer: Option<Tokenizer>,
+    /// Piece-wise encoding with a cache of repeated pieces, when the tokenizer allows it.
+    pieces: Result<PieceEncoder, PieceCacheOff>,
     /// Largest id in the vocabulary including added tokens; ids above it are rejected.
     max_token_id: Option<u32>,
     template: Option<CompiledTemplate>,
@@ -413,6 +423,7 @@ impl fmt::Debug for PromptTokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PromptTokenizer")
             .field("has_tokenizer", &self.tokenizer.is_some())
+            .field("pieces", &self.pieces)
             .field("max_token_id", &self.max_token_id)
             .field("has_chat_template", &self.template.is_some())
             .field("char_chunk_tokens", &self.char_chunk_tokens)
@@ -444,11 +455,16 @@ impl PromptTokenizer {
             }
             None => (None, None),
         };
+        let pieces = match &tokenizer {
+            Some(t) => PieceEncoder::new(t, options.piece_cache_tokens),
+            None => Err(PieceCacheOff::Disabled),
+        };
         let template = template
             .map(|t| compile_template(t, &options.limits))
             .transpose()?;
         Ok(Self {
             tokenizer,
+            pieces,
             max_token_id,
             template,
             char_chunk_tokens: options.char_chunk_tokens,
@@ -495,6 +511,11 @@ impl PromptTokenizer {
     /// The limits in force.
     pub fn limits(&self) -> &TokenizeLimits {
         &self.limits
+    }
+
+    /// The piece cache's counters, or why this tokenizer has none.
+    pub fn piece_cache(&self) -> Result<PieceCacheStats, &PieceCacheOff> {
+        self.pieces.as_ref().map(PieceEncoder::stats)
     }
 
     /// Tokenizes one request.
@@ -597,24 +618,32 @@ impl PromptTokenizer {
                 ids: char_chunk_ids(text),
                 kind: TokenKind::CharChunks,
                 rendered_chars,
+                cached_tokens: 0,
             });
         };
         // `encode_fast` skips offset tracking, which the router never needs.
-        let encoding = tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map_err(|err| TokenizeError::Encode(err.to_string()))?;
-        let ids = encoding.get_ids();
-        if ids.len() > self.limits.max_tokens {
+        let encoded = match &self.pieces {
+            Ok(pieces) => pieces.encode(tokenizer, text, add_special_tokens),
+            Err(_) => tokenizer
+                .encode_fast(text, add_special_tokens)
+                .map(|e| PieceEncoding {
+                    ids: e.get_ids().to_vec(),
+                    cached_tokens: 0,
+                }),
+        }
+        .map_err(|err| TokenizeError::Encode(err.to_string()))?;
+        if encoded.ids.len() > self.limits.max_tokens {
             return Err(TokenizeError::InputLimit {
                 limit: InputLimit::Tokens,
-                actual: ids.len(),
+                actual: encoded.ids.len(),
                 max: self.limits.max_tokens,
             });
         }
         Ok(TokenizedPrompt {
-            ids: ids.to_vec(),
+            ids: encoded.ids,
             kind: TokenKind::Tokens,
             rendered_chars,
+            cached_tokens: encoded.cached_tokens,
         })
     }
 
@@ -635,6 +664,7 @@ impl PromptTokenizer {
             ids: ids.to_vec(),
             kind: TokenKind::Tokens,
             rendered_chars: 0,
+            cached_tokens: 0,
         })
     }
 }
@@ -2000,7 +2030,8 @@ mod tests {
             TokenizedPrompt {
                 ids: vec![0, 5, 419],
                 kind: TokenKind::Tokens,
-                rendered_chars: 0
+                rendered_chars: 0,
+                cached_tokens: 0
             }
         );
         let err = tok
@@ -2043,7 +2074,8 @@ mod tests {
             TokenizedPrompt {
                 ids: vec![0x61, 0xf1, 0x1f680],
                 kind: TokenKind::CharChunks,
-                rendered_chars: 3
+                rendered_chars: 3,
+                cached_tokens: 0
             }
         );
 

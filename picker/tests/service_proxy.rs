@@ -534,3 +534,81 @@ async fn shutdown_drains_an_in_flight_stream() {
         .expect("shutdown finished")
         .unwrap();
 }
+
+/// A conversation's earlier messages are not encoded again: the second turn's ids for them
+/// come from the tokenizer's piece cache, and the prompt is still the tokenizer's exact ids.
+#[tokio::test]
+async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let yaml = |cache: usize| {
+        format!(
+            r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {port}
+    tokenizer: {{path: {tok}/tokenizer.json, configPath: {tok}/tokenizer_config.json}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+limits: {{tokenizerCacheTokens: {cache}}}
+"#,
+            port = engine.addr.port()
+        )
+    };
+    let system = "You are a careful assistant for routing questions. ".repeat(40);
+    let turn1 = json!([{"role": "system", "content": system}, {"role": "user", "content": "hi"}]);
+    let mut turn2 = turn1.clone();
+    let more = json!([{"role": "assistant", "content": "hello ".repeat(80)},
+                      {"role": "user", "content": "and now?"}]);
+    turn2
+        .as_array_mut()
+        .unwrap()
+        .extend(more.as_array().unwrap().iter().cloned());
+
+    let cached_total = |text: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("kvroute_picker_tokenizer_cached_tokens_total "))
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    };
+    let mut prompt_tokens = Vec::new();
+    for cache in [1 << 20, 0] {
+        let picker = start_picker(&yaml(cache)).await;
+        let pick = format!("http://{}/v1/pick", picker.addrs.admin);
+        let metrics = format!("http://{}/metrics", picker.addrs.metrics);
+        let scrape = || async {
+            client()
+                .get(&metrics)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        };
+        let mut tokens = Vec::new();
+        for messages in [&turn1, &turn2] {
+            let p: Value = post(
+                pick.clone(),
+                json!({"model": "llama", "messages": messages}),
+            )
+            .await
+            .json()
+            .await
+            .unwrap();
+            tokens.push(p["prompt_tokens"].as_u64().unwrap());
+        }
+        let cached = cached_total(&scrape().await);
+        if cache > 0 {
+            // the system prompt's piece (over 2 KB) was encoded once and reused
+            assert!(cached > 400.0, "cached {cached}");
+        } else {
+            assert_eq!(cached, 0.0);
+        }
+        prompt_tokens.push(tokens);
+        picker.shutdown().await;
+    }
+    // With and without the cache the prompts have the same number of tokens.
+    assert_eq!(prompt_tokens[0], prompt_tokens[1]);
+    assert!(prompt_tokens[0][1] > prompt_tokens[0][0]);
+}

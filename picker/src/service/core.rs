@@ -62,6 +62,7 @@ impl ModelEntry {
         };
         let options = PromptTokenizerOptions {
             limits: tok_limits,
+            piece_cache_tokens: limits.tokenizer_cache_tokens,
             ..PromptTokenizerOptions::default()
         };
         let read = |p: &str| {
@@ -80,6 +81,11 @@ impl ModelEntry {
         };
         let tokenizer = PromptTokenizer::from_hf_files(json.as_deref(), cfg.as_deref(), options)
             .map_err(|e| format!("modelConfigs {:?}: {e}", spec.name))?;
+        if tokenizer.has_tokenizer()
+            && let Err(why) = tokenizer.piece_cache()
+        {
+            tracing::info!(model_config = %spec.name, "tokenizer piece cache off: {why}");
+        }
         Ok(Self {
             spec: spec.clone(),
             config: Arc::new(ModelConfig::from(spec)),
@@ -916,6 +922,9 @@ impl PickerCore {
             }
         };
         let out = tok.tokenize(input).map_err(tokenize_error)?;
+        self.metrics
+            .piece_cache_tokens
+            .inc_by(out.cached_tokens as u64);
         Ok((out.ids, out.kind))
     }
 

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub decisions: Family<DecisionLabels, Counter>,
     pub predicted_hit_tokens: Counter,
     pub prompt_tokens: Counter,
+    pub piece_cache_tokens: Counter,
     pub decision_seconds: Histogram,
     pub upstream_ttft_seconds: Histogram,
     pub errors: Family<KindLabels, Counter>,
@@ -69,6 +70,12 @@ impl Metrics {
             "prompt_tokens",
             "Prompt tokens routed",
             prompt_tokens.clone(),
+        );
+        let piece_cache_tokens = Counter::default();
+        registry.register(
+            "tokenizer_cached_tokens",
+            "Prompt tokens taken from the tokenizer's piece cache instead of being encoded",
+            piece_cache_tokens.clone(),
         );
         let decision_seconds = Histogram::new(exponential_buckets(1e-6, 2.0, 24));
         registry.register(
@@ -133,6 +140,7 @@ impl Metrics {
             decisions,
             predicted_hit_tokens,
             prompt_tokens,
+            piece_cache_tokens,
             decision_seconds,
             upstream_ttft_seconds,
             errors,

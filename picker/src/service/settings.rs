@@ -89,6 +89,10 @@ pub struct Limits {
     pub max_inflight_per_endpoint: u64,
     /// Requests in flight through this picker in total (429 above).
     pub max_inflight_total: usize,
+    /// Token ids each model's tokenizer keeps for prompt pieces it has seen (system prompts,
+    /// documents, earlier turns), so that they are not encoded again; 0 turns it off. About
+    /// 4 bytes per id.
+    pub tokenizer_cache_tokens: usize,
     /// Concurrent calls to engines' render endpoints for tokenization.
     pub max_render_concurrency: usize,
     #[serde(with = "duration_str")]
@@ -125,6 +129,7 @@ impl Default for Limits {
             idle_timeout: Duration::from_secs(300),
             max_inflight_per_endpoint: 2048,
             max_inflight_total: 16_384,
+            tokenizer_cache_tokens: 1 << 22,
             max_render_concurrency: 64,
             render_timeout: Duration::from_millis(500),
             max_connections: 8192,
@@ -265,6 +270,11 @@ impl PickerConfig {
             if v == 0 {
                 return Err(format!("{name} must be positive"));
             }
+        }
+        if l.tokenizer_cache_tokens > 1 << 28 {
+            return Err(
+                "limits.tokenizerCacheTokens must be at most 268435456 (1 GiB of ids)".into(),
+            );
         }
         if l.max_inflight_per_endpoint == 0 {
             return Err("limits.maxInflightPerEndpoint must be positive".into());

@@ -1,0 +1,564 @@
+//! Exact reuse of token ids for the repeated parts of prompts.
+//!
+//! A Hugging Face tokenizer first cuts its input at every *added token* it matches literally
+//! (`<|im_start|>`, `<|eot_id|>`, …) and then normalizes, pre-tokenizes and encodes each piece
+//! between two added tokens on its own. The ids of a piece therefore depend on the piece's text
+//! alone, not on what surrounds it. Chat prompts are full of added tokens (the template writes
+//! them around every message), and in a multi-turn conversation, an agent loop or a RAG
+//! pipeline most messages — system prompt, tool schemas, documents, earlier turns — are the
+//! same text request after request. Encoding costs about a microsecond per token, so a
+//! 128k-token prompt spends over 100 ms in the tokenizer while its KV-cache lookup takes
+//! microseconds.
+//!
+//! [`PieceEncoder`] cuts the text where the tokenizer would (leftmost-longest matching of the
+//! literal added tokens, as the `tokenizers` crate does), looks every piece of at least
+//! [`MIN_CACHED_PIECE_BYTES`] up in a bounded LRU keyed by the piece's 128-bit hash (seeded per process), encodes
+//! the misses and the short stretches in between with the real tokenizer, and concatenates.
+//! The result is the tokenizer's own output, not an approximation.
+//!
+//! That equivalence holds for the tokenizers in use today, but two features break it: an added
+//! token that strips the whitespace beside it or must stand as a single word (the cut then
+//! depends on neighbouring text), and a pre-tokenizer that treats the very start of the input
+//! specially (Metaspace's `prepend_scheme: first`). The first is checked in the added
+//! vocabulary; the second, and anything else, by a self-check when the encoder is built:
+//! probe texts are encoded whole and piece by piece, and any difference leaves the cache off
+//! for that tokenizer (every request is then encoded whole, as before).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use hashlink::LruCache;
+use parking_lot::Mutex;
+use tokenizers::Tokenizer;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// Pieces shorter than this (in bytes, about 64 tokens of English) are not cached on their
+/// own but together with their neighbours up to the next long piece: a call into the
+/// tokenizer costs microseconds however short its text, so a chat's many short pieces (role
+/// names, blank lines) are encoded, and cached, in runs.
+pub const MIN_CACHED_PIECE_BYTES: usize = 256;
+
+/// Per-entry bookkeeping charged to the cache's budget on top of the ids (key, links, `Arc`).
+const ENTRY_OVERHEAD_TOKENS: usize = 24;
+
+/// Counters of a [`PieceEncoder`] since it was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PieceCacheStats {
+    /// Pieces found in the cache.
+    pub hits: u64,
+    /// Cacheable pieces that had to be encoded.
+    pub misses: u64,
+    /// Token ids currently held.
+    pub tokens: u64,
+    /// Entries currently held.
+    pub entries: u64,
+}
+
+/// Why a tokenizer gets no piece cache.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PieceCacheOff {
+    #[error("the piece cache is configured off (0 tokens)")]
+    Disabled,
+    #[error("added token {0:?} strips whitespace or must be a single word")]
+    ContextualAddedToken(String),
+    #[error("the added tokens cannot be matched: {0}")]
+    Matcher(String),
+    #[error("encoding piece by piece differs from encoding whole on probe {0}")]
+    ProbeMismatch(usize),
+    #[error("the tokenizer failed on probe {0}: {1}")]
+    ProbeFailed(usize, String),
+}
+
+struct Lru {
+    map: LruCache<u128, Arc<[u32]>>,
+    /// Ids plus per-entry overhead, in tokens.
+    weight: usize,
+    /// Ids alone.
+    tokens: usize,
+}
+
+/// Encodes prompts piece by piece with a cache of the pieces' ids; see the module docs.
+pub struct PieceEncoder {
+    /// The literal (non-normalized) added tokens; `None` when the tokenizer has none.
+    splitter: Option<AhoCorasick>,
+    /// Ids the post-processor puts before and after a sequence when special tokens are added;
+    /// `None` when they could not be derived (such requests are encoded whole).
+    wrap: Option<(Vec<u32>, Vec<u32>)>,
+    capacity_tokens: usize,
+    /// Per-process hash seed, so that colliding pieces cannot be crafted offline (a collision
+    /// could only misroute: the forwarded request is never rewritten from these ids).
+    seed: u64,
+    lru: Mutex<Lru>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl std::fmt::Debug for PieceEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PieceEncoder")
+            .field("capacity_tokens", &self.capacity_tokens)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Token ids of one prompt and how many of them came from the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PieceEncoding {
+    pub ids: Vec<u32>,
+    pub cached_tokens: usize,
+}
+
+impl PieceEncoder {
+    /// An encoder for `tokenizer` holding at most about `capacity_tokens` ids, or why the
+    /// tokenizer cannot use one.
+    pub fn new(tokenizer: &Tokenizer, capacity_tokens: usize) -> Result<Self, PieceCacheOff> {
+        if capacity_tokens == 0 {
+            return Err(PieceCacheOff::Disabled);
+        }
+        let mut literal = Vec::new();
+        for token in tokenizer.get_added_tokens_decoder().into_values() {
+            if token.normalized {
+                // Matched after normalization, inside a piece: encoding the piece finds it.
+                continue;
+            }
+            if token.lstrip || token.rstrip || token.single_word {
+                return Err(PieceCacheOff::ContextualAddedToken(token.content));
+            }
+            if !token.content.is_empty() {
+                literal.push(token.content);
+            }
+        }
+        literal.sort_unstable();
+        let splitter = if literal.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(&literal)
+                    .map_err(|e| PieceCacheOff::Matcher(e.to_string()))?,
+            )
+        };
+        let mut encoder = Self {
+            splitter,
+            wrap: None,
+            capacity_tokens,
+            seed: std::hash::BuildHasher::hash_one(
+                &std::collections::hash_map::RandomState::new(),
+                0x006b_7672_6f75_7465_u64,
+            ),
+            lru: Mutex::new(Lru {
+                map: LruCache::new_unbounded(),
+                weight: 0,
+                tokens: 0,
+            }),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        };
+        encoder.wrap = derive_wrap(tokenizer);
+        encoder.self_check(tokenizer, &literal)?;
+        Ok(encoder)
+    }
+
+    /// Counters since the encoder was built.
+    pub fn stats(&self) -> PieceCacheStats {
+        let lru = self.lru.lock();
+        PieceCacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            tokens: lru.tokens as u64,
+            entries: lru.map.len() as u64,
+        }
+    }
+
+    /// The ids `tokenizer.encode_fast(text, add_special_tokens)` would give.
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> tokenizers::Result<PieceEncoding> {
+        self.encode_with(
+            tokenizer,
+            text,
+            add_special_tokens,
+            MIN_CACHED_PIECE_BYTES,
+            true,
+        )
+    }
+
+    /// Cuts `text` into pieces; pieces of at least `min_piece` bytes are encoded on their own
+    /// (through the cache when `cached`), the stretches between them in one call each.
+    fn encode_with(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+        min_piece: usize,
+        cached: bool,
+    ) -> tokenizers::Result<PieceEncoding> {
+        let (prefix, suffix) = match (&self.wrap, add_special_tokens) {
+            (_, false) => (&[][..], &[][..]),
+            (Some((p, s)), true) => (&p[..], &s[..]),
+            (None, true) => {
+                let ids = tokenizer.encode_fast(text, true)?.get_ids().to_vec();
+                return Ok(PieceEncoding {
+                    ids,
+                    cached_tokens: 0,
+                });
+            }
+        };
+        let mut out = PieceEncoding {
+            ids: Vec::with_capacity(text.len() / 3 + prefix.len() + suffix.len()),
+            cached_tokens: 0,
+        };
+        out.ids.extend_from_slice(prefix);
+        // Start of the text not yet encoded.
+        let mut pending = 0;
+        let mut piece = |start: usize, end: usize, out: &mut PieceEncoding| {
+            if end - start < min_piece.max(1) {
+                return Ok(());
+            }
+            self.encode_part(tokenizer, &text[pending..start], cached, out)?;
+            pending = end;
+            self.encode_part(tokenizer, &text[start..end], cached, out)
+        };
+        let mut at = 0;
+        if let Some(splitter) = &self.splitter {
+            for m in splitter.find_iter(text) {
+                piece(at, m.start(), &mut out)?;
+                at = m.end();
+            }
+        }
+        piece(at, text.len(), &mut out)?;
+        self.encode_part(tokenizer, &text[pending..], cached, &mut out)?;
+        out.ids.extend_from_slice(suffix);
+        Ok(out)
+    }
+
+    /// Appends the ids of `part` (a long piece, or the short pieces and added tokens between
+    /// two long ones, which recur as a template's role headers): from the cache, or encoded and
+    /// then cached. Every call into the tokenizer costs microseconds however short the text.
+    fn encode_part(
+        &self,
+        tokenizer: &Tokenizer,
+        part: &str,
+        cached: bool,
+        out: &mut PieceEncoding,
+    ) -> tokenizers::Result<()> {
+        if part.is_empty() {
+            return Ok(());
+        }
+        if !cached {
+            out.ids
+                .extend_from_slice(tokenizer.encode_fast(part, false)?.get_ids());
+            return Ok(());
+        }
+        let key = xxh3_128_with_seed(part.as_bytes(), self.seed);
+        if let Some(ids) = self.lookup(key) {
+            out.ids.extend_from_slice(&ids);
+            out.cached_tokens += ids.len();
+            return Ok(());
+        }
+        let from = out.ids.len();
+        out.ids
+            .extend_from_slice(tokenizer.encode_fast(part, false)?.get_ids());
+        self.insert(key, &out.ids[from..]);
+        Ok(())
+    }
+
+    fn lookup(&self, key: u128) -> Option<Arc<[u32]>> {
+        let found = self.lru.lock().map.get(&key).cloned();
+        let counter = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    fn insert(&self, key: u128, ids: &[u32]) {
+        let weight = ids.len() + ENTRY_OVERHEAD_TOKENS;
+        if weight > self.capacity_tokens / 4 {
+            return; // one piece may not take over the cache
+        }
+        let ids: Arc<[u32]> = ids.into();
+        let mut lru = self.lru.lock();
+        let len = ids.len();
+        if let Some(old) = lru.map.insert(key, ids) {
+            lru.weight -= old.len() + ENTRY_OVERHEAD_TOKENS;
+            lru.tokens -= old.len();
+        }
+        lru.weight += weight;
+        lru.tokens += len;
+        while lru.weight > self.capacity_tokens {
+            match lru.map.remove_lru() {
+                Some((_, old)) => {
+                    lru.weight -= old.len() + ENTRY_OVERHEAD_TOKENS;
+                    lru.tokens -= old.len();
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// Encodes probe texts whole and piece by piece (every piece alone, no cache); any
+    /// difference means this tokenizer's pieces are not independent.
+    fn self_check(&self, tokenizer: &Tokenizer, literal: &[String]) -> Result<(), PieceCacheOff> {
+        for (n, probe) in probes(literal).iter().enumerate() {
+            for add in [false, true] {
+                let whole = tokenizer
+                    .encode_fast(probe.as_str(), add)
+                    .map_err(|e| PieceCacheOff::ProbeFailed(n, e.to_string()))?;
+                let pieces = self
+                    .encode_with(tokenizer, probe, add, 1, false)
+                    .map_err(|e| PieceCacheOff::ProbeFailed(n, e.to_string()))?;
+                if whole.get_ids() != pieces.ids {
+                    return Err(PieceCacheOff::ProbeMismatch(n));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The ids the post-processor adds around a single sequence, found by encoding two texts with
+/// and without special tokens; `None` unless both agree on a fixed prefix and suffix.
+fn derive_wrap(tokenizer: &Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
+    for text in [
+        "The quick brown fox jumps over the lazy dog.",
+        "kv 42\n\nroute",
+    ] {
+        let with = tokenizer.encode_fast(text, true).ok()?.get_ids().to_vec();
+        let bare = tokenizer.encode_fast(text, false).ok()?.get_ids().to_vec();
+        if bare.is_empty() || with.len() < bare.len() {
+            return None;
+        }
+        let at = (0..=with.len() - bare.len()).find(|&i| with[i..i + bare.len()] == bare[..])?;
+        let wrap = (with[..at].to_vec(), with[at + bare.len()..].to_vec());
+        if found.as_ref().is_some_and(|f| *f != wrap) {
+            return None;
+        }
+        found = Some(wrap);
+    }
+    found
+}
+
+/// Texts that put added tokens next to words, spaces, newlines, digits and non-ASCII text, at
+/// the start, in the middle and at the end.
+fn probes(literal: &[String]) -> Vec<String> {
+    let pick = |i: usize| -> &str {
+        if literal.is_empty() {
+            ""
+        } else {
+            &literal[i % literal.len()]
+        }
+    };
+    let (a, b, c) = (pick(0), pick(1), pick(2));
+    vec![
+        "Hello world. A probe with 123456 numbers,  double  spaces and\n\nnewlines.".to_string(),
+        format!("{a}system\n\nYou are helpful.{b}\n{a}user{b}Hi there!  How are you?{c} x"),
+        format!("lead{a} spaced out {b}\n\n\ttabs{a}{b}end{c}"),
+        format!("   {b}ünïcödé 日本語 text{a}\n"),
+        format!("{c}{c}word{a}  {b}99 bottles"),
+    ]
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const TOKENIZER_JSON: &[u8] = include_bytes!("../tests/fixtures/tokenizer/tokenizer.json");
+
+    fn fixture() -> Tokenizer {
+        Tokenizer::from_bytes(TOKENIZER_JSON).unwrap()
+    }
+
+    fn whole(tok: &Tokenizer, text: &str, add: bool) -> Vec<u32> {
+        tok.encode_fast(text, add).unwrap().get_ids().to_vec()
+    }
+
+    /// A long chat in the fixture's Llama-3 format: turns of `len` bytes each.
+    fn chat(turns: &[&str]) -> String {
+        let mut out = String::from("<|begin_of_text|>");
+        for (i, t) in turns.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            out += &format!("<|start_header_id|>{role}<|end_header_id|>\n\n{t}<|eot_id|>");
+        }
+        out + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    }
+
+    fn words(seed: u64, bytes: usize) -> String {
+        let vocab = [
+            "kv", "cache", "route", " ", "  ", "\n", "42", "prefix", "ü", "日本", "!?",
+        ];
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut s = String::new();
+        while s.len() < bytes {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            s += vocab[(x % vocab.len() as u64) as usize];
+        }
+        s
+    }
+
+    #[test]
+    fn repeated_pieces_come_from_the_cache_with_the_tokenizers_own_ids() {
+        let tok = fixture();
+        let enc = PieceEncoder::new(&tok, 1 << 20).unwrap();
+        let system = words(1, 4000);
+        let first = chat(&[&system, &words(2, 3000)]);
+        let got = enc.encode(&tok, &first, false).unwrap();
+        assert_eq!(got.ids, whole(&tok, &first, false));
+        assert_eq!(got.cached_tokens, 0);
+
+        // The next turn repeats both earlier messages and adds two.
+        let next = chat(&[&system, &words(2, 3000), &words(3, 2000), &words(4, 900)]);
+        let got = enc.encode(&tok, &next, false).unwrap();
+        assert_eq!(got.ids, whole(&tok, &next, false));
+        // A message's piece runs from its header's end to its `<|eot_id|>`.
+        let piece = |t: &str| whole(&tok, &format!("\n\n{t}"), false).len();
+        assert!(got.cached_tokens >= piece(&system) + piece(&words(2, 3000)));
+        assert!(got.cached_tokens < got.ids.len());
+        // The same prompt again: all of it from the cache, nothing encoded.
+        let misses = enc.stats().misses;
+        let again = enc.encode(&tok, &next, false).unwrap();
+        assert_eq!(again.ids, got.ids);
+        assert_eq!(again.cached_tokens, again.ids.len());
+        assert_eq!(enc.stats().misses, misses);
+
+        // With special tokens added (a completions prompt) the post-processor's BOS is kept.
+        let text = words(5, 2000);
+        for _ in 0..2 {
+            assert_eq!(
+                enc.encode(&tok, &text, true).unwrap().ids,
+                whole(&tok, &text, true)
+            );
+        }
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_budget() {
+        let tok = fixture();
+        let capacity = 4000;
+        let enc = PieceEncoder::new(&tok, capacity).unwrap();
+        for seed in 0..40 {
+            let text = chat(&[&words(seed, 600)]);
+            assert_eq!(
+                enc.encode(&tok, &text, false).unwrap().ids,
+                whole(&tok, &text, false)
+            );
+            let lru = enc.lru.lock();
+            assert!(lru.weight <= capacity, "{} > {capacity}", lru.weight);
+            assert_eq!(
+                lru.weight,
+                lru.tokens + lru.map.len() * ENTRY_OVERHEAD_TOKENS,
+                "weight bookkeeping"
+            );
+        }
+        let stats = enc.stats();
+        assert!(stats.entries > 1 && stats.entries < 40, "{stats:?}");
+        // Least recently used first: the last piece is still there, the first is gone.
+        let last = chat(&[&words(39, 600)]);
+        let first = chat(&[&words(0, 600)]);
+        let misses = enc.stats().misses;
+        let got = enc.encode(&tok, &last, false).unwrap();
+        assert_eq!(got.cached_tokens, got.ids.len());
+        assert_eq!(enc.stats().misses, misses);
+        let got = enc.encode(&tok, &first, false).unwrap();
+        assert!(got.cached_tokens < got.ids.len() / 2, "{got:?}");
+        assert!(enc.stats().misses > misses);
+    }
+
+    #[test]
+    fn zero_capacity_turns_the_cache_off() {
+        assert_eq!(
+            PieceEncoder::new(&fixture(), 0).unwrap_err(),
+            PieceCacheOff::Disabled
+        );
+    }
+
+    /// A word-level tokenizer with one added token, `<s>`, configured as given.
+    fn word_level(added: &str, prepend_scheme: &str) -> Tokenizer {
+        let json = format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null,
+              "added_tokens": [{{"id": 0, "content": "<s>", {added}, "special": true}}],
+              "normalizer": null,
+              "pre_tokenizer": {{"type": "Metaspace", "replacement": "\u2581",
+                                 "prepend_scheme": "{prepend_scheme}", "split": true}},
+              "post_processor": null, "decoder": null,
+              "model": {{"type": "WordLevel", "unk_token": "<unk>",
+                         "vocab": {{"<s>": 0, "<unk>": 1, "system": 2, "\u2581system": 3,
+                                    "user": 4, "\u2581user": 5, "word": 6, "\u2581word": 7,
+                                    "end": 8, "\u2581end": 9}}}}}}"#
+        );
+        Tokenizer::from_bytes(json.as_bytes()).unwrap()
+    }
+
+    const PLAIN: &str =
+        r#""single_word": false, "lstrip": false, "rstrip": false, "normalized": false"#;
+
+    #[test]
+    fn tokenizers_whose_pieces_depend_on_context_get_no_cache() {
+        // Metaspace prepending only at the very start: a piece after `<s>` is encoded
+        // differently alone. The self-check finds it.
+        let first = word_level(PLAIN, "first");
+        assert!(matches!(
+            PieceEncoder::new(&first, 1 << 20),
+            Err(PieceCacheOff::ProbeMismatch(_))
+        ));
+        // Prepending everywhere is context-free: cached, and exact.
+        let always = word_level(PLAIN, "always");
+        let enc = PieceEncoder::new(&always, 1 << 20).unwrap();
+        let text = format!("<s>{}<s>user end", "word ".repeat(100));
+        for _ in 0..2 {
+            assert_eq!(
+                enc.encode(&always, &text, false).unwrap().ids,
+                whole(&always, &text, false)
+            );
+        }
+        // three parts (`<s>`, the long piece, `<s>user end`), all found the second time
+        assert_eq!(enc.stats().hits, 3);
+        // An added token that eats neighbouring spaces.
+        let lstrip = word_level(
+            r#""single_word": false, "lstrip": true, "rstrip": false, "normalized": false"#,
+            "always",
+        );
+        assert_eq!(
+            PieceEncoder::new(&lstrip, 1 << 20).unwrap_err(),
+            PieceCacheOff::ContextualAddedToken("<s>".into())
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Any text made of the fixture's special tokens and words: piece-wise encoding,
+        /// cold or warm, equals whole encoding.
+        #[test]
+        fn piecewise_equals_whole(
+            parts in prop::collection::vec((0usize..9, 0u64..6, 0usize..700), 1..12),
+            add in any::<bool>(),
+        ) {
+            let tok = fixture();
+            let enc = PieceEncoder::new(&tok, 1 << 16).unwrap();
+            let specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|", " "];
+            let mut text = String::new();
+            for &(s, seed, len) in &parts {
+                text += specials[s];
+                text += &words(seed, len);
+            }
+            let expected = whole(&tok, &text, add);
+            prop_assert_eq!(&enc.encode(&tok, &text, add).unwrap().ids, &expected);
+            prop_assert_eq!(&enc.encode(&tok, &text, add).unwrap().ids, &expected);
+        }
+    }
+}
