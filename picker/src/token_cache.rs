@@ -10,10 +10,12 @@
 //! 128k-token prompt spends over 100 ms in the tokenizer while its KV-cache lookup takes
 //! microseconds.
 //!
-//! [`PieceEncoder`] cuts the text where the tokenizer would (leftmost-longest matching of the
-//! literal added tokens, as the `tokenizers` crate does), looks every piece of at least
-//! [`MIN_CACHED_PIECE_BYTES`] up in a bounded LRU keyed by the piece's 128-bit hash (seeded per process), encodes
-//! the misses and the short stretches in between with the real tokenizer, and concatenates.
+//! [`PieceEncoder`] finds the places where the tokenizer cuts (leftmost-longest matching of the
+//! literal added tokens, as the `tokenizers` crate does) and groups the text into *runs*: from
+//! the end of the previous run to the first cut at least [`MIN_RUN_BYTES`] further on. Equal
+//! prompt prefixes give equal runs, so a run seen before (a system prompt with its header, a
+//! document, earlier turns) is looked up in a bounded LRU keyed by its 128-bit hash (seeded
+//! per process); only new runs go through the tokenizer, and the ids are concatenated.
 //! The result is the tokenizer's own output, not an approximation.
 //!
 //! That equivalence holds for the tokenizers in use today, but two features break it: an added
@@ -33,11 +35,11 @@ use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-/// Pieces shorter than this (in bytes, about 64 tokens of English) are not cached on their
-/// own but together with their neighbours up to the next long piece: a call into the
+/// Shortest run (in bytes, about 128 tokens of English) before the next cut. A call into the
 /// tokenizer costs microseconds however short its text, so a chat's many short pieces (role
-/// names, blank lines) are encoded, and cached, in runs.
-pub const MIN_CACHED_PIECE_BYTES: usize = 256;
+/// names, blank lines, short turns) are encoded, and cached, together; and a cold prompt costs
+/// at most one call per this many bytes more than encoding it whole.
+pub const MIN_RUN_BYTES: usize = 512;
 
 /// Per-entry bookkeeping charged to the cache's budget on top of the ids (key, links, `Arc`).
 const ENTRY_OVERHEAD_TOKENS: usize = 24;
@@ -45,9 +47,9 @@ const ENTRY_OVERHEAD_TOKENS: usize = 24;
 /// Counters of a [`PieceEncoder`] since it was built.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PieceCacheStats {
-    /// Pieces found in the cache.
+    /// Runs found in the cache.
     pub hits: u64,
-    /// Cacheable pieces that had to be encoded.
+    /// Runs that had to be encoded.
     pub misses: u64,
     /// Token ids currently held.
     pub tokens: u64,
@@ -180,23 +182,17 @@ impl PieceEncoder {
         text: &str,
         add_special_tokens: bool,
     ) -> tokenizers::Result<PieceEncoding> {
-        self.encode_with(
-            tokenizer,
-            text,
-            add_special_tokens,
-            MIN_CACHED_PIECE_BYTES,
-            true,
-        )
+        self.encode_with(tokenizer, text, add_special_tokens, MIN_RUN_BYTES, true)
     }
 
-    /// Cuts `text` into pieces; pieces of at least `min_piece` bytes are encoded on their own
-    /// (through the cache when `cached`), the stretches between them in one call each.
+    /// Cuts `text` into runs of at least `min_run` bytes ending where the tokenizer cuts, and
+    /// encodes each on its own (through the cache when `cached`).
     fn encode_with(
         &self,
         tokenizer: &Tokenizer,
         text: &str,
         add_special_tokens: bool,
-        min_piece: usize,
+        min_run: usize,
         cached: bool,
     ) -> tokenizers::Result<PieceEncoding> {
         let (prefix, suffix) = match (&self.wrap, add_special_tokens) {
@@ -215,32 +211,23 @@ impl PieceEncoder {
             cached_tokens: 0,
         };
         out.ids.extend_from_slice(prefix);
-        // Start of the text not yet encoded.
-        let mut pending = 0;
-        let mut piece = |start: usize, end: usize, out: &mut PieceEncoding| {
-            if end - start < min_piece.max(1) {
-                return Ok(());
-            }
-            self.encode_part(tokenizer, &text[pending..start], cached, out)?;
-            pending = end;
-            self.encode_part(tokenizer, &text[start..end], cached, out)
-        };
-        let mut at = 0;
+        let mut run = 0;
         if let Some(splitter) = &self.splitter {
             for m in splitter.find_iter(text) {
-                piece(at, m.start(), &mut out)?;
-                at = m.end();
+                for cut in [m.start(), m.end()] {
+                    if cut - run >= min_run.max(1) {
+                        self.encode_part(tokenizer, &text[run..cut], cached, &mut out)?;
+                        run = cut;
+                    }
+                }
             }
         }
-        piece(at, text.len(), &mut out)?;
-        self.encode_part(tokenizer, &text[pending..], cached, &mut out)?;
+        self.encode_part(tokenizer, &text[run..], cached, &mut out)?;
         out.ids.extend_from_slice(suffix);
         Ok(out)
     }
 
-    /// Appends the ids of `part` (a long piece, or the short pieces and added tokens between
-    /// two long ones, which recur as a template's role headers): from the cache, or encoded and
-    /// then cached. Every call into the tokenizer costs microseconds however short the text.
+    /// Appends the ids of one run: from the cache, or encoded and then cached.
     fn encode_part(
         &self,
         tokenizer: &Tokenizer,
@@ -517,15 +504,15 @@ mod tests {
         // Prepending everywhere is context-free: cached, and exact.
         let always = word_level(PLAIN, "always");
         let enc = PieceEncoder::new(&always, 1 << 20).unwrap();
-        let text = format!("<s>{}<s>user end", "word ".repeat(100));
+        let text = format!("<s>{}<s>user end", "word ".repeat(200));
         for _ in 0..2 {
             assert_eq!(
                 enc.encode(&always, &text, false).unwrap().ids,
                 whole(&always, &text, false)
             );
         }
-        // three parts (`<s>`, the long piece, `<s>user end`), all found the second time
-        assert_eq!(enc.stats().hits, 3);
+        // two runs (up to the second `<s>`, and the rest), both found the second time
+        assert_eq!(enc.stats().hits, 2);
         // An added token that eats neighbouring spaces.
         let lstrip = word_level(
             r#""single_word": false, "lstrip": true, "rstrip": false, "normalized": false"#,
