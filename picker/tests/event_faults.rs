@@ -55,17 +55,6 @@ fn problems(metrics: &str, kind: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-async fn metrics_text(addr: std::net::SocketAddr) -> String {
-    client()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_gaps_and_floods_are_counted_and_routing_continues() {
     let engine = FakeEngine::start("127.0.0.1").await;

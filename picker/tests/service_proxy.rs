@@ -13,13 +13,18 @@ use serde_json::{Value, json};
 use support::*;
 
 fn one_engine_yaml(port: u16, extra: &str) -> String {
+    one_engine_yaml_with(port, "", extra)
+}
+
+/// `model_extra`: more lines of the model config (indented four spaces).
+fn one_engine_yaml_with(port: u16, model_extra: &str, extra: &str) -> String {
     format!(
         r#"
 modelConfigs:
   - name: llama
     model: llama
     port: {port}
-endpoints:
+{model_extra}endpoints:
   - {{address: 127.0.0.1, modelConfig: llama}}
 scrape: {{interval: 50ms, timeout: 200ms}}
 {extra}"#
@@ -543,20 +548,12 @@ async fn shutdown_drains_an_in_flight_stream() {
 async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
     let engine = FakeEngine::start("127.0.0.1").await;
     let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let model = format!(
+        "    tokenizer: {{path: {tok}/tokenizer.json, configPath: {tok}/tokenizer_config.json}}\n"
+    );
     let yaml = |cache: usize| {
-        format!(
-            r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-    tokenizer: {{path: {tok}/tokenizer.json, configPath: {tok}/tokenizer_config.json}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-limits: {{tokenizerCacheTokens: {cache}}}
-"#,
-            port = engine.addr.port()
-        )
+        let limits = format!("limits: {{tokenizerCacheTokens: {cache}}}\n");
+        one_engine_yaml_with(engine.addr.port(), &model, &limits)
     };
     let system = "You are a careful assistant for routing questions. ".repeat(800);
     let turn1 = json!([{"role": "system", "content": system}, {"role": "user", "content": "hi"}]);
@@ -579,17 +576,6 @@ limits: {{tokenizerCacheTokens: {cache}}}
         let core = picker.core.clone();
         eventually(Duration::from_secs(3), || core.endpoints.load().len() == 1).await;
         let pick = format!("http://{}/v1/pick", picker.addrs.admin);
-        let metrics = format!("http://{}/metrics", picker.addrs.metrics);
-        let scrape = || async {
-            client()
-                .get(&metrics)
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap()
-        };
         let mut tokens = Vec::new();
         for messages in [&turn1, &turn2] {
             let p: Value = post(
@@ -602,7 +588,7 @@ limits: {{tokenizerCacheTokens: {cache}}}
             .unwrap();
             tokens.push(p["prompt_tokens"].as_u64().unwrap_or_else(|| panic!("{p}")));
         }
-        let cached = cached_total(&scrape().await);
+        let cached = cached_total(&metrics_text(picker.addrs.metrics).await);
         if cache > 0 {
             // the system prompt (over 40 KB) was encoded once and reused
             assert!(cached > 8000.0, "cached {cached}");

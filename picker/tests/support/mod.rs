@@ -203,3 +203,15 @@ pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut f: F) {
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
+
+/// The Prometheus text a picker's metrics listener serves.
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    client()
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
