@@ -89,7 +89,7 @@ pub struct Limits {
     pub max_inflight_per_endpoint: u64,
     /// Requests in flight through this picker in total (429 above).
     pub max_inflight_total: usize,
-    /// Token ids each model's tokenizer keeps for prompt pieces it has seen (system prompts,
+    /// Token ids each model config's tokenizer keeps for prompt runs it has seen (system prompts,
     /// documents, earlier turns), so that they are not encoded again; 0 turns it off. About
     /// 4 bytes per id.
     pub tokenizer_cache_tokens: usize,
