@@ -10,7 +10,7 @@ SECS=${SECONDS_PER_TARGET:-180}
 TOOLCHAIN=${TOOLCHAIN-+nightly}
 TARGET_DIR=${FUZZ_TARGET_DIR:-$ROOT/fuzz/target}
 TARGETS=("$@")
-[[ ${#TARGETS[@]} -gt 0 ]] || TARGETS=(kv_event_decode metrics_parse request_body_parse chat_template_render)
+[[ ${#TARGETS[@]} -gt 0 ]] || TARGETS=(kv_event_decode metrics_parse request_body_parse chat_template_render piece_encoding)
 cd "$ROOT/fuzz"
 # shellcheck disable=SC2086
 cargo $TOOLCHAIN fuzz build -O --target-dir "$TARGET_DIR"
