@@ -602,3 +602,23 @@ async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
     assert_eq!(prompt_tokens[0], prompt_tokens[1]);
     assert!(prompt_tokens[0][1] > prompt_tokens[0][0]);
 }
+
+/// `start` returns once the first pool view is applied: a request sent right away finds its
+/// model. (On a multi-threaded runtime it used to race the view, which takes a few
+/// milliseconds with a tokenizer to load, and get a 404.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_request_after_start_finds_its_model() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let model = format!("    tokenizer: {{path: {tok}/tokenizer.json}}\n");
+    for _ in 0..5 {
+        let picker = start_picker(&one_engine_yaml_with(engine.addr.port(), &model, "")).await;
+        let r = post(
+            format!("http://{}/v1/pick", picker.addrs.admin),
+            json!({"model": "llama", "prompt": "right away"}),
+        )
+        .await;
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        picker.shutdown().await;
+    }
+}

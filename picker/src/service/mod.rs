@@ -31,6 +31,9 @@ use self::source::EndpointSource;
 /// the mounted file within about a minute, and salts follow within this.
 pub const SECRET_RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How long [`start`] waits for the endpoint source's first view to be applied.
+pub const FIRST_VIEW_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Addresses the listeners actually bound (port 0 resolved).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BoundAddrs {
@@ -183,18 +186,22 @@ pub async fn start(
     tasks.spawn(source.run(tx, cancel.clone()));
     let applier_core = core.clone();
     let applier_cancel = cancel.clone();
+    let (applied_tx, mut applied_rx) = watch::channel(false);
     tasks.spawn(async move {
         loop {
             let view = rx.borrow_and_update().clone();
             if let Some(view) = view {
                 match applier_core.apply_pool(&view) {
-                    Ok(change) => tracing::info!(
-                        added = change.added.len(),
-                        removed = change.removed.len(),
-                        routing_changed = change.routing_changed,
-                        endpoints = applier_core.endpoints.load().len(),
-                        "pool applied"
-                    ),
+                    Ok(change) => {
+                        applied_tx.send_replace(true);
+                        tracing::info!(
+                            added = change.added.len(),
+                            removed = change.removed.len(),
+                            routing_changed = change.routing_changed,
+                            endpoints = applier_core.endpoints.load().len(),
+                            "pool applied"
+                        )
+                    }
                     Err(e) => {
                         tracing::error!(error = %e, "pool view rejected; keeping the previous one")
                     }
@@ -206,6 +213,18 @@ pub async fn start(
             }
         }
     });
+    // Requests that arrive before the first view would find no model (404): wait for it, up
+    // to a bound (a source that cannot load, such as an unreachable API server, leaves the
+    // picker running and not ready, as `/readyz` reports).
+    if tokio::time::timeout(FIRST_VIEW_WAIT, applied_rx.wait_for(|applied| *applied))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            waited = ?FIRST_VIEW_WAIT,
+            "no pool view applied yet; serving, not ready, until one is"
+        );
+    }
     tasks.spawn(events::run_event_manager(core.clone(), cancel.clone()));
     // a rotated salt secret takes effect without a restart
     let reload_core = core.clone();
