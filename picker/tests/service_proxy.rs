@@ -9,8 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_picker::endpoint::EndpointState;
+use kvroute_picker::service::settings::PickerConfig;
 use serde_json::{Value, json};
 use support::*;
+use tokio_util::sync::CancellationToken;
 
 fn one_engine_yaml(port: u16, extra: &str) -> String {
     one_engine_yaml_with(port, "", extra)
@@ -621,4 +623,47 @@ async fn the_first_request_after_start_finds_its_model() {
         assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
         picker.shutdown().await;
     }
+}
+
+/// A source that never publishes a view (an API server unreachable at start).
+struct SilentSource;
+
+impl kvroute_picker::service::source::EndpointSource for SilentSource {
+    fn name(&self) -> &'static str {
+        "silent"
+    }
+
+    fn run(
+        self: Box<Self>,
+        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::core::PoolView>>,
+        cancel: CancellationToken,
+    ) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let _open = tx; // connected, but nothing ever arrives
+            cancel.cancelled().await
+        })
+    }
+}
+
+/// Without any pool view, `start` gives up waiting after its bound (5 s) and serves: a request is
+/// refused with 503 `not_ready` and `retry-after` (the model may exist once the pool loads),
+/// not with 404.
+#[tokio::test]
+async fn before_any_pool_view_requests_get_503_not_ready() {
+    let config = PickerConfig::from_yaml(&loopback_listen(&one_engine_yaml(1, ""))).unwrap();
+    let picker =
+        kvroute_picker::service::start(config, Box::new(SilentSource), CancellationToken::new())
+            .await
+            .expect("picker starts");
+    for url in [
+        format!("http://{}/v1/completions", picker.addrs.http),
+        format!("http://{}/v1/pick", picker.addrs.admin),
+    ] {
+        let r = post(url, json!({"model": "llama", "prompt": "early"})).await;
+        assert_eq!(r.headers()["retry-after"], "1");
+        let (status, body) = error_of(r).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["code"], "not_ready", "{body}");
+    }
+    picker.shutdown().await;
 }

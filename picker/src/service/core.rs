@@ -537,6 +537,9 @@ pub struct PickerCore {
     start: Instant,
     inflight_total: AtomicUsize,
     pub first_metrics: AtomicBool,
+    /// Whether a pool view has been applied: before that, an unknown model means "not loaded
+    /// yet" (503), not "no such model" (404).
+    pub pool_loaded: AtomicBool,
     render_slots: Semaphore,
     labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
@@ -578,6 +581,7 @@ impl PickerCore {
             start: Instant::now(),
             inflight_total: AtomicUsize::new(0),
             first_metrics: AtomicBool::new(false),
+            pool_loaded: AtomicBool::new(false),
             labels: RwLock::new(BTreeMap::new()),
             kv_ports: RwLock::new(BTreeMap::new()),
         })
@@ -606,6 +610,19 @@ impl PickerCore {
 
     /// Apply what a source reports. Invalid views are rejected whole and the previous one
     /// stays in force, so a bad edit never drops traffic.
+    /// The error for a model the pool does not serve: 404, or 503 `not_ready` while no pool
+    /// view has been applied yet (the model may well be there once it is).
+    fn no_such_model(&self, model: &str) -> ApiError {
+        if self.pool_loaded.load(Ordering::Acquire) {
+            ApiError::unknown_model(model)
+        } else {
+            ApiError::unavailable(
+                "not_ready",
+                "the picker has not loaded its pool yet; retry shortly",
+            )
+        }
+    }
+
     pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, String> {
         let routing_changed = **self.routing.load() != view.routing;
         view.routing.validate()?;
@@ -708,6 +725,7 @@ impl PickerCore {
         self.metrics
             .endpoints
             .set(self.endpoints.load().len() as i64);
+        self.pool_loaded.store(true, Ordering::Release);
         Ok(PoolChange {
             added,
             removed,
@@ -762,12 +780,12 @@ impl PickerCore {
                     format!("no endpoint is serving `{}` right now", req.model),
                 )
             } else {
-                ApiError::unknown_model(&req.model)
+                self.no_such_model(&req.model)
             }
         })?;
         let entry = self
             .model_entry(&config.name)
-            .ok_or_else(|| ApiError::unknown_model(&req.model))?;
+            .ok_or_else(|| self.no_such_model(&req.model))?;
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
         // the tenant's salt replaces the client's own; either way the engine and the index
@@ -835,7 +853,7 @@ impl PickerCore {
         let decision = decision.map_err(|e| {
             self.metrics.error(e.kind());
             match e {
-                RouteError::UnknownModel(m) => ApiError::unknown_model(&m),
+                RouteError::UnknownModel(m) => self.no_such_model(&m),
                 RouteError::NoEligibleEndpoint(_) => {
                     ApiError::unavailable("no_eligible_endpoint", e.to_string())
                 }
