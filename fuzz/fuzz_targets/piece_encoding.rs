@@ -13,19 +13,15 @@ use tokenizers::Tokenizer;
 
 const TOKENIZER_JSON: &[u8] =
     include_bytes!("../../picker/tests/fixtures/tokenizer/tokenizer.json");
-const ADDED: [&str; 8] = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|endoftext|>",
-];
 
 static TOKENIZER: LazyLock<Tokenizer> =
     LazyLock::new(|| Tokenizer::from_bytes(TOKENIZER_JSON).expect("fixture tokenizer"));
+/// The tokenizer's added tokens in id order (the fixture has eight).
+static ADDED: LazyLock<Vec<String>> = LazyLock::new(|| {
+    let mut added: Vec<_> = TOKENIZER.get_added_tokens_decoder().into_iter().collect();
+    added.sort_unstable_by_key(|&(id, _)| id);
+    added.into_iter().map(|(_, t)| t.content).collect()
+});
 static ENCODER: LazyLock<PieceEncoder> = LazyLock::new(|| {
     PieceEncoder::new(&TOKENIZER, 20_000).expect("the fixture passes the self-check")
 });
@@ -37,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     let mut text = String::with_capacity(raw.len() * 2);
     for c in raw.chars() {
         match c as u32 {
-            n @ 1..=8 => text.push_str(ADDED[n as usize - 1]),
+            n @ 1..=8 if (n as usize) <= ADDED.len() => text.push_str(&ADDED[n as usize - 1]),
             _ => text.push(c),
         }
     }

@@ -763,9 +763,9 @@ impl Chains {
 }
 
 /// Blocks of an endpoint's budget whose table room is allocated when the endpoint is added
-/// (the rest, if its budget is larger, as it fills): 1.4 MB of table at most.
+/// (the rest, if its budget is larger, as it fills): 1.6 MB of table at most.
 const PRESIZE_BLOCKS: usize = 1 << 16;
-/// Keys the global table is presized for at most, whatever the endpoints' budgets (43 MB).
+/// Keys the global table is presized for at most, whatever the endpoints' budgets (52 MB).
 const PRESIZE_KEYS: usize = 1 << 21;
 
 /// How many blocks ahead a batch loads table slots so that their cache misses overlap.

@@ -74,10 +74,15 @@ pub enum PieceCacheOff {
 
 struct Lru {
     map: LruCache<u128, Arc<[u32]>>,
-    /// Ids plus per-entry overhead, in tokens.
-    weight: usize,
-    /// Ids alone.
+    /// Ids held (the budget also charges [`ENTRY_OVERHEAD_TOKENS`] per entry).
     tokens: usize,
+}
+
+impl Lru {
+    /// What the entries cost against the budget, in tokens.
+    fn weight(&self) -> usize {
+        self.tokens + self.map.len() * ENTRY_OVERHEAD_TOKENS
+    }
 }
 
 /// Encodes prompts piece by piece with a cache of the pieces' ids; see the module docs.
@@ -153,7 +158,6 @@ impl PieceEncoder {
             ),
             lru: Mutex::new(Lru {
                 map: LruCache::new_unbounded(),
-                weight: 0,
                 tokens: 0,
             }),
             hits: AtomicU64::new(0),
@@ -268,27 +272,20 @@ impl PieceEncoder {
     }
 
     fn insert(&self, key: u128, ids: &[u32]) {
-        let weight = ids.len() + ENTRY_OVERHEAD_TOKENS;
-        if weight > self.capacity_tokens / 4 {
-            return; // one piece may not take over the cache
+        if ids.len() + ENTRY_OVERHEAD_TOKENS > self.capacity_tokens / 4 {
+            return; // one run may not take over the cache
         }
         let ids: Arc<[u32]> = ids.into();
         let mut lru = self.lru.lock();
-        let len = ids.len();
+        lru.tokens += ids.len();
         if let Some(old) = lru.map.insert(key, ids) {
-            lru.weight -= old.len() + ENTRY_OVERHEAD_TOKENS;
             lru.tokens -= old.len();
         }
-        lru.weight += weight;
-        lru.tokens += len;
-        while lru.weight > self.capacity_tokens {
-            match lru.map.remove_lru() {
-                Some((_, old)) => {
-                    lru.weight -= old.len() + ENTRY_OVERHEAD_TOKENS;
-                    lru.tokens -= old.len();
-                }
-                None => break,
-            }
+        while lru.weight() > self.capacity_tokens {
+            let Some((_, old)) = lru.map.remove_lru() else {
+                break;
+            };
+            lru.tokens -= old.len();
         }
     }
 
@@ -443,12 +440,9 @@ mod tests {
                 whole(&tok, &text, false)
             );
             let lru = enc.lru.lock();
-            assert!(lru.weight <= capacity, "{} > {capacity}", lru.weight);
-            assert_eq!(
-                lru.weight,
-                lru.tokens + lru.map.len() * ENTRY_OVERHEAD_TOKENS,
-                "weight bookkeeping"
-            );
+            assert!(lru.weight() <= capacity, "{} > {capacity}", lru.weight());
+            let held: usize = lru.map.iter().map(|(_, ids)| ids.len()).sum();
+            assert_eq!(lru.tokens, held, "token bookkeeping");
         }
         let stats = enc.stats();
         assert!(stats.entries > 1 && stats.entries < 40, "{stats:?}");

@@ -575,8 +575,6 @@ async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
     let mut prompt_tokens = Vec::new();
     for cache in [1 << 20, 0] {
         let picker = start_picker(&yaml(cache)).await;
-        let core = picker.core.clone();
-        eventually(Duration::from_secs(3), || core.endpoints.load().len() == 1).await;
         let pick = format!("http://{}/v1/pick", picker.addrs.admin);
         let mut tokens = Vec::new();
         for messages in [&turn1, &turn2] {

@@ -538,8 +538,8 @@ pub struct PickerCore {
     inflight_total: AtomicUsize,
     pub first_metrics: AtomicBool,
     /// Whether a pool view has been applied: before that, an unknown model means "not loaded
-    /// yet" (503), not "no such model" (404).
-    pub pool_loaded: AtomicBool,
+    /// yet" (503), not "no such model" (404), and `start` waits on it.
+    pub pool_loaded: tokio::sync::watch::Sender<bool>,
     render_slots: Semaphore,
     labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
@@ -581,7 +581,7 @@ impl PickerCore {
             start: Instant::now(),
             inflight_total: AtomicUsize::new(0),
             first_metrics: AtomicBool::new(false),
-            pool_loaded: AtomicBool::new(false),
+            pool_loaded: tokio::sync::watch::Sender::new(false),
             labels: RwLock::new(BTreeMap::new()),
             kv_ports: RwLock::new(BTreeMap::new()),
         })
@@ -608,12 +608,10 @@ impl PickerCore {
         self.catalog.load().get(name).cloned()
     }
 
-    /// Apply what a source reports. Invalid views are rejected whole and the previous one
-    /// stays in force, so a bad edit never drops traffic.
     /// The error for a model the pool does not serve: 404, or 503 `not_ready` while no pool
     /// view has been applied yet (the model may well be there once it is).
     fn no_such_model(&self, model: &str) -> ApiError {
-        if self.pool_loaded.load(Ordering::Acquire) {
+        if *self.pool_loaded.borrow() {
             ApiError::unknown_model(model)
         } else {
             ApiError::unavailable(
@@ -623,6 +621,8 @@ impl PickerCore {
         }
     }
 
+    /// Apply what a source reports. Invalid views are rejected whole and the previous one
+    /// stays in force, so a bad edit never drops traffic.
     pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, String> {
         let routing_changed = **self.routing.load() != view.routing;
         view.routing.validate()?;
@@ -725,7 +725,8 @@ impl PickerCore {
         self.metrics
             .endpoints
             .set(self.endpoints.load().len() as i64);
-        self.pool_loaded.store(true, Ordering::Release);
+        self.pool_loaded
+            .send_if_modified(|loaded| !std::mem::replace(loaded, true));
         Ok(PoolChange {
             added,
             removed,

@@ -186,22 +186,18 @@ pub async fn start(
     tasks.spawn(source.run(tx, cancel.clone()));
     let applier_core = core.clone();
     let applier_cancel = cancel.clone();
-    let (applied_tx, mut applied_rx) = watch::channel(false);
     tasks.spawn(async move {
         loop {
             let view = rx.borrow_and_update().clone();
             if let Some(view) = view {
                 match applier_core.apply_pool(&view) {
-                    Ok(change) => {
-                        applied_tx.send_replace(true);
-                        tracing::info!(
-                            added = change.added.len(),
-                            removed = change.removed.len(),
-                            routing_changed = change.routing_changed,
-                            endpoints = applier_core.endpoints.load().len(),
-                            "pool applied"
-                        )
-                    }
+                    Ok(change) => tracing::info!(
+                        added = change.added.len(),
+                        removed = change.removed.len(),
+                        routing_changed = change.routing_changed,
+                        endpoints = applier_core.endpoints.load().len(),
+                        "pool applied"
+                    ),
                     Err(e) => {
                         tracing::error!(error = %e, "pool view rejected; keeping the previous one")
                     }
@@ -213,10 +209,11 @@ pub async fn start(
             }
         }
     });
-    // Requests that arrive before the first view would find no model (404): wait for it, up
-    // to a bound (a source that cannot load, such as an unreachable API server, leaves the
-    // picker running and not ready, as `/readyz` reports).
-    if tokio::time::timeout(FIRST_VIEW_WAIT, applied_rx.wait_for(|applied| *applied))
+    // Requests that arrive before the first view can only be refused (503 `not_ready`): wait
+    // for it, up to a bound (a source that cannot load, such as an unreachable API server,
+    // leaves the picker running and not ready, as `/readyz` reports).
+    let mut loaded = core.pool_loaded.subscribe();
+    if tokio::time::timeout(FIRST_VIEW_WAIT, loaded.wait_for(|loaded| *loaded))
         .await
         .is_err()
     {
