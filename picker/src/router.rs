@@ -80,6 +80,13 @@ pub struct Decision {
     pub candidates: Vec<CandidateExplain>,
 }
 
+/// Whether a gateway's candidate subset admits `endpoint`: the one rule every entrance uses.
+/// Like the reference endpoint picker, entries match by address only, so the ranks of a pod
+/// that listen on ports the gateway's list does not name stay eligible.
+pub fn subset_allows(subset: &[SocketAddr], endpoint: SocketAddr) -> bool {
+    subset.iter().any(|a| a.ip() == endpoint.ip())
+}
+
 /// One request as the router sees it.
 #[derive(Clone, Copy)]
 pub struct RouteRequest<'a> {
@@ -90,7 +97,8 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: u32,
     pub session: Option<&'a str>,
     pub tenant: Option<&'a str>,
-    /// Candidate subset offered by a gateway (`ip:port`); `None` = every endpoint.
+    /// Candidate subset offered by a gateway (`ip:port`); `None` = every endpoint. Matched
+    /// by [`subset_allows`].
     pub subset: Option<&'a [SocketAddr]>,
     /// Extra eligibility (tenant's dedicated endpoints).
     pub allow: Option<&'a (dyn Fn(&Endpoint) -> bool + Sync)>,
@@ -191,9 +199,7 @@ impl Router {
                 continue;
             }
             if let Some(subset) = req.subset
-                && !subset
-                    .iter()
-                    .any(|a| a.ip() == e.id.address && a.port() == e.id.port)
+                && !subset_allows(subset, SocketAddr::new(e.id.address, e.id.port))
             {
                 continue;
             }

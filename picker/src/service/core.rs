@@ -28,7 +28,7 @@ use crate::index::{IndexConfig, IndexMode, KvIndex};
 use crate::inflight::InflightTracker;
 use crate::load::LoadView;
 use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
-use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router};
+use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, subset_allows};
 use crate::tokenize::{
     PromptInput, PromptTokenizer, PromptTokenizerOptions, TokenKind, TokenizeError, TokenizeLimits,
 };
@@ -94,26 +94,36 @@ impl ModelEntry {
     }
 }
 
-/// Which OpenAI API a request came in on.
+/// Which API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApiKind {
     Completions,
     ChatCompletions,
+    /// Any other API whose JSON body names a `model` (`/v1/responses`, `/v1/messages`,
+    /// `/v1/embeddings`, a path spelled differently, ...), as the gateway forwards it: routed by
+    /// model, tenant and load, its prompt not read. Only the ext_proc listener takes these; the
+    /// proxy serves the two OpenAI paths above.
+    Other,
 }
 
 impl ApiKind {
-    pub fn path(self) -> &'static str {
+    /// The engine path of an OpenAI API; `None` for [`ApiKind::Other`], whose path the gateway
+    /// keeps.
+    pub fn path(self) -> Option<&'static str> {
         match self {
-            Self::Completions => "/v1/completions",
-            Self::ChatCompletions => "/v1/chat/completions",
+            Self::Completions => Some("/v1/completions"),
+            Self::ChatCompletions => Some("/v1/chat/completions"),
+            Self::Other => None,
         }
     }
 
-    pub fn from_path(path: &str) -> Option<Self> {
+    /// The API of a request path (query ignored); exact spellings only, so that whatever the
+    /// engine would not serve as completions is not read as completions either.
+    pub fn from_path(path: &str) -> Self {
         match path.split('?').next().unwrap_or(path) {
-            "/v1/completions" => Some(Self::Completions),
-            "/v1/chat/completions" => Some(Self::ChatCompletions),
-            _ => None,
+            "/v1/completions" => Self::Completions,
+            "/v1/chat/completions" => Self::ChatCompletions,
+            _ => Self::Other,
         }
     }
 }
@@ -180,7 +190,8 @@ impl<'de> serde::Deserialize<'de> for Prompt {
     }
 }
 
-/// The fields the picker reads; everything else is forwarded untouched.
+/// The fields the picker reads from a completions or chat body; everything else is forwarded
+/// untouched.
 #[derive(serde::Deserialize)]
 struct Head {
     #[serde(default)]
@@ -197,6 +208,17 @@ struct Head {
     add_generation_prompt: Option<Value>,
     #[serde(default)]
     chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
+}
+
+/// The fields the picker reads from the body of any other API ([`ApiKind::Other`]).
+#[derive(serde::Deserialize)]
+struct OtherHead {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    stream: Option<Value>,
     #[serde(default)]
     cache_salt: Option<Value>,
 }
@@ -238,51 +260,31 @@ impl ParsedRequest {
                 "request body must be a JSON object",
             ));
         }
-        let head: Head = serde_json::from_slice(&raw).map_err(|e| {
+        let invalid = |e: serde_json::Error| {
             let code = if e.is_data() {
                 "invalid_field"
             } else {
                 "invalid_json"
             };
             ApiError::bad_request(code, format!("invalid request body: {e}"))
-        })?;
-        let model = match head.model {
-            Some(Value::String(m)) if !m.is_empty() => m,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    "`model` must be a non-empty string",
-                ));
-            }
-            None => {
-                return Err(ApiError::bad_request(
-                    "missing_field",
-                    "missing required field `model`",
-                ));
-            }
         };
-        let stream = match head.stream {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => b,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    "`stream` must be a boolean",
-                ));
-            }
-        };
-        let cache_salt = match head.cache_salt {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Some(s),
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    format!(
-                        "`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
-                    ),
-                ));
-            }
-        };
+        if kind == ApiKind::Other {
+            let head: OtherHead = serde_json::from_slice(&raw).map_err(invalid)?;
+            let (model, stream, cache_salt) =
+                Self::common_fields(head.model, head.stream, head.cache_salt)?;
+            return Ok(Self {
+                kind,
+                raw,
+                model,
+                stream,
+                prompt: None,
+                chat: None,
+                cache_salt,
+            });
+        }
+        let head: Head = serde_json::from_slice(&raw).map_err(invalid)?;
+        let (model, stream, cache_salt) =
+            Self::common_fields(head.model, head.stream, head.cache_salt)?;
         let (prompt, chat) = match kind {
             ApiKind::Completions => match head.prompt {
                 None => {
@@ -303,6 +305,8 @@ impl ParsedRequest {
                 }
                 Some(p) => (Some(p), None),
             },
+            // read by `OtherHead` above
+            ApiKind::Other => (None, None),
             ApiKind::ChatCompletions => {
                 let messages = match head.messages {
                     None => {
@@ -358,10 +362,59 @@ impl ParsedRequest {
             cache_salt,
         })
     }
+
+    /// `model`, `stream` and `cache_salt`, which every API reads alike.
+    fn common_fields(
+        model: Option<Value>,
+        stream: Option<Value>,
+        cache_salt: Option<Value>,
+    ) -> Result<(String, bool, Option<String>), ApiError> {
+        let model = match model {
+            Some(Value::String(m)) if !m.is_empty() => m,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    "`model` must be a non-empty string",
+                ));
+            }
+            None => {
+                return Err(ApiError::bad_request(
+                    "missing_field",
+                    "missing required field `model`",
+                ));
+            }
+        };
+        let stream = match stream {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => b,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    "`stream` must be a boolean",
+                ));
+            }
+        };
+        let cache_salt = match cache_salt {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Some(s),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_field",
+                    format!(
+                        "`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
+                    ),
+                ));
+            }
+        };
+        Ok((model, stream, cache_salt))
+    }
 }
 
 /// Longest client `cache_salt` accepted.
 pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// Longest tenant name accepted in the tenant header.
+pub const MAX_TENANT_BYTES: usize = 253;
 
 /// Tenancy at run time: the spec plus the salt secret.
 #[derive(Default)]
@@ -417,17 +470,42 @@ impl Tenancy {
     }
 
     /// The tenant of a request: its header, else the default, else an error when isolation
-    /// needs one.
+    /// needs one. A header sent more than once, or whose value is not a plain tenant name, is
+    /// an error rather than a guess: a gateway that appends headers (Envoy's default) would
+    /// otherwise let a client-supplied first value choose the tenant.
     pub fn tenant_of(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-        let from_header = self
-            .spec
-            .header
-            .as_deref()
-            .and_then(|h| headers.get(h))
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned);
+        let from_header = match self.spec.header.as_deref() {
+            Some(name) => {
+                let mut values = headers.get_all(name).iter();
+                match (values.next(), values.next()) {
+                    (None, _) => None,
+                    (Some(_), Some(_)) => {
+                        return Err(ApiError::bad_request(
+                            "invalid_tenant",
+                            format!("the tenant header `{name}` must be sent once"),
+                        ));
+                    }
+                    (Some(v), None) => {
+                        let v = v
+                            .to_str()
+                            .ok()
+                            .map(str::trim)
+                            .filter(|v| v.len() <= MAX_TENANT_BYTES && !v.contains(','))
+                            .ok_or_else(|| {
+                                ApiError::bad_request(
+                                    "invalid_tenant",
+                                    format!(
+                                        "the tenant header `{name}` must be visible ASCII without \
+                                         commas, at most {MAX_TENANT_BYTES} bytes"
+                                    ),
+                                )
+                            })?;
+                        (!v.is_empty()).then(|| v.to_owned())
+                    }
+                }
+            }
+            None => None,
+        };
         match (from_header, &self.spec.default_tenant) {
             (Some(t), _) => Ok(Some(t)),
             (None, Some(d)) => Ok(Some(d.clone())),
@@ -507,6 +585,9 @@ pub struct PoolChange {
     pub routing_changed: bool,
 }
 
+/// Headers the picker sets on the request it forwards (name, value).
+pub type UpstreamHeaders = Vec<(&'static str, String)>;
+
 /// A routed request.
 #[derive(Debug)]
 pub struct Routed {
@@ -515,7 +596,10 @@ pub struct Routed {
     pub keys: Vec<BlockKey>,
     pub prompt_tokens: u32,
     pub tenant: Option<String>,
+    /// The salt the keys were hashed with: the tenant's (`SaltedCache`), else the client's.
     pub salt: Option<String>,
+    /// Whether `salt` is the tenant's, which every forwarded body must carry.
+    pub tenant_salted: bool,
     pub lora: Option<String>,
     pub token_kind: TokenKind,
 }
@@ -541,6 +625,8 @@ pub struct PickerCore {
     /// yet" (503), not "no such model" (404), and `start` waits on it.
     pub pool_loaded: tokio::sync::watch::Sender<bool>,
     render_slots: Semaphore,
+    /// Bytes of request bodies being read (`bodyBufferBytes`), apart from admission.
+    pub body_buffer: Semaphore,
     labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
 }
@@ -574,6 +660,7 @@ impl PickerCore {
             loads: RwLock::new(LoadView::new()),
             inflight: InflightTracker::new(),
             render_slots: Semaphore::new(limits.max_render_concurrency),
+            body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
             limits,
             index_settings,
             metrics: Metrics::new(),
@@ -758,6 +845,35 @@ impl PickerCore {
         !self.endpoints.load().is_empty() && self.first_metrics.load(Ordering::Relaxed)
     }
 
+    /// An endpoint for a request that names no model (a bodyless request through the gateway,
+    /// such as `GET /v1/models`): the least-loaded Ready endpoint of any model config that the
+    /// tenant may use, within the gateway's subset.
+    pub fn pick_bodyless(
+        &self,
+        headers: &HeaderMap,
+        subset: Option<&[SocketAddr]>,
+    ) -> Result<EndpointId, ApiError> {
+        let tenancy = self.tenancy.load_full();
+        let tenant = tenancy.tenant_of(headers)?;
+        let snapshot = self.endpoints.load();
+        snapshot
+            .endpoints()
+            .iter()
+            .filter(|e| e.state == EndpointState::Ready)
+            .filter(|e| {
+                subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
+            })
+            .filter(|e| tenancy.allows(tenant.as_deref(), e))
+            .min_by_key(|e| (self.inflight.get(&e.id).requests, e.id))
+            .map(|e| e.id)
+            .ok_or_else(|| {
+                ApiError::unavailable(
+                    "no_eligible_endpoint",
+                    "no serving endpoint is eligible for this request",
+                )
+            })
+    }
+
     /// Tokenize, hash and decide. `explain` fills per-candidate details (pick API).
     pub async fn route(
         &self,
@@ -791,11 +907,16 @@ impl PickerCore {
         let tenant = tenancy.tenant_of(headers)?;
         // the tenant's salt replaces the client's own; either way the engine and the index
         // see the same salt as this request's keys
-        let salt = tenancy
-            .salt(tenant.as_deref())
-            .or_else(|| req.cache_salt.clone());
+        let tenant_salt = tenancy.salt(tenant.as_deref());
+        let tenant_salted = tenant_salt.is_some();
+        let salt = tenant_salt.or_else(|| req.cache_salt.clone());
 
-        let (ids, kind) = self.tokens(&entry, req, &snapshot).await?;
+        // another API's prompt is not read: it is routed by model, tenant and load alone
+        let (ids, kind) = if req.kind == ApiKind::Other {
+            (Vec::new(), TokenKind::Tokens)
+        } else {
+            self.tokens(&entry, req, &snapshot).await?
+        };
         if ids.len() > self.limits.max_prompt_tokens {
             return Err(ApiError::bad_request(
                 "prompt_too_long",
@@ -875,6 +996,7 @@ impl PickerCore {
             prompt_tokens,
             tenant,
             salt,
+            tenant_salted,
             lora,
             token_kind: kind,
         })
@@ -974,7 +1096,11 @@ impl PickerCore {
             .filter(|e| e.model_config.name == entry.config.name && e.state == EndpointState::Ready)
             .min_by_key(|e| self.inflight.get(&e.id).requests)?;
         let _slot = self.render_slots.try_acquire().ok()?;
-        let url = format!("http://{}{}/render", target.id.host_port(), req.kind.path());
+        let url = format!(
+            "http://{}{}/render",
+            target.id.host_port(),
+            req.kind.path()?
+        );
         let call = self
             .http
             .post(url)
@@ -1030,43 +1156,24 @@ impl PickerCore {
         }
     }
 
-    /// The request to send to `endpoint`: extra headers and the body (rewritten only when a
-    /// field must be injected).
+    /// The request to send to `endpoint`: extra headers and the body ([`engine_body`]).
     pub fn upstream_parts(
         &self,
         routed: &Routed,
         req: &ParsedRequest,
         endpoint: EndpointId,
-    ) -> (Vec<(&'static str, String)>, Bytes) {
+    ) -> Result<(UpstreamHeaders, Bytes), ApiError> {
         let mc = &routed.entry.config;
         let mut headers = Vec::new();
-        let mut inject: Vec<(&str, Value)> = Vec::new();
+        let mut body_rank = None;
         if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
             match mc.engine {
-                EngineKind::Sglang => {
-                    inject.push(("data_parallel_rank", Value::from(endpoint.rank)))
-                }
+                EngineKind::Sglang => body_rank = Some(endpoint.rank),
                 _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
             }
         }
-        if let Some(salt) = &routed.salt
-            && req.cache_salt.as_deref() != Some(salt.as_str())
-        {
-            inject.push(("cache_salt", Value::from(salt.clone())));
-        }
-        if inject.is_empty() {
-            return (headers, req.raw.clone());
-        }
-        // the slow path, only for bodies that need a field injected
-        let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&req.raw) else {
-            return (headers, req.raw.clone());
-        };
-        for (k, v) in inject {
-            body.insert(k.to_owned(), v);
-        }
-        let bytes =
-            serde_json::to_vec(&Value::Object(body)).map_or_else(|_| req.raw.clone(), Bytes::from);
-        (headers, bytes)
+        let tenant_salt = routed.salt.as_deref().filter(|_| routed.tenant_salted);
+        Ok((headers, engine_body(req, tenant_salt, body_rank)?))
     }
 
     /// Count a request against the global in-flight bound; `None` when it is full.
@@ -1100,6 +1207,52 @@ impl Drop for Admission {
     fn drop(&mut self) {
         self.core.inflight_total.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// The body to forward: the client's, rewritten only when a field must be injected (the
+/// tenant's salt, replacing the client's own; SGLang's `data_parallel_rank`). A body that must
+/// carry the tenant's salt is always rewritten, so what the engine reads is a tree this process
+/// built; one that cannot be rewritten is refused, never forwarded as it came: the engine would
+/// see the client's own `cache_salt` (or none) while the index credits the tenant's.
+pub fn engine_body(
+    req: &ParsedRequest,
+    tenant_salt: Option<&str>,
+    data_parallel_rank: Option<u32>,
+) -> Result<Bytes, ApiError> {
+    let mut inject: Vec<(&str, Value)> = Vec::new();
+    if let Some(rank) = data_parallel_rank {
+        inject.push(("data_parallel_rank", Value::from(rank)));
+    }
+    if let Some(salt) = tenant_salt {
+        inject.push(("cache_salt", Value::from(salt)));
+    }
+    if inject.is_empty() {
+        return Ok(req.raw.clone());
+    }
+    inject_fields(&req.raw, inject)
+}
+
+/// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
+/// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
+/// lone surrogate, nesting past its limit) is a 400 naming the reason.
+fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, ApiError> {
+    let unrewritable = |why: String| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("the request body cannot be rewritten for the engine: {why}"),
+        )
+    };
+    let mut body = match serde_json::from_slice::<Value>(raw) {
+        Ok(Value::Object(body)) => body,
+        Ok(_) => return Err(unrewritable("it is not a JSON object".into())),
+        Err(e) => return Err(unrewritable(e.to_string())),
+    };
+    for (k, v) in fields {
+        body.insert(k.to_owned(), v);
+    }
+    serde_json::to_vec(&Value::Object(body))
+        .map(Bytes::from)
+        .map_err(|e| unrewritable(e.to_string()))
 }
 
 fn tokenize_error(e: TokenizeError) -> ApiError {

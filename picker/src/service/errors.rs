@@ -54,6 +54,15 @@ impl ApiError {
         )
     }
 
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "body_timeout",
+            format!("the request body did not arrive within {limit:?}"),
+        )
+    }
+
     pub fn shed(message: impl Into<String>) -> Self {
         Self {
             retry_after: Some(1),

@@ -27,10 +27,12 @@
 //!
 //! # The answer
 //!
-//! The chosen endpoints, first = primary, are set as the request header
-//! `x-gateway-destination-endpoint: ip:port[,ip:port...]` and, with the same value, in the
-//! dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint` (the protocol forbids the two
-//! from differing). A rejection becomes an `ImmediateResponse` with an OpenAI-style JSON body.
+//! The chosen endpoint is set as the request header `x-gateway-destination-endpoint: ip:port`,
+//! exactly one, since gateways that route by the header (Envoy's `ORIGINAL_DST` cluster reading
+//! it, agentgateway) take its whole value as one address; the ordered list, chosen first, then
+//! the fallbacks the proxy may retry, goes in the dynamic metadata `envoy.lb` /
+//! `x-gateway-destination-endpoint` (what Envoy's `override_host` load-balancing policy reads).
+//! A rejection becomes an `ImmediateResponse` with an OpenAI-style JSON body.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -162,6 +164,10 @@ pub trait EndpointPicker: Send + Sync + 'static {
     /// pick, whatever happened next: the response ended, the proxy cancelled, the stream broke,
     /// or the answer could not be delivered. This is what makes in-flight counts safe to keep.
     fn on_response_complete(&self, _request_id: u64) {}
+
+    /// A request body did not complete within [`ExtProcLimits::body_timeout`] (answered 408;
+    /// `pick` was not called).
+    fn on_body_timeout(&self) {}
 }
 
 /// Body mode to assume when the proxy does not announce one in `protocol_config`.
@@ -185,6 +191,9 @@ pub struct ExtProcLimits {
     pub max_concurrent_streams: usize,
     /// Body mode for both directions when the proxy sends no `protocol_config`.
     pub assumed_body_mode: AssumedBodyMode,
+    /// Time from the request headers to the end of the request body; a body still incomplete
+    /// then gets a 408 `ImmediateResponse`, so a stalled body cannot hold a stream slot.
+    pub body_timeout: std::time::Duration,
 }
 
 impl Default for ExtProcLimits {
@@ -193,6 +202,7 @@ impl Default for ExtProcLimits {
             max_body_bytes: 16 << 20,
             max_concurrent_streams: 16_384,
             assumed_body_mode: AssumedBodyMode::FullDuplexStreamed,
+            body_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -386,6 +396,8 @@ struct StreamTask<P: EndpointPicker> {
     body: Vec<u8>,
     subset: Option<Vec<SocketAddr>>,
     inflight: Option<InFlight<P>>,
+    /// While a body is being collected: when it must be complete.
+    body_deadline: Option<tokio::time::Instant>,
 }
 
 impl<P: EndpointPicker> StreamTask<P> {
@@ -409,6 +421,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             body: Vec::new(),
             subset: None,
             inflight: None,
+            body_deadline: None,
         }
     }
 
@@ -422,9 +435,22 @@ impl<P: EndpointPicker> StreamTask<P> {
 
     async fn drive(&mut self) -> Result<(), Status> {
         loop {
+            let deadline = self.body_deadline;
+            let body_late = async move {
+                match deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             let next = tokio::select! {
                 message = self.inbound.message() => message,
                 () = self.tx.closed() => return Ok(()),
+                () = body_late => {
+                    self.shared.picker.on_body_timeout();
+                    let timeout = self.shared.limits.body_timeout;
+                    self.refuse(Refusal::body_timeout(timeout)).await;
+                    return Ok(());
+                }
             };
             let message = match next {
                 Ok(Some(message)) => message,
@@ -574,11 +600,15 @@ impl<P: EndpointPicker> StreamTask<P> {
             mode @ (RequestMode::Buffered | RequestMode::BufferedPartial) => {
                 // The proxy sends the body only once the headers are answered.
                 self.phase = Phase::CollectingBody(mode);
+                self.body_deadline =
+                    Some(tokio::time::Instant::now() + self.shared.limits.body_timeout);
                 Ok(self.send(headers_continue()).await)
             }
             RequestMode::FullDuplex => {
                 // The answer waits for the body: the routing goes on the headers answer.
                 self.phase = Phase::CollectingBody(RequestMode::FullDuplex);
+                self.body_deadline =
+                    Some(tokio::time::Instant::now() + self.shared.limits.body_timeout);
                 Ok(Flow::Continue)
             }
             RequestMode::Unsupported(mode) => Err(Status::failed_precondition(format!(
@@ -642,6 +672,7 @@ impl<P: EndpointPicker> StreamTask<P> {
 
     /// Asks the picker and sends the answer shaped for `point`.
     async fn route(&mut self, point: RoutePoint) -> Result<Flow, Status> {
+        self.body_deadline = None;
         let head = self.head.take().unwrap_or_else(|| RequestHead {
             headers: http::HeaderMap::new(),
             path: String::new(),
@@ -704,12 +735,14 @@ impl<P: EndpointPicker> StreamTask<P> {
                 .refuse(Refusal::from(PickRejection::NoEndpoint(message.into())))
                 .await);
         }
-        let destination = endpoints
-            .iter()
-            .map(SocketAddr::to_string)
-            .collect::<Vec<_>>()
-            .join(",");
-        let metadata = destination_metadata(&destination);
+        let destination = endpoints[0].to_string();
+        let metadata = destination_metadata(
+            &endpoints
+                .iter()
+                .map(SocketAddr::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        );
         self.phase = Phase::Routed;
 
         match point {
@@ -868,14 +901,13 @@ fn parse_endpoint(text: &str) -> Option<SocketAddr> {
         .or_else(|| text.parse::<IpAddr>().ok().map(|ip| SocketAddr::new(ip, 0)))
 }
 
-/// Keeps the endpoints the proxy allowed. Like the reference EPP, the subset is matched by
-/// address only: a pod's ranks may listen on ports the proxy's list does not name.
+/// Keeps the endpoints the proxy allowed, by the same rule the router filters with.
 fn within_subset(endpoints: Vec<SocketAddr>, subset: Option<&[SocketAddr]>) -> Vec<SocketAddr> {
     match subset {
         None => endpoints,
         Some(allowed) => endpoints
             .into_iter()
-            .filter(|endpoint| allowed.iter().any(|a| a.ip() == endpoint.ip()))
+            .filter(|endpoint| crate::router::subset_allows(allowed, *endpoint))
             .collect(),
     }
 }
@@ -923,13 +955,13 @@ fn routing_headers(
     }
 }
 
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": destination}}`.
-fn destination_metadata(destination: &str) -> Struct {
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": endpoints}}`, the comma-separated list.
+fn destination_metadata(endpoints: &str) -> Struct {
     let inner = Struct {
         fields: HashMap::from([(
             DESTINATION_METADATA_KEY.to_string(),
             Value {
-                kind: Some(Kind::StringValue(destination.to_string())),
+                kind: Some(Kind::StringValue(endpoints.to_string())),
             },
         )]),
     };
@@ -1049,6 +1081,16 @@ impl Refusal {
             kind: "invalid_request_error",
             code: "body_too_large",
             message: format!("request body exceeds the limit of {limit} bytes"),
+            retry_after: false,
+        }
+    }
+
+    fn body_timeout(limit: std::time::Duration) -> Self {
+        Self {
+            status: 408,
+            kind: "invalid_request_error",
+            code: "body_timeout",
+            message: format!("the request body did not arrive within {limit:?}"),
             retry_after: false,
         }
     }

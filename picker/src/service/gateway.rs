@@ -10,7 +10,6 @@ use parking_lot::Mutex;
 use super::core::{Admission, ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
-use crate::endpoint::EndpointState;
 use crate::inflight::InflightGuard;
 
 struct Pending {
@@ -48,42 +47,41 @@ fn rejection(e: ApiError) -> PickRejection {
 }
 
 impl EndpointPicker for GatewayPicker {
+    /// Every path passes the same model and tenant checks as the proxy's: completions and chat
+    /// are routed by prefix; any other body is read for its `model` and routed by load among
+    /// that model's endpoints the tenant may use (a body that is not a JSON object naming a
+    /// model is a 400); a bodyless request (`GET /v1/models`) names no model and goes to the
+    /// least-loaded endpoint the tenant may use.
     async fn pick(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
         let core = &self.core;
+        let refuse = |e: ApiError| {
+            core.metrics.error(e.code);
+            rejection(e)
+        };
         let admission = core.admit().ok_or_else(|| {
             PickRejection::Shed("the picker has too many requests in flight".into())
         })?;
-        let Some(kind) = ApiKind::from_path(&input.path) else {
-            // not an inference call (e.g. GET /v1/models): any serving endpoint will do
-            let snap = core.endpoints.load();
-            let best = snap
-                .endpoints()
-                .iter()
-                .filter(|e| e.state == EndpointState::Ready)
-                .filter(|e| {
-                    input
-                        .subset
-                        .as_ref()
-                        .is_none_or(|s| s.iter().any(|a| a.ip() == e.id.address))
-                })
-                .min_by_key(|e| core.inflight.get(&e.id).requests)
-                .ok_or_else(|| PickRejection::NoEndpoint("no serving endpoint".into()))?;
+        let kind = ApiKind::from_path(&input.path);
+        if kind == ApiKind::Other && input.body.is_empty() {
+            let id = core
+                .pick_bodyless(&input.headers, input.subset.as_deref())
+                .map_err(refuse)?;
             return Ok(PickOutput {
-                endpoints: vec![SocketAddr::new(best.id.address, best.id.port)],
+                endpoints: vec![SocketAddr::new(id.address, id.port)],
                 ..PickOutput::default()
             });
-        };
+        }
         let parsed =
-            ParsedRequest::parse(kind, input.body.clone(), &core.limits).map_err(rejection)?;
+            ParsedRequest::parse(kind, input.body.clone(), &core.limits).map_err(refuse)?;
         let routed = core
             .route(&parsed, &input.headers, input.subset.as_deref(), false)
             .await
-            .map_err(|e| {
-                core.metrics.error(e.code);
-                rejection(e)
-            })?;
-        core.record_routed(&routed);
+            .map_err(refuse)?;
         let d = &routed.decision;
+        let (headers, body) = core
+            .upstream_parts(&routed, &parsed, d.endpoint)
+            .map_err(refuse)?;
+        core.record_routed(&routed);
         let mut endpoints: Vec<SocketAddr> = Vec::with_capacity(1 + d.fallbacks.len());
         for id in std::iter::once(&d.endpoint).chain(&d.fallbacks) {
             let a = SocketAddr::new(id.address, id.port);
@@ -93,7 +91,6 @@ impl EndpointPicker for GatewayPicker {
                 endpoints.push(a);
             }
         }
-        let (headers, body) = core.upstream_parts(&routed, &parsed, d.endpoint);
         let guard = core.inflight.begin(
             d.endpoint,
             u64::from(routed.prompt_tokens),
@@ -121,6 +118,10 @@ impl EndpointPicker for GatewayPicker {
         if let Some(p) = self.pending.lock().get_mut(&request_id) {
             p.guard.first_token();
         }
+    }
+
+    fn on_body_timeout(&self) {
+        self.core.metrics.error("body_timeout");
     }
 
     fn on_response_complete(&self, request_id: u64) {

@@ -132,16 +132,53 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    let limited = http_body_util::Limited::new(body, limit);
-    match limited.collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
-        Err(e) => Err(ApiError::bad_request(
-            "body_read_failed",
-            format!("could not read the request body: {e}"),
-        )),
-    }
+/// Reads a request body within its bounds: at most `maxBodyBytes`, within `bodyReadTimeout`,
+/// and while it is read its bytes count against `bodyBufferBytes`, shared by every body being
+/// read. Bodies in flight are then bounded in memory without holding an in-flight admission
+/// slot (which a stalled body must never get), and a stalled body holds only what it sent.
+async fn read_body(core: &PickerCore, body: Body) -> Result<Bytes, ApiError> {
+    let limit = core.limits.max_body_bytes;
+    let timeout = core.limits.body_read_timeout;
+    let read = async {
+        let mut body = body;
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut len = 0usize;
+        let mut held: Option<tokio::sync::SemaphorePermit<'_>> = None;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                ApiError::bad_request(
+                    "body_read_failed",
+                    format!("could not read the request body: {e}"),
+                )
+            })?;
+            let Ok(data) = frame.into_data() else {
+                continue; // trailers carry nothing the picker reads
+            };
+            len += data.len();
+            if len > limit {
+                return Err(ApiError::too_large(limit));
+            }
+            let permit = u32::try_from(data.len())
+                .ok()
+                .and_then(|n| core.body_buffer.try_acquire_many(n).ok())
+                .ok_or_else(|| {
+                    ApiError::shed("the picker's request-body buffer is full; retry later")
+                })?;
+            match &mut held {
+                Some(h) => h.merge(permit),
+                None => held = Some(permit),
+            }
+            chunks.push(data);
+        }
+        Ok(match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.swap_remove(0),
+            _ => Bytes::from(chunks.concat()),
+        })
+    };
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or(Err(ApiError::body_timeout(timeout)))
 }
 
 async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -185,21 +222,27 @@ async fn proxy_inner(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let raw = read_body(core, body).await?;
+    // admitted only once the body is in: a client that stalls its body holds no slot
     let admission = core
         .admit()
         .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
-    let raw = read_body(body, core.limits.max_body_bytes).await?;
     let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
     let routed = core.route(&parsed, &headers, None, false).await?;
-    core.record_routed(&routed);
     let d = &routed.decision;
+    // a body that cannot carry what the engine must see is refused before anything is recorded
+    let mut first_parts = Some(core.upstream_parts(&routed, &parsed, d.endpoint)?);
+    core.record_routed(&routed);
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = std::iter::once(d.endpoint)
         .chain(d.fallbacks.first().copied())
         .collect();
     let mut last_err = ApiError::bad_gateway("no upstream attempted");
     for (attempt, &ep) in targets.iter().enumerate() {
-        let (extra, body) = core.upstream_parts(&routed, &parsed, ep);
+        let (extra, body) = match first_parts.take() {
+            Some(parts) => parts,
+            None => core.upstream_parts(&routed, &parsed, ep)?,
+        };
         let uncached = if ep == d.endpoint {
             routed.prompt_tokens.saturating_sub(d.cached_tokens)
         } else {
@@ -210,7 +253,11 @@ async fn proxy_inner(
             .begin(ep, u64::from(routed.prompt_tokens), u64::from(uncached));
         let mut req = core
             .http
-            .post(format!("http://{}{}", ep.host_port(), kind.path()))
+            .post(format!(
+                "http://{}{}",
+                ep.host_port(),
+                kind.path().unwrap_or_default()
+            ))
             .body(body);
         for (name, value) in &headers {
             if !hop_by_hop(name) && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank") {
@@ -333,7 +380,7 @@ fn stream_back(
 async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let core = &state.core;
     let result: Result<Value, ApiError> = async {
-        let raw = read_body(body, core.limits.max_body_bytes).await?;
+        let raw = read_body(core, body).await?;
         // a chat when it has `messages` (checked without building a JSON tree)
         #[derive(serde::Deserialize)]
         struct Probe {
@@ -347,7 +394,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
         let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
         let routed = core.route(&parsed, &headers, None, true).await?;
         let d = &routed.decision;
-        let (extra, _) = core.upstream_parts(&routed, &parsed, d.endpoint);
+        let (extra, _) = core.upstream_parts(&routed, &parsed, d.endpoint)?;
         Ok(json!({
             "endpoint": d.endpoint.host_port(),
             "rank": d.endpoint.rank,

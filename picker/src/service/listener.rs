@@ -1,12 +1,19 @@
-//! An HTTP accept loop with the bounds `axum::serve` does not expose: concurrent connections,
-//! request-head size and the time a client may take to send its head.
+//! Accept loops with the bounds `axum::serve` and tonic do not expose: concurrent connections,
+//! request-head size and the time a client may take to start and to send its head. Every
+//! listener of the picker (proxy, admin, metrics, ext_proc) runs behind them.
 //!
-//! Past `max_connections` a new connection is still accepted, answered with one OpenAI-style
-//! 503 (`too_many_connections`) and closed, so the client learns why instead of waiting in the
-//! kernel's backlog. A head larger than `max_header_bytes` gets hyper's 431.
+//! Past `max_connections` a new HTTP connection is still accepted, answered with one
+//! OpenAI-style 503 (`too_many_connections`) and closed, so the client learns why instead of
+//! waiting in the kernel's backlog; a gRPC connection is closed. A head larger than
+//! `max_header_bytes` gets hyper's 431. A connection that sends nothing within
+//! `header_read_timeout` is closed (`kvroute_picker_errors_total{kind="silent_connection"}`):
+//! hyper's own head timer starts only once it has read enough to tell HTTP/1 from HTTP/2, so
+//! without this a socket that connects and stays silent would hold its slot forever.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -15,8 +22,9 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -54,7 +62,10 @@ pub async fn serve_bounded(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        // a peer that stops answering pings is gone: free its slot
+        .keep_alive_interval(Some(H2_KEEPALIVE))
+        .keep_alive_timeout(H2_KEEPALIVE);
     let builder = Arc::new(builder);
     loop {
         let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
@@ -70,7 +81,6 @@ pub async fn serve_bounded(
             },
         };
         let _ = stream.set_nodelay(true);
-        let io = TokioIo::new(stream);
         let permit = slots.clone().try_acquire_owned();
         let Ok(permit) = permit else {
             if let Some(c) = &core {
@@ -93,7 +103,7 @@ pub async fn serve_bounded(
                 .keep_alive(false)
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(io, refuse);
+                .serve_connection(TokioIo::new(stream), refuse);
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
             });
@@ -103,10 +113,21 @@ pub async fn serve_bounded(
             let app = app.clone();
             move |req: hyper::Request<Incoming>| app.clone().oneshot(req.map(axum::body::Body::new))
         });
-        let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
-        let conn = graceful.watch(conn);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let core = core.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            if !first_bytes_within(&stream, limits.header_read_timeout).await {
+                if let Some(c) = &core {
+                    c.metrics.error("silent_connection");
+                }
+                tracing::debug!(%peer, "connection closed: it sent nothing");
+                return;
+            }
+            let conn = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                .into_owned();
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
@@ -114,4 +135,125 @@ pub async fn serve_bounded(
     }
     drop(listener);
     let _ = tokio::time::timeout(drain, graceful.shutdown()).await;
+}
+
+/// Ping interval and answer timeout on HTTP/2 connections.
+const H2_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// Whether the peer sends its first bytes within `timeout` (false also when it closes first).
+async fn first_bytes_within(stream: &TcpStream, timeout: Duration) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(
+        tokio::time::timeout(timeout, stream.peek(&mut probe)).await,
+        Ok(Ok(n)) if n > 0
+    )
+}
+
+/// A connection holding one of its listener's connection slots until it is dropped.
+#[derive(Debug)]
+pub struct Bounded<T> {
+    io: T,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Bounded<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Bounded<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Bounded<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// The connections of a gRPC listener, bounded like [`serve_bounded`]'s: at most
+/// `max_connections` open (further ones are closed at once), and each handed to the server only
+/// once it has sent its first bytes within `header_read_timeout`. The stream ends on `cancel`.
+pub fn bounded_incoming(
+    listener: TcpListener,
+    limits: ConnLimits,
+    core: Option<Arc<PickerCore>>,
+    cancel: CancellationToken,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<Bounded<TcpStream>>> {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let (tx, rx) = mpsc::channel(limits.max_connections.clamp(1, 1024));
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = tokio::select! {
+                () = cancel.cancelled() => return,
+                r = listener.accept() => match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                if let Some(c) = &core {
+                    c.metrics.error("too_many_connections");
+                }
+                tracing::debug!(%peer, "connection refused: too many connections");
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let tx = tx.clone();
+            let core = core.clone();
+            tokio::spawn(async move {
+                if !first_bytes_within(&stream, limits.header_read_timeout).await {
+                    if let Some(c) = &core {
+                        c.metrics.error("silent_connection");
+                    }
+                    tracing::debug!(%peer, "connection closed: it sent nothing");
+                    return;
+                }
+                let _ = tx
+                    .send(Ok(Bounded {
+                        io: stream,
+                        _slot: slot,
+                    }))
+                    .await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }

@@ -65,14 +65,65 @@ impl Running {
     }
 }
 
-async fn serve(listener: TcpListener, app: axum::Router, cancel: CancellationToken) {
-    let shutdown = async move { cancel.cancelled().await };
-    if let Err(e) = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-    {
-        tracing::error!(error = %e, "listener failed");
+/// Connections the admin and the metrics listener each keep open at most: they serve
+/// operators and scrapers, not clients.
+pub const SIDE_LISTENER_CONNECTIONS: usize = 256;
+
+/// File descriptors kept back from the listeners' connection caps for engine connections, KV
+/// event sockets, files and the like, beyond one per request in flight.
+const FD_RESERVE: u64 = 512;
+
+/// Connection caps of the inference and ext_proc listeners that fit in the process's file
+/// descriptor limit (raised to its hard limit first): each gets at most half of what is left
+/// after the reserve, the side listeners and the requests in flight (each holds an engine
+/// connection). Too small a limit is logged, never a crash on `EMFILE` later.
+fn connection_caps(config: &PickerConfig) -> usize {
+    let nofile = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit; assuming 1024");
+            1024
+        }
+    };
+    let side = 2 * SIDE_LISTENER_CONNECTIONS as u64;
+    let inflight = config.limits.max_inflight_total as u64;
+    let room = nofile.saturating_sub(FD_RESERVE + side + inflight.min(nofile / 2)) / 2;
+    let cap = usize::try_from(room).unwrap_or(usize::MAX).max(16);
+    let configured = config.limits.max_connections;
+    if cap < configured {
+        tracing::warn!(
+            open_file_limit = nofile,
+            configured,
+            effective = cap,
+            "limits.maxConnections does not fit in the open-file limit: each of the proxy and ext_proc listeners keeps at most the effective number of connections (raise the limit, e.g. `ulimit -n`, or lower maxConnections)"
+        );
     }
+    configured.min(cap)
+}
+
+/// The ext_proc listener's TLS: its identity and, with a client CA, required client
+/// certificates; handshakes bounded like request heads.
+fn ext_proc_tls(
+    tls: &settings::TlsFiles,
+    handshake_timeout: std::time::Duration,
+) -> Result<tonic::transport::ServerTlsConfig, String> {
+    let read = |field: &str, p: &str| {
+        std::fs::read(p).map_err(|e| format!("listen.extProcTls.{field} {p}: {e}"))
+    };
+    let identity = tonic::transport::Identity::from_pem(
+        read("certFile", &tls.cert_file)?,
+        read("keyFile", &tls.key_file)?,
+    );
+    let mut config = tonic::transport::ServerTlsConfig::new()
+        .identity(identity)
+        .timeout(handshake_timeout);
+    if let Some(ca) = &tls.client_ca_file {
+        config = config.client_ca_root(tonic::transport::Certificate::from_pem(read(
+            "clientCaFile",
+            ca,
+        )?));
+    }
+    Ok(config)
 }
 
 /// Start the picker: bind listeners, apply the first pool view, start the feeds.
@@ -118,44 +169,51 @@ pub async fn start(
     };
     let mut tasks = JoinSet::new();
     let conn_limits = listener::ConnLimits {
-        max_connections: config.limits.max_connections,
+        max_connections: connection_caps(&config),
         max_header_bytes: config.limits.max_header_bytes,
         header_read_timeout: config.limits.header_read_timeout,
     };
-    tasks.spawn(listener::serve_bounded(
-        http_l,
-        inference_app(state.clone()),
-        conn_limits,
-        Some(core.clone()),
-        cancel.clone(),
-        http::DRAIN_DEADLINE,
-    ));
-    tasks.spawn(listener::serve_bounded(
-        admin_l,
-        admin_app(state.clone()),
-        conn_limits,
-        Some(core.clone()),
-        cancel.clone(),
-        http::DRAIN_DEADLINE,
-    ));
-    tasks.spawn(serve(metrics_l, metrics_app(state), cancel.clone()));
+    let side_limits = listener::ConnLimits {
+        max_connections: SIDE_LISTENER_CONNECTIONS.min(conn_limits.max_connections),
+        ..conn_limits
+    };
+    for (l, app, limits) in [
+        (http_l, inference_app(state.clone()), conn_limits),
+        (admin_l, admin_app(state.clone()), side_limits),
+        (metrics_l, metrics_app(state), side_limits),
+    ] {
+        tasks.spawn(listener::serve_bounded(
+            l,
+            app,
+            limits,
+            Some(core.clone()),
+            cancel.clone(),
+            http::DRAIN_DEADLINE,
+        ));
+    }
     if let Some(listener) = ext_l {
         let picker = Arc::new(gateway::GatewayPicker::new(core.clone()));
         let limits = ext_proc::ExtProcLimits {
             max_body_bytes: config.limits.max_body_bytes,
             max_concurrent_streams: config.limits.max_inflight_total,
+            body_timeout: config.limits.body_read_timeout,
             ..ext_proc::ExtProcLimits::default()
         };
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &config.listen.ext_proc_tls {
+            server = server
+                .tls_config(ext_proc_tls(tls, config.limits.header_read_timeout)?)
+                .map_err(|e| format!("listen.extProcTls: {e}"))?;
+        }
         let (health, health_server) = ext_proc::health_service(false).await;
         let grpc_cancel = cancel.clone();
+        let incoming =
+            listener::bounded_incoming(listener, conn_limits, Some(core.clone()), cancel.clone());
         tasks.spawn(async move {
-            let r = tonic::transport::Server::builder()
+            let r = server
                 .add_service(health_server)
                 .add_service(ext_proc::ext_proc_server(picker, limits))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    grpc_cancel.cancelled(),
-                )
+                .serve_with_incoming_shutdown(incoming, grpc_cancel.cancelled())
                 .await;
             if let Err(e) = r {
                 tracing::error!(error = %e, "ext_proc listener failed");

@@ -26,10 +26,27 @@ pub struct Listen {
     /// default (or protected by `adminToken`).
     pub admin: SocketAddr,
     /// Envoy ext_proc (Gateway API Inference Extension endpoint picker) and gRPC health;
-    /// `null` disables it.
+    /// `null` disables it. Whoever can reach it chooses tenants (it trusts the tenant header
+    /// the gateway forwards): bind it where only the gateway reaches it, or require the
+    /// gateway's client certificate with `extProcTls.clientCaFile`.
     pub ext_proc: Option<SocketAddr>,
+    /// TLS on the ext_proc listener (the gateway connects with TLS); absent = plaintext.
+    pub ext_proc_tls: Option<TlsFiles>,
     /// Bearer token required on the admin listener when set (file path).
     pub admin_token_file: Option<String>,
+}
+
+/// A TLS server identity and, optionally, the CA that client certificates must chain to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TlsFiles {
+    /// PEM certificate chain of the listener.
+    pub cert_file: String,
+    /// PEM private key of the listener.
+    pub key_file: String,
+    /// PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS).
+    #[serde(default)]
+    pub client_ca_file: Option<String>,
 }
 
 impl Default for Listen {
@@ -39,6 +56,7 @@ impl Default for Listen {
             metrics: SocketAddr::from(([0, 0, 0, 0], 9090)),
             admin: SocketAddr::from(([127, 0, 0, 1], 9091)),
             ext_proc: Some(SocketAddr::from(([0, 0, 0, 0], 9002))),
+            ext_proc_tls: None,
             admin_token_file: None,
         }
     }
@@ -102,9 +120,20 @@ pub struct Limits {
     pub max_connections: usize,
     /// Largest request head (request line plus headers) in bytes; 431 above. At least 8 KiB.
     pub max_header_bytes: usize,
-    /// Time a client has to send its request head before the connection is closed.
+    /// Time a client has to send its request head before the connection is closed (also the
+    /// longest a connection may stay silent after connecting, and an idle HTTP/1 keep-alive
+    /// connection's lifetime).
     #[serde(with = "duration_str")]
     pub header_read_timeout: Duration,
+    /// Time a client has to send the whole request body, once its head is in (408 after, on
+    /// the proxy and the pick API; on ext_proc, the time from the headers to the end of the
+    /// body). A request is admitted (counted against `maxInflightTotal`) only once its body is
+    /// in, so a stalled body never holds an in-flight slot.
+    #[serde(with = "duration_str")]
+    pub body_read_timeout: Duration,
+    /// Bytes of request bodies the proxy and the pick API hold while reading them, all bodies
+    /// together (429 `overloaded` past it); at least `maxBodyBytes`.
+    pub body_buffer_bytes: usize,
     /// Largest KV event message payload decoded, in bytes; larger messages are skipped and
     /// counted (`kvroute_picker_kv_event_problems_total{kind="decode_error"}`).
     pub max_event_payload_bytes: usize,
@@ -135,6 +164,8 @@ impl Default for Limits {
             max_connections: 8192,
             max_header_bytes: 64 * 1024,
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            body_buffer_bytes: 256 << 20,
             max_event_payload_bytes: 64 << 20,
             max_events_per_batch: 65_536,
             max_events_per_second: 200_000,
@@ -271,6 +302,12 @@ impl PickerConfig {
                 return Err(format!("{name} must be positive"));
             }
         }
+        if l.body_buffer_bytes < l.max_body_bytes {
+            return Err(format!(
+                "limits.bodyBufferBytes ({}) must be at least limits.maxBodyBytes ({})",
+                l.body_buffer_bytes, l.max_body_bytes
+            ));
+        }
         if l.tokenizer_cache_tokens > 1 << 28 {
             return Err(
                 "limits.tokenizerCacheTokens must be at most 268435456 (1 GiB of ids)".into(),
@@ -282,13 +319,55 @@ impl PickerConfig {
         if l.max_events_per_second == 0 {
             return Err("limits.maxEventsPerSecond must be positive".into());
         }
-        if l.header_read_timeout.is_zero() {
-            return Err("limits.headerReadTimeout must be positive".into());
+        for (name, d) in [
+            ("limits.connectTimeout", l.connect_timeout),
+            ("limits.upstreamTimeout", l.upstream_timeout),
+            ("limits.idleTimeout", l.idle_timeout),
+            ("limits.renderTimeout", l.render_timeout),
+            ("limits.headerReadTimeout", l.header_read_timeout),
+            ("limits.bodyReadTimeout", l.body_read_timeout),
+            ("scrape.interval", self.scrape.interval),
+            ("scrape.timeout", self.scrape.timeout),
+            ("index.approximateTtl", self.index.approximate_ttl),
+        ] {
+            if d.is_zero() {
+                return Err(format!(
+                    "{name} must be positive (0s would fail every request)"
+                ));
+            }
         }
-        if self.scrape.interval.is_zero() || self.scrape.timeout.is_zero() {
-            return Err("scrape.interval and scrape.timeout must be positive".into());
+        if let Some(tls) = &self.listen.ext_proc_tls {
+            if self.listen.ext_proc.is_none() {
+                return Err("listen.extProcTls is set but listen.extProc is null".into());
+            }
+            for (name, v) in [
+                ("listen.extProcTls.certFile", Some(&tls.cert_file)),
+                ("listen.extProcTls.keyFile", Some(&tls.key_file)),
+                (
+                    "listen.extProcTls.clientCaFile",
+                    tls.client_ca_file.as_ref(),
+                ),
+            ] {
+                if v.is_some_and(|p| p.trim().is_empty()) {
+                    return Err(format!("{name} must name a file"));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The settings a running picker cannot take on without a restart (`listen`, `limits`,
+    /// `scrape`, `index`) that differ between `self` and `next`, by field name.
+    pub fn restart_only_changes(&self, next: &Self) -> Vec<&'static str> {
+        [
+            ("listen", self.listen != next.listen),
+            ("limits", self.limits != next.limits),
+            ("scrape", self.scrape != next.scrape),
+            ("index", self.index != next.index),
+        ]
+        .into_iter()
+        .filter_map(|(name, changed)| changed.then_some(name))
+        .collect()
     }
 }
 

@@ -89,14 +89,30 @@ impl EndpointSource for FileSource {
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             let mut last: Option<Vec<u8>> = None;
+            // the settings the process started with: changes to the sections it reads only at
+            // start are reported, not silently ignored
+            let mut started: Option<PickerConfig> = None;
             loop {
                 match tokio::fs::read(&self.path).await {
                     Ok(bytes) if last.as_deref() != Some(bytes.as_slice()) => {
                         let text = String::from_utf8_lossy(&bytes).into_owned();
                         match PickerConfig::from_yaml(&text) {
                             Ok(c) => {
-                                tracing::info!(path = %self.path.display(), "config loaded");
+                                let pending = started
+                                    .as_ref()
+                                    .map(|s| s.restart_only_changes(&c))
+                                    .unwrap_or_default();
+                                if pending.is_empty() {
+                                    tracing::info!(path = %self.path.display(), "config loaded");
+                                } else {
+                                    tracing::warn!(
+                                        path = %self.path.display(),
+                                        sections = ?pending,
+                                        "config loaded: modelConfigs, endpoints, routing and tenancy applied; the changes to these sections take effect only after a restart"
+                                    );
+                                }
                                 let _ = tx.send(Some(view_from_config(&c)));
+                                started.get_or_insert(c);
                             }
                             Err(e) => {
                                 tracing::error!(path = %self.path.display(), error = %e, "config rejected; keeping the previous one");
