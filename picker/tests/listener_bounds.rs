@@ -272,3 +272,163 @@ async fn ext_proc_streams_whose_body_never_ends_get_408() {
     drop(tx);
     picker.shutdown().await;
 }
+
+mod mtls {
+    //! The ext_proc listener with TLS and required client certificates (finding 12).
+
+    use super::*;
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose,
+    };
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    struct Ca {
+        pem: String,
+        issuer: Issuer<'static, KeyPair>,
+    }
+
+    fn ca(name: &str) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let pem = params.self_signed(&key).unwrap().pem();
+        Ca {
+            pem,
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// (certificate PEM, key PEM) signed by `ca`.
+    fn leaf(ca: &Ca, names: &[&str], usage: ExtendedKeyUsagePurpose) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| (*n).to_string()).collect::<Vec<_>>())
+                .unwrap();
+        params.distinguished_name.push(DnType::CommonName, names[0]);
+        params.extended_key_usages = vec![usage];
+        let cert = params.signed_by(&key, &ca.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    async fn health(channel: Channel) -> Result<i32, tonic::Status> {
+        HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: "liveness".into(),
+            })
+            .await
+            .map(|r| r.into_inner().status)
+    }
+
+    /// Whether a TLS client with `tls` gets a gRPC health answer.
+    async fn served(addr: SocketAddr, tls: ClientTlsConfig) -> bool {
+        let endpoint = Channel::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5));
+        match endpoint.connect().await {
+            Ok(c) => health(c).await.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    #[tokio::test]
+    async fn ext_proc_requires_a_client_certificate_signed_by_the_configured_ca() {
+        let dir = std::env::temp_dir().join(format!("kvroute-mtls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let server_ca = ca("kvroute-test-server-ca");
+        let client_ca = ca("kvroute-test-gateway-ca");
+        let other_ca = ca("kvroute-test-someone-else");
+        let (cert, key) = leaf(
+            &server_ca,
+            &["localhost", "127.0.0.1"],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        for (name, text) in [
+            ("server.crt", &cert),
+            ("server.key", &key),
+            ("clients.crt", &client_ca.pem),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        let engine = FakeEngine::start("127.0.0.1").await;
+        let config = format!(
+            r#"
+listen:
+  http: 127.0.0.1:0
+  admin: 127.0.0.1:0
+  metrics: 127.0.0.1:0
+  extProc: 127.0.0.1:0
+  extProcTls:
+    certFile: {}
+    keyFile: {}
+    clientCaFile: {}
+{}"#,
+            dir.join("server.crt").display(),
+            dir.join("server.key").display(),
+            dir.join("clients.crt").display(),
+            yaml(engine.addr.port(), "{headerReadTimeout: 2s}")
+        );
+        let config =
+            kvroute_picker::service::settings::PickerConfig::from_yaml(&config).expect("config");
+        let view = kvroute_picker::service::source::view_from_config(&config);
+        let picker = kvroute_picker::service::start(
+            config,
+            Box::new(kvroute_picker::service::source::StaticSource(view)),
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+        .expect("picker starts");
+        let addr = picker.addrs.ext_proc.unwrap();
+        let trust = Certificate::from_pem(&server_ca.pem);
+
+        // the gateway's certificate: served
+        let (gw_cert, gw_key) = leaf(
+            &client_ca,
+            &["gateway"],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let gateway = ClientTlsConfig::new()
+            .ca_certificate(trust.clone())
+            .domain_name("localhost")
+            .identity(Identity::from_pem(gw_cert, gw_key));
+        assert!(served(addr, gateway).await, "the gateway's certificate");
+
+        // no client certificate, or one from another CA: refused
+        let anonymous = ClientTlsConfig::new()
+            .ca_certificate(trust.clone())
+            .domain_name("localhost");
+        assert!(!served(addr, anonymous).await, "no certificate");
+        let (x_cert, x_key) = leaf(
+            &other_ca,
+            &["intruder"],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let intruder = ClientTlsConfig::new()
+            .ca_certificate(trust)
+            .domain_name("localhost")
+            .identity(Identity::from_pem(x_cert, x_key));
+        assert!(!served(addr, intruder).await, "foreign certificate");
+        // and plaintext gets nowhere
+        let plain = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await;
+        let refused = match plain {
+            Err(_) => true,
+            Ok(c) => health(c).await.is_err(),
+        };
+        assert!(refused, "plaintext");
+        picker.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

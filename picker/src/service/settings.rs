@@ -421,6 +421,48 @@ limits:
         let e = PickerConfig::from_yaml("modelConfigs: []").expect_err("empty");
         assert!(e.contains("modelConfigs"), "{e}");
     }
+
+    #[test]
+    fn every_duration_must_be_positive() {
+        for field in [
+            "connectTimeout",
+            "upstreamTimeout",
+            "idleTimeout",
+            "renderTimeout",
+            "headerReadTimeout",
+            "bodyReadTimeout",
+        ] {
+            let bad = SAMPLE.replace("upstreamTimeout: 30s", &format!("{field}: 0s"));
+            let e = PickerConfig::from_yaml(&bad).expect_err(field);
+            assert!(
+                e.contains(&format!("limits.{field} must be positive")),
+                "{e}"
+            );
+        }
+        let bad = format!("{SAMPLE}\nindex: {{approximateTtl: 0s}}\n");
+        let e = PickerConfig::from_yaml(&bad).expect_err("ttl");
+        assert!(e.contains("index.approximateTtl"), "{e}");
+        let bad = SAMPLE.replace(
+            "upstreamTimeout: 30s",
+            "maxBodyBytes: 2048\n  bodyBufferBytes: 1024",
+        );
+        let e = PickerConfig::from_yaml(&bad).expect_err("buffer");
+        assert!(e.contains("limits.bodyBufferBytes"), "{e}");
+    }
+
+    #[test]
+    fn restart_only_sections_are_named_when_they_change() {
+        let a = PickerConfig::from_yaml(SAMPLE).expect("valid");
+        let mut b = a.clone();
+        b.routing.temperature = 0.5;
+        assert!(
+            a.restart_only_changes(&b).is_empty(),
+            "routing applies live"
+        );
+        b.limits.upstream_timeout = Duration::from_secs(5);
+        b.scrape.interval = Duration::from_secs(1);
+        assert_eq!(a.restart_only_changes(&b), vec!["limits", "scrape"]);
+    }
 }
 
 #[cfg(test)]
