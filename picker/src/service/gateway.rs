@@ -13,6 +13,8 @@ use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
 use crate::inflight::InflightGuard;
 
 struct Pending {
+    /// The endpoint the answer put first.
+    chosen: SocketAddr,
     guard: InflightGuard,
     _admission: Admission,
 }
@@ -99,6 +101,7 @@ impl EndpointPicker for GatewayPicker {
         self.pending.lock().insert(
             input.request_id,
             Pending {
+                chosen: endpoints[0],
                 guard,
                 _admission: admission,
             },
@@ -113,10 +116,13 @@ impl EndpointPicker for GatewayPicker {
         })
     }
 
-    fn on_response_served(&self, request_id: u64, _endpoint: SocketAddr) {
+    fn on_response_served(&self, request_id: u64, endpoint: SocketAddr) {
         // response headers are back: the engine has produced its first output
         if let Some(p) = self.pending.lock().get_mut(&request_id) {
             p.guard.first_token();
+            if endpoint != p.chosen {
+                self.core.metrics.gateway_fallbacks.inc();
+            }
         }
     }
 

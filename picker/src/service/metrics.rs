@@ -36,6 +36,7 @@ pub struct Metrics {
     pub endpoints: Gauge,
     pub index_blocks: Gauge,
     pub retries: Counter,
+    pub gateway_fallbacks: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -135,6 +136,12 @@ impl Metrics {
             "Requests retried on a fallback endpoint after a connection failure",
             retries.clone(),
         );
+        let gateway_fallbacks = Counter::default();
+        registry.register(
+            "gateway_fallbacks",
+            "Requests a gateway served on another endpoint than the chosen one (it walked down the fallback list)",
+            gateway_fallbacks.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -152,6 +159,7 @@ impl Metrics {
             endpoints,
             index_blocks,
             retries,
+            gateway_fallbacks,
         }
     }
 

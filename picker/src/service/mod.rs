@@ -195,7 +195,9 @@ pub async fn start(
         let picker = Arc::new(gateway::GatewayPicker::new(core.clone()));
         let limits = ext_proc::ExtProcLimits {
             max_body_bytes: config.limits.max_body_bytes,
-            max_concurrent_streams: config.limits.max_inflight_total,
+            // streams still collecting a body are not admitted yet: room beyond the in-flight
+            // bound, so that overload is the admission's 429 as on the proxy
+            max_concurrent_streams: config.limits.max_inflight_total.saturating_mul(2),
             body_timeout: config.limits.body_read_timeout,
             ..ext_proc::ExtProcLimits::default()
         };

@@ -179,6 +179,7 @@ pub fn picker_config(
             metrics: lo(0),
             admin: lo(0),
             ext_proc: None,
+            ext_proc_tls: None,
             admin_token_file: None,
         },
         model_configs: vec![spec],

