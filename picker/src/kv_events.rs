@@ -232,8 +232,10 @@ pub enum DecodeError {
         /// How many.
         count: usize,
     },
-    /// A ZMQ message without exactly three frames (topic, sequence, payload).
-    #[error("expected 3 frames (topic, sequence, payload), got {got}")]
+    /// A ZMQ message with a frame count that no publisher sends: a live message has three
+    /// (topic, sequence, payload); a replay reply has four, three or two (see
+    /// [`replay_frames`]).
+    #[error("expected 3 frames (topic, sequence, payload), or 4, 3 or 2 from a replay, got {got}")]
     WrongFrameCount {
         /// Frames received.
         got: usize,
@@ -309,6 +311,49 @@ pub fn decode_message<'a>(
     Ok((topic, seq, batch))
 }
 
+/// Decodes one replay reply, in any of the framings of [`replay_frames`]. Returns the topic
+/// (empty when the reply has none), the sequence number and the batch.
+///
+/// # Errors
+///
+/// As [`decode_message`].
+pub fn decode_replay_message<'a>(
+    frames: &[&'a [u8]],
+    limits: &DecodeLimits,
+) -> Result<(&'a [u8], u64, EventBatch)> {
+    let (topic, seq, payload) = replay_frames(frames)?;
+    decode_message(&[topic, seq, payload], limits)
+}
+
+/// Splits one replay reply into `(topic, sequence, payload)`, whichever publisher sent it.
+///
+/// The publisher's ROUTER prefixes every reply with the client's identity and an empty
+/// delimiter; the identity never reaches the client, the delimiter does unless the client is
+/// a REQ socket. What follows changed across releases (checked against a real vLLM 0.32):
+///
+/// | publisher | reply (after the identity) | a DEALER receives | a REQ receives |
+/// |---|---|---|---|
+/// | vLLM 0.32 | `("", topic, seq, payload)`, end `("", "", -1, "")` | 4 frames | 3 frames |
+/// | older vLLM, SGLang | `("", seq, payload)`, end `("", -1, "")` | 3 frames | 2 frames |
+///
+/// So four frames are the delimiter, the topic, the number and the payload; three are
+/// `(delimiter or topic, seq, payload)`, read like a live message; two are `(seq, payload)`
+/// without a topic.
+///
+/// # Errors
+///
+/// [`DecodeError::WrongFrameCount`] for any other count, or four frames whose first (the
+/// delimiter) is not empty.
+pub fn replay_frames<'a>(frames: &[&'a [u8]]) -> Result<(&'a [u8], &'a [u8], &'a [u8])> {
+    match *frames {
+        // the empty delimiter first
+        [[], topic, seq, payload] => Ok((topic, seq, payload)),
+        [topic, seq, payload] => Ok((topic, seq, payload)),
+        [seq, payload] => Ok((&[], seq, payload)),
+        _ => Err(DecodeError::WrongFrameCount { got: frames.len() }),
+    }
+}
+
 /// Parses an 8-byte big-endian sequence frame.
 ///
 /// # Errors
@@ -328,16 +373,13 @@ pub fn seq_frame(seq: u64) -> [u8; 8] {
     seq.to_be_bytes()
 }
 
-/// True for the replay end marker: sequence all ones and an empty payload. Accepts the three
-/// frames a DEALER client receives (`"", seq, ""`) and the two a REQ client receives
-/// (`seq, ""`), since the ROUTER sends `(identity, "", seq, payload)`.
+/// True for the replay end marker: sequence all ones and an empty payload, in any framing of
+/// [`replay_frames`]: vLLM 0.32's `("", "", -1, "")` to a DEALER (`("", -1, "")` to a REQ),
+/// older vLLM's and SGLang's `("", -1, "")` to a DEALER (`(-1, "")` to a REQ).
 #[must_use]
 pub fn is_replay_end(frames: &[&[u8]]) -> bool {
-    let (seq, payload) = match frames {
-        &[_, seq, payload] | &[seq, payload] => (seq, payload),
-        _ => return false,
-    };
-    payload.is_empty() && parse_seq(seq) == Ok(REPLAY_END_SEQ)
+    replay_frames(frames)
+        .is_ok_and(|(_, seq, payload)| payload.is_empty() && parse_seq(seq) == Ok(REPLAY_END_SEQ))
 }
 
 /// Splits the epoch that newer SGLang publishers append to the topic frame when their snapshot
@@ -2531,12 +2573,66 @@ mod tests {
         let end = [0xffu8; 8];
         assert_eq!(parse_seq(&end), Ok(u64::MAX));
         assert_eq!(REPLAY_END_SEQ, -1i64 as u64);
+        // vLLM 0.32 to a DEALER: delimiter, empty topic, -1, empty payload
+        assert!(is_replay_end(&[b"", b"", &end, b""]));
+        // older vLLM and SGLang to a DEALER, and vLLM 0.32 to a REQ
         assert!(is_replay_end(&[b"", &end, b""]));
+        // older vLLM and SGLang to a REQ
         assert!(is_replay_end(&[&end, b""]));
         assert!(!is_replay_end(&[b"", &end, b"x"]));
+        assert!(!is_replay_end(&[b"", b"", &end, b"x"]));
         assert!(!is_replay_end(&[b"", &seq_frame(3), b""]));
+        assert!(!is_replay_end(&[b"", b"", &seq_frame(3), b""]));
         assert!(!is_replay_end(&[b"", &end[..7], b""]));
+        // four frames need the empty delimiter first
+        assert!(!is_replay_end(&[b"x", b"", &end, b""]));
         assert!(!is_replay_end(&[&end]));
+        assert!(!is_replay_end(&[b"", b"", b"", &end, b""]));
+    }
+
+    #[test]
+    fn replay_replies_in_every_framing() {
+        let l = DecodeLimits::default();
+        let seq = seq_frame(41);
+        let want = decode(VLLM_MAP);
+        // vLLM 0.32 to a DEALER: ("", topic, seq, payload)
+        let (topic, n, b) =
+            decode_replay_message(&[b"", b"kv-events", &seq, VLLM_MAP], &l).unwrap();
+        assert_eq!((topic, n, &b), (&b"kv-events"[..], 41, &want));
+        let (topic, n, b) = decode_replay_message(&[b"", b"", &seq, VLLM_MAP], &l).unwrap();
+        assert_eq!((topic, n, &b), (&b""[..], 41, &want));
+        // older vLLM and SGLang to a DEALER: ("", seq, payload); vLLM 0.32 to a REQ:
+        // (topic, seq, payload)
+        let (topic, n, b) = decode_replay_message(&[b"", &seq, VLLM_MAP], &l).unwrap();
+        assert_eq!((topic, n, &b), (&b""[..], 41, &want));
+        let (topic, n, _) = decode_replay_message(&[b"kv", &seq, VLLM_MAP], &l).unwrap();
+        assert_eq!((topic, n), (&b"kv"[..], 41));
+        // older vLLM and SGLang to a REQ: (seq, payload)
+        let (topic, n, b) = decode_replay_message(&[&seq, VLLM_MAP], &l).unwrap();
+        assert_eq!((topic, n, &b), (&b""[..], 41, &want));
+        // anything else
+        assert_eq!(
+            decode_replay_message(&[b"x", b"", &seq, VLLM_MAP], &l).unwrap_err(),
+            DecodeError::WrongFrameCount { got: 4 }
+        );
+        assert_eq!(
+            decode_replay_message(&[b"", b"", b"", &seq, VLLM_MAP], &l).unwrap_err(),
+            DecodeError::WrongFrameCount { got: 5 }
+        );
+        assert_eq!(
+            decode_replay_message(&[&seq], &l).unwrap_err(),
+            DecodeError::WrongFrameCount { got: 1 }
+        );
+        let end = seq_frame(REPLAY_END_SEQ);
+        assert_eq!(
+            decode_replay_message(&[b"", b"", &end, b""], &l).unwrap_err(),
+            DecodeError::ReplayEndMarker
+        );
+        // a live message stays three frames
+        assert_eq!(
+            decode_message(&[b"", b"", &seq, VLLM_MAP], &l).unwrap_err(),
+            DecodeError::WrongFrameCount { got: 4 }
+        );
     }
 
     #[test]

@@ -372,6 +372,64 @@ async fn pyzmq_gap_is_replayed_in_order() {
         assert!(stats.gaps >= 1, "{stats:?}");
         assert!(stats.replayed_batches >= 4, "{stats:?}");
         assert_eq!(stats.resyncs, 0);
+        // every reply was understood up to its end marker (a misread end marker shows up as
+        // a timed-out request)
+        assert_eq!(stats.replay_failures, 0, "{stats:?}");
+        assert_eq!(stats.decode_errors, 0, "{stats:?}");
+        h.stop().await;
+    })
+    .await;
+}
+
+/// vLLM 0.32 puts the topic in its replay replies, `("", topic, seq, payload)`: with a
+/// configured topic, a restarted subscriber recovers what was published before it came, and a
+/// gap is replayed, both without a failed request or a resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_vllm_0_32_replay_with_a_topic_recovers_history_and_gaps() {
+    within(async {
+        let mut py =
+            PyPublisher::start(&["--topic", "kv@engine", "--replay-format", "vllm-0.32"]).await;
+        py.publish(3).await; // before the subscriber: only the replay buffer has them
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.topic = b"kv@engine".to_vec();
+        let mut h = Harness::spawn(cfg);
+        h.expect(&batches(0, 0..3)).await;
+        py.warm_up(&h.stats).await;
+        py.skip(2).await;
+        py.publish(2).await;
+        h.expect(&batches(0, 3..7)).await;
+        let stats = h.stats.snapshot();
+        assert!(stats.replayed_batches >= 5, "{stats:?}");
+        assert_eq!(
+            (stats.resyncs, stats.replay_failures, stats.decode_errors),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+        h.stop().await;
+    })
+    .await;
+}
+
+/// Older vLLM and SGLang answer a DEALER with `("", seq, payload)` and end with
+/// `("", -1, "")`: still understood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_legacy_replay_framing_recovers_history_and_gaps() {
+    within(async {
+        let mut py = PyPublisher::start(&["--replay-format", "legacy"]).await;
+        py.publish(3).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        h.expect(&batches(0, 0..3)).await;
+        py.warm_up(&h.stats).await;
+        py.skip(2).await;
+        py.publish(2).await;
+        h.expect(&batches(0, 3..7)).await;
+        let stats = h.stats.snapshot();
+        assert!(stats.replayed_batches >= 5, "{stats:?}");
+        assert_eq!(
+            (stats.resyncs, stats.replay_failures, stats.decode_errors),
+            (0, 0, 0),
+            "{stats:?}"
+        );
         h.stop().await;
     })
     .await;

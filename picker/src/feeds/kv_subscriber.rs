@@ -16,8 +16,10 @@
 //! A ZMQ PUB socket drops messages for a subscriber that does not keep up (its high-water
 //! mark), so gaps are normal. The subscriber tracks numbers with [`SequenceTracker`]; on a gap
 //! it asks the publisher's replay socket (a ROUTER; we connect a DEALER, send an empty delimiter
-//! and the 8-byte big-endian start number, and read `("", seq, payload)` messages up to the end
-//! marker) for the missed batches and delivers them before the batch that revealed the gap.
+//! and the 8-byte big-endian start number, and read `("", topic, seq, payload)` messages from
+//! vLLM 0.32, `("", seq, payload)` from older vLLM and SGLang, up to the end marker; see
+//! [`crate::kv_events::replay_frames`]) for the missed batches and delivers them before the
+//! batch that revealed the gap.
 //! Each replay request uses a fresh DEALER connection, so a reply to an abandoned (timed-out or
 //! capped) request can never be mistaken for the answer to the next one; replays are rare
 //! enough that the extra handshake does not matter.
@@ -88,7 +90,7 @@ use zeromq::{
 
 use crate::kv_events::{
     DecodeError, DecodeLimits, EventBatch, REPLAY_END_SEQ, SeqOutcome, SequenceTracker,
-    decode_event_batch, is_replay_end, parse_seq, seq_frame, split_topic_epoch,
+    decode_event_batch, is_replay_end, parse_seq, replay_frames, seq_frame, split_topic_epoch,
 };
 
 /// Replay requests one catch-up may issue before giving up. A request ends early when it
@@ -661,7 +663,7 @@ impl Feed {
             match self.recv_replay(socket).await? {
                 Ok(message) => {
                     let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
-                    if let Ok((got, Ok(batch))) = self.parse(&frames) {
+                    if let Ok((got, Ok(batch))) = self.parse_replay(&frames) {
                         verified = got == seq && batch.ts.to_bits() == ts_bits;
                     }
                 }
@@ -986,7 +988,7 @@ impl Feed {
             }
             received = true;
             count += 1;
-            match self.parse(&frames) {
+            match self.parse_replay(&frames) {
                 Err(error) => self.decode_error(None, error).await?,
                 Ok((seq, item)) => {
                     if std::mem::take(check_first) && seq > from {
@@ -1084,12 +1086,23 @@ impl Feed {
     // Decoding and delivery
     // --------------------------------------------------------------------------------------
 
-    /// Splits `(topic, seq, payload)` (or `("", seq, payload)` from a replay). `Err` when the
-    /// sequence number itself is unusable; a bad payload is an `Err` item with its number.
+    /// Splits a live message `(topic, seq, payload)`. `Err` when the sequence number itself
+    /// is unusable; a bad payload is an `Err` item with its number.
     fn parse(&self, frames: &[&[u8]]) -> Result<(u64, Item), MessageError> {
         let &[_, seq, payload] = frames else {
             return Err(DecodeError::WrongFrameCount { got: frames.len() }.into());
         };
+        self.parse_parts(seq, payload)
+    }
+
+    /// [`Feed::parse`] for a replay reply, in any framing of [`replay_frames`] (vLLM 0.32's
+    /// `("", topic, seq, payload)`, older `("", seq, payload)`).
+    fn parse_replay(&self, frames: &[&[u8]]) -> Result<(u64, Item), MessageError> {
+        let (_, seq, payload) = replay_frames(frames)?;
+        self.parse_parts(seq, payload)
+    }
+
+    fn parse_parts(&self, seq: &[u8], payload: &[u8]) -> Result<(u64, Item), MessageError> {
         let seq = parse_seq(seq)?;
         if seq == REPLAY_END_SEQ {
             return Err(MessageError::ReservedSequence { seq });
@@ -1241,6 +1254,39 @@ mod tests {
         assert!(matches!(
             f.parse(&[b"", &seq_frame(8), b"\xc1"]),
             Ok((8, Err(MessageError::Decode(_))))
+        ));
+        // a live message is never four frames
+        assert!(matches!(
+            f.parse(&[b"", b"", &seq_frame(7), b"\x90"]),
+            Err(MessageError::Decode(DecodeError::WrongFrameCount {
+                got: 4
+            }))
+        ));
+    }
+
+    #[test]
+    fn replay_replies_parse_in_every_framing() {
+        let f = feed(SubscriberConfig::new("tcp://127.0.0.1:1"));
+        let bad = |r: Result<(u64, Item), MessageError>| match r {
+            Ok((seq, Err(e))) => Some((seq, e)),
+            _ => None,
+        };
+        // vLLM 0.32: ("", topic, seq, payload); the payload here is not a batch, which shows
+        // that the number was read from the right frame
+        assert_eq!(
+            bad(f.parse_replay(&[b"", b"kv", &seq_frame(7), b"\xc1"])).map(|b| b.0),
+            Some(7)
+        );
+        // older vLLM and SGLang: ("", seq, payload)
+        assert_eq!(
+            bad(f.parse_replay(&[b"", &seq_frame(8), b"\xc1"])).map(|b| b.0),
+            Some(8)
+        );
+        assert!(matches!(
+            f.parse_replay(&[b"x", b"", &seq_frame(7), b"\xc1"]),
+            Err(MessageError::Decode(DecodeError::WrongFrameCount {
+                got: 4
+            }))
         ));
     }
 
