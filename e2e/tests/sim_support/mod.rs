@@ -14,7 +14,7 @@ use kvroute_picker::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_me
 use kvroute_picker::index::{IndexMode, KvIndex, Slot};
 use kvroute_picker::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{
-    DecodeLimits, EventBatch, decode_message, is_replay_end, seq_frame,
+    DecodeLimits, EventBatch, decode_message, decode_replay_message, is_replay_end, seq_frame,
 };
 use serde_json::{Value, json};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -164,13 +164,22 @@ pub async fn replay(addr: SocketAddr, start: u64) -> Vec<(u64, EventBatch)> {
         let frames: Vec<Bytes> = msg.into_vec();
         let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
         if is_replay_end(&refs) {
+            assert_eq!(
+                refs.len(),
+                4,
+                "vLLM 0.32's end marker is (\"\", \"\", -1, \"\")"
+            );
             return out;
         }
-        let (topic, seq, batch) = decode_message(&refs, &DecodeLimits::default()).expect("decodes");
-        assert!(
-            topic.is_empty(),
-            "DEALER replies carry the empty delimiter first"
+        // like vLLM 0.32: ("", topic, seq, payload) to a DEALER
+        assert_eq!(
+            refs.len(),
+            4,
+            "a DEALER gets the empty delimiter, the topic, the number and the payload"
         );
+        assert!(refs[0].is_empty(), "the empty delimiter comes first");
+        let (_, seq, batch) =
+            decode_replay_message(&refs, &DecodeLimits::default()).expect("decodes");
         out.push((seq, batch));
     }
 }

@@ -3,10 +3,11 @@
 //!
 //! Every batch gets the next sequence number and goes out as three frames `(topic, seq as
 //! 8-byte big-endian, msgpack payload)`. The last `buffer` batches are kept for replay: a
-//! client (DEALER sending an empty delimiter first, or REQ) sends `("", start_seq)` and
-//! receives `(identity, "", seq, payload)` for every buffered batch at or after `start_seq`,
-//! then the end marker `(identity, "", -1 as 8 bytes, "")`. A DEALER that sends no delimiter
-//! gets replies without one, as newer vLLM does.
+//! client (DEALER sending an empty delimiter first, or REQ) sends `("", start_seq)` and the
+//! ROUTER answers, as vLLM 0.32 does, `(identity, "", topic, seq, payload)` for every buffered
+//! batch at or after `start_seq`, then the end marker `(identity, "", "", -1 as 8 bytes, "")`:
+//! a DEALER receives four frames `("", topic, seq, payload)` and `("", "", -1, "")`. Like vLLM,
+//! a request that is not exactly `(identity, "", start_seq)` is ignored with a warning.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -191,7 +192,7 @@ pub(crate) async fn run_publisher(
             req = replay_req => match req {
                 Ok(msg) => {
                     if let Some(tx) = replay_tx.as_mut() {
-                        serve_replay(tx, msg, &buffer).await;
+                        serve_replay(tx, msg, &cfg.topic, &buffer).await;
                     }
                 }
                 Err(e) => {
@@ -253,41 +254,42 @@ fn garbage_frames(
     }
 }
 
-async fn serve_replay(tx: &mut RouterSendHalf, msg: ZmqMessage, buffer: &VecDeque<(u64, Bytes)>) {
+async fn serve_replay(
+    tx: &mut RouterSendHalf,
+    msg: ZmqMessage,
+    topic: &Bytes,
+    buffer: &VecDeque<(u64, Bytes)>,
+) {
     let frames = msg.into_vec();
-    // (identity, "", start) from REQ or a DEALER with a delimiter; (identity, start) from a
-    // bare DEALER.
-    let (identity, delimited, start) = match frames.as_slice() {
-        [id, empty, start] if empty.is_empty() => (id.clone(), true, start),
-        [id, start] => (id.clone(), false, start),
-        _ => {
-            tracing::warn!(frames = frames.len(), "invalid KV event replay request");
-            return;
-        }
+    // vLLM 0.32 (`ZmqEventPublisher._service_replay`): exactly `(identity, "", start)`.
+    let [identity, _, start] = frames.as_slice() else {
+        tracing::warn!(frames = frames.len(), "invalid KV event replay request");
+        return;
     };
     let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(u64::from_be_bytes) else {
         tracing::warn!(len = start.len(), "replay start sequence must be 8 bytes");
         return;
     };
-    let reply = |seq: u64, payload: Bytes| {
-        let mut f = vec![identity.clone()];
-        if delimited {
-            f.push(Bytes::new());
-        }
-        f.push(Bytes::copy_from_slice(&seq_frame(seq)));
-        f.push(payload);
-        ZmqMessage::try_from(f)
+    let reply = |topic: &Bytes, seq: u64, payload: Bytes| {
+        ZmqMessage::try_from(vec![
+            identity.clone(),
+            Bytes::new(),
+            topic.clone(),
+            Bytes::copy_from_slice(&seq_frame(seq)),
+            payload,
+        ])
     };
     let mut sent = 0usize;
     for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-        if let Ok(m) = reply(*seq, payload.clone()) {
+        if let Ok(m) = reply(topic, *seq, payload.clone()) {
             if tx.send(m).await.is_err() {
                 return;
             }
             sent += 1;
         }
     }
-    if let Ok(m) = reply(REPLAY_END_SEQ, Bytes::new()) {
+    // the end marker carries an empty topic
+    if let Ok(m) = reply(&Bytes::new(), REPLAY_END_SEQ, Bytes::new()) {
         let _ = tx.send(m).await;
     }
     tracing::debug!(start, sent, "served KV event replay");
