@@ -662,6 +662,10 @@ async fn pyzmq_sglang_epoch_change_resyncs() {
 // 5. Garbage never stops the stream
 // ------------------------------------------------------------------------------------------
 
+/// A well-formed, empty batch, `[1.0, [], nil]` in msgpack (hex): what a process other than
+/// the engine could send with any number.
+const BOGUS_BATCH: &str = "93cb3ff000000000000090c0";
+
 /// A message numbered far ahead that the publisher never sent is skipped: the replay that
 /// should fill the gap ends before it (publishers buffer every batch as they send it), so
 /// the batches the replay returned are kept, no resync, and the live stream goes on.
@@ -675,8 +679,9 @@ async fn pyzmq_a_number_past_the_publishers_history_is_skipped() {
         py.warm_up(&h.stats).await;
         py.publish(1).await;
         py.skip(3).await; // 2..=4 in the replay buffer only
-        // seq 5000, payload an empty msgpack array, consuming no number
-        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", "90"]}))
+        // seq 5000 with a well-formed empty batch [1.0, [], nil], consuming no number (an
+        // undecodable one would move nothing at all: see the test after these)
+        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", BOGUS_BATCH]}))
             .await;
         let mut want = batches(0, 0..5);
         want.push(Ev::DecodeError(Some(5000)));
@@ -706,7 +711,7 @@ async fn pyzmq_a_number_past_an_empty_replay_is_refused() {
         py.publish(1).await;
         py.warm_up(&h.stats).await;
         py.publish(1).await;
-        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", "90"]}))
+        py.cmd(json!({"op": "raw", "frames": ["", "0000000000001388", BOGUS_BATCH]}))
             .await;
         h.until(&Ev::DecodeError(Some(5000))).await;
         assert_eq!(
@@ -749,6 +754,44 @@ async fn pyzmq_a_publisher_without_a_buffer_is_followed_after_a_gap() {
             Ev::Batch(0, 7),
         ];
         h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// Issue 12, finding 8: without a replay socket, one undecodable message numbered far ahead
+/// (5,000,000) opened a gap that cleared the endpoint's view, and the real batches after it
+/// then looked like a restart (a second clear). An undecodable message moves nothing, whatever
+/// its number: not far ahead, not back to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_an_undecodable_message_cannot_move_the_sequence() {
+    within(async {
+        let mut py = PyPublisher::start(&["--no-replay"]).await;
+        let mut h = Harness::spawn(test_config(py.pub_endpoint(), None));
+        h.until(&Ev::Connected).await;
+        py.publish(1).await;
+        py.warm_up(&h.stats).await;
+        py.publish(1).await;
+        // 5,000,000 and 0, each with a payload that is not msgpack; no number consumed
+        py.cmd(json!({"op": "raw", "frames": ["", "00000000004c4b40", "c1"]}))
+            .await;
+        py.cmd(json!({"op": "raw", "frames": ["", "0000000000000000", "c1"]}))
+            .await;
+        py.publish(3).await;
+        // the publisher's own batch 5 undecodable: batch 6 right after it shows that 5 was
+        // the publisher's, so 6 is in order (its events are lost, the view is not cleared)
+        py.cmd(json!({"op": "garbage"})).await;
+        py.publish(1).await;
+        let mut want = batches(0, 0..2);
+        want.push(Ev::DecodeError(Some(5_000_000)));
+        want.push(Ev::DecodeError(Some(0)));
+        want.extend(batches(0, 2..5));
+        want.push(Ev::DecodeError(Some(5)));
+        want.push(Ev::Batch(0, 6));
+        h.expect(&want).await;
+        let stats = h.stats.snapshot();
+        assert_eq!((stats.resyncs, stats.gaps), (0, 0), "{stats:?}");
+        assert_eq!(stats.decode_errors, 3, "{stats:?}");
         h.stop().await;
     })
     .await;

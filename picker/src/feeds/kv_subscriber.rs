@@ -494,6 +494,11 @@ struct Feed {
     /// consecutive numbers were refused so. [`REFUSALS_BEFORE_FOLLOWING`] in a row show the
     /// stream really is there.
     refused_ahead: Option<(u64, u32)>,
+    /// Consecutive live numbers `(first, last)` that arrived undecodable, starting at the
+    /// number expected next. An undecodable message never moves the sequence state (its
+    /// number may be as corrupt as its payload); only when the next decodable batch follows
+    /// the run does the run count as the publisher's own, lost, batches.
+    undecoded: Option<(u64, u64)>,
 }
 
 impl Feed {
@@ -514,6 +519,7 @@ impl Feed {
             zero_ts: None,
             newest_ts: None,
             refused_ahead: None,
+            undecoded: None,
         }
     }
 
@@ -705,6 +711,7 @@ impl Feed {
         self.zero_ts = None;
         self.newest_ts = None;
         self.refused_ahead = None;
+        self.undecoded = None;
     }
 
     /// Fetches everything the publisher still buffers (its process start, when the buffer
@@ -762,6 +769,18 @@ impl Feed {
             Ok(parsed) => parsed,
             Err(error) => return self.decode_error(None, error).await,
         };
+        // An undecodable message shows nothing about the stream: a corrupt or foreign
+        // message can carry any number (or topic), and one numbered far ahead would otherwise
+        // open a gap that clears the view. It is dropped and counted, and moves nothing.
+        let batch = match item {
+            Ok(batch) => batch,
+            Err(error) => {
+                self.note_undecoded(seq);
+                return self.decode_error(Some(seq), error).await;
+            }
+        };
+        self.step_over_undecoded(seq);
+        let item: Item = Ok(batch);
         if let Some(topic) = frames.first()
             && let (_, Some(epoch)) = split_topic_epoch(topic)
         {
@@ -792,8 +811,6 @@ impl Feed {
                 .or(self.floor)
                 .is_some_and(|next| seq < next);
         let item = match item {
-            // an undecodable message cannot show that the publisher restarted
-            Err(error) if below => return self.decode_error(Some(seq), error).await,
             // older than what the view already holds: it waited in the socket's queue while
             // a replay moved past it
             Ok(batch) if below && self.newest_ts.is_some_and(|t| batch.ts < t) => {
@@ -827,6 +844,36 @@ impl Feed {
                 }
                 self.after_fill(got, item).await
             }
+        }
+    }
+
+    /// Remembers undecodable live number `seq` if it extends the run that starts at the
+    /// number expected next (see [`Feed::undecoded`]); any other number is ignored.
+    fn note_undecoded(&mut self, seq: u64) {
+        let next = self.tracker.expected().or(self.floor);
+        self.undecoded = match self.undecoded {
+            Some((first, last)) if last.checked_add(1) == Some(seq) => Some((first, seq)),
+            _ if next == Some(seq) => Some((seq, seq)),
+            run => run,
+        };
+    }
+
+    /// A decodable live batch `seq` arrived: if it directly follows a run of undecodable
+    /// numbers that started where the stream was expected to go on, those were the
+    /// publisher's batches (lost to the view, as [`SubscriberEvent::DecodeError`] says), so
+    /// the tracker steps over them and `seq` is in order rather than a gap.
+    fn step_over_undecoded(&mut self, seq: u64) {
+        let Some((first, last)) = self.undecoded.take() else {
+            return;
+        };
+        if last.checked_add(1) != Some(seq) || self.tracker.expected().or(self.floor) != Some(first)
+        {
+            return;
+        }
+        self.floor = None;
+        for n in first..=last {
+            // in order by construction: `first` is the expected number
+            let _ = self.tracker.observe(n);
         }
     }
 
