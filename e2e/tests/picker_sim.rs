@@ -267,7 +267,8 @@ async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
     // nothing in the flood made the picker drop what it knew
     assert_eq!(problems(&p, "resync"), 0);
     let warm = pick(&p, &prompt(20, 256)).await;
-    assert!(warm["matched_blocks"].as_u64().unwrap() >= 16, "{warm}");
+    // 16 blocks cached; the last holds the prompt's last token, which vLLM never serves
+    assert!(warm["matched_blocks"].as_u64().unwrap() >= 15, "{warm}");
 
     let clear: kvroute_e2e::sim::server::fault::FaultSpec =
         serde_json::from_value(json!({"kind": "clear"})).unwrap();

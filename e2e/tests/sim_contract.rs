@@ -394,6 +394,40 @@ async fn events_rekey_into_the_picker_index(encoding: EventEncoding) {
     assert_eq!(predicted, 48);
 }
 
+/// The last-token rule, as vLLM applies it: a fully cached block-aligned prompt of k blocks
+/// hits k-1 blocks, in the response's `cached_tokens` and in
+/// `vllm:prefix_cache_hits_total`; and the picker, crediting `servable_blocks` of what its
+/// index holds, predicts exactly that.
+#[tokio::test]
+async fn a_fully_cached_block_aligned_prompt_hits_all_but_its_last_block() {
+    bounded(async {
+        let (_h, a) = start(|_| {}).await;
+        let mut sub = Sub::connect(a.kv_events[0]).await;
+        let p = tokens(21, 8 * BS);
+        assert_eq!(complete(a.http, &p, 1).await.0, 200);
+        let mut view = PickerView::new();
+        for (_, b) in &sub.drain(Duration::from_millis(300)).await {
+            view.apply(b);
+        }
+        // the index holds all 8 blocks of the prompt
+        assert_eq!(view.matched(&p), 8);
+        let credit = view
+            .matched(&p)
+            .min(kvroute_picker::router::servable_blocks(8 * BS, BS))
+            * BS;
+        let before = metrics(a.http, EngineKind::Vllm).await;
+        let (_, v) = complete(a.http, &p, 1).await;
+        let after = metrics(a.http, EngineKind::Vllm).await;
+        assert_eq!(cached(&v), u64::from(7 * BS));
+        assert_eq!(u64::from(credit), cached(&v));
+        let hits = |m: &kvroute_picker::engine_metrics::EngineMetrics| {
+            m.for_rank(0).unwrap().prefix_cache_hits.unwrap()
+        };
+        assert_eq!(hits(&after) - hits(&before), f64::from(7 * BS));
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn kv_events_rekey_into_the_picker_index_in_every_encoding() {
     bounded(async {

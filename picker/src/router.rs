@@ -117,6 +117,17 @@ pub struct RouteContext<'a> {
     pub now_ms: u64,
 }
 
+/// The most leading blocks of a `prompt_tokens`-token prompt an engine serves from its cache.
+///
+/// vLLM never serves a prompt's last token from cache (it must compute that token to get the
+/// logits): `max_cache_hit_length = num_tokens - 1`, rounded down to whole blocks. So a fully
+/// cached block-aligned prompt of k blocks hits k-1 of them (2,048 tokens in blocks of 32:
+/// 2,016 tokens), and a cached prefix is credited only up to this bound.
+#[must_use]
+pub fn servable_blocks(prompt_tokens: u32, block_size: u32) -> u32 {
+    prompt_tokens.saturating_sub(1) / block_size.max(1)
+}
+
 pub struct Router {
     config: RoutingConfig,
     policy: Box<dyn Policy>,
@@ -234,13 +245,15 @@ impl Router {
         let pinned = session_key.and_then(|k| self.sessions.lock().get(k));
         let block_size = mc.block_size.max(1);
         let prompt_blocks = req.keys.len() as u32;
+        let servable = servable_blocks(req.prompt_tokens, block_size);
         let cands: Vec<Candidate> = pool
             .iter()
             .map(|e| {
                 let slot = ctx.index.slot(&e.id);
                 let matched = slot
                     .and_then(|s| matches.binary_search_by_key(&s, |m| m.slot).ok())
-                    .map_or(0, |i| matches[i].blocks);
+                    .map_or(0, |i| matches[i].blocks)
+                    .min(servable);
                 let cached = (matched * block_size).min(req.prompt_tokens);
                 let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
                 let inflight = ctx.inflight.get(&e.id);
@@ -472,11 +485,66 @@ mod tests {
         ] {
             let d = w.decide(&router(s), &keys, None).expect("decision");
             assert_eq!(d.endpoint, ids[2], "{s:?}");
-            assert_eq!(d.matched_blocks, 256);
+            // 256 blocks cached, but the last one holds the prompt's last token
+            assert_eq!(d.matched_blocks, 255);
+            assert_eq!(d.cached_tokens, 255 * 16);
             assert_eq!(d.fallbacks.len(), 3);
             assert_eq!(d.candidates.len(), 4);
             assert!(d.candidates.iter().all(|c| c.score.is_some()));
         }
+    }
+
+    /// Issue 13, finding 2: vLLM serves at most `prompt_tokens - 1` tokens from cache, in
+    /// whole blocks, so a fully cached block-aligned prompt is credited one block less.
+    #[test]
+    fn the_last_prompt_token_is_never_credited_as_cached() {
+        let ids = [id(1, 0)];
+        let mut w = World::new(&ids);
+        Arc::make_mut(&mut w.mc).block_size = 32;
+        let hasher = BlockHasher::new(32);
+        let root = ChainRoot::new("llama", None, None);
+        let slot = w.index.slot(&ids[0]).expect("slot");
+        let r = router(Strategy::CacheAware);
+        let decide = |w: &World, tokens: &[u32]| {
+            let keys = hasher.keys(root, tokens);
+            let snap = w.set.load();
+            let ctx = RouteContext {
+                endpoints: &snap,
+                index: &w.index,
+                loads: &w.loads,
+                inflight: &w.inflight,
+                now_ms: 0,
+            };
+            let req = RouteRequest {
+                model_config: &w.mc,
+                keys: &keys,
+                prompt_tokens: tokens.len() as u32,
+                session: None,
+                tenant: None,
+                subset: None,
+                allow: None,
+                fallback_hash: 0,
+                explain: false,
+            };
+            r.decide(&ctx, &req).expect("decision")
+        };
+        // 2,048 tokens, every block cached: vLLM hits 2,016
+        let aligned = prompt(3, 2048);
+        w.index.record_routed(slot, &hasher.keys(root, &aligned), 0);
+        let d = decide(&w, &aligned);
+        assert_eq!((d.matched_blocks, d.cached_tokens), (63, 2016));
+        assert_eq!(d.features.uncached_tokens, 32);
+        // one token more: the 64 full blocks are all servable
+        let mut longer = aligned.clone();
+        longer.push(7);
+        let d = decide(&w, &longer);
+        assert_eq!((d.matched_blocks, d.cached_tokens), (64, 2048));
+        // a prompt shorter than what is cached is capped the same way
+        let d = decide(&w, &aligned[..64]);
+        assert_eq!((d.matched_blocks, d.cached_tokens), (1, 32));
+        assert_eq!(servable_blocks(0, 32), 0);
+        assert_eq!(servable_blocks(1, 32), 0);
+        assert_eq!(servable_blocks(33, 32), 1);
     }
 
     #[test]
