@@ -24,6 +24,9 @@ pub struct IngestStats {
     /// Blocks skipped because the event's block size or token count does not fit the model
     /// configuration (a misconfigured pool).
     pub malformed_blocks: u64,
+    /// The block size of the last event whose `block_size` differs from the model
+    /// configuration's: the engine's own, reported as a misconfiguration.
+    pub foreign_block_size: Option<u32>,
     /// Blocks stored under keys no request can match, because the engine folded inputs the
     /// picker does not hash (multimodal or prompt-embedding extra keys) into them.
     pub opaque_blocks: u64,
@@ -130,6 +133,9 @@ pub fn apply_batch(
                 let bs = keys.hasher.block_size();
                 if *block_size as usize != bs || token_ids.len() != block_hashes.len() * bs {
                     stats.malformed_blocks += n;
+                    if *block_size as usize != bs {
+                        stats.foreign_block_size = Some(*block_size);
+                    }
                     continue;
                 }
                 let extra = ExtraView::of(
@@ -296,6 +302,9 @@ mod tests {
         );
         assert_eq!(s.orphan_blocks, 2);
         assert_eq!(s.malformed_blocks, 2);
+        // the engine's own block size, for the misconfiguration report; a short token list
+        // alone is not one
+        assert_eq!(s.foreign_block_size, Some(8));
         assert!(s.needs_resync());
         assert_eq!(ix.live_blocks(), 0);
     }

@@ -16,8 +16,9 @@ use serde_json::Value;
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
+use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
-use super::metrics::{DecisionLabels, Metrics};
+use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::settings::{IndexSettings, Limits};
 use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
 use crate::config::RoutingConfig;
@@ -629,6 +630,8 @@ pub struct PickerCore {
     pub body_buffer: Semaphore,
     labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
+    /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
+    pub diagnostics: parking_lot::Mutex<Diagnostics>,
 }
 
 impl std::fmt::Debug for PickerCore {
@@ -671,7 +674,39 @@ impl PickerCore {
             pool_loaded: tokio::sync::watch::Sender::new(false),
             labels: RwLock::new(BTreeMap::new()),
             kv_ports: RwLock::new(BTreeMap::new()),
+            diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
         })
+    }
+
+    /// Reports what [`Diagnostics`] found: a warning (once, since a finding is raised once)
+    /// and the `endpoint_misconfigured` gauge.
+    pub fn report(&self, finding: Option<Finding>) {
+        let Some(finding) = finding else { return };
+        match finding {
+            Finding::Raised {
+                endpoint,
+                reason,
+                message,
+            } => {
+                tracing::warn!(%endpoint, reason, "endpoint misconfigured: {message}");
+                self.metrics
+                    .endpoint_misconfigured
+                    .get_or_create(&MisconfigLabels {
+                        endpoint: endpoint.to_string(),
+                        reason: reason.to_owned(),
+                    })
+                    .set(1);
+            }
+            Finding::Cleared { endpoint, reason } => {
+                tracing::info!(%endpoint, reason, "endpoint misconfiguration resolved");
+                self.metrics
+                    .endpoint_misconfigured
+                    .remove(&MisconfigLabels {
+                        endpoint: endpoint.to_string(),
+                        reason: reason.to_owned(),
+                    });
+            }
+        }
     }
 
     /// Milliseconds since this picker started (the clock of loads and the index).

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::core::PickerCore;
+use super::diagnostics::BlockSizeSource;
 use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
 use crate::feeds::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
@@ -127,9 +128,13 @@ async fn consume(
     );
     // set while batches are being dropped: the view was cleared once for this episode
     let mut over_budget = false;
+    let mut received = false;
     while let Some(ev) = rx.recv().await {
         match ev {
             SubscriberEvent::Batch { batch, .. } => {
+                if !std::mem::replace(&mut received, true) {
+                    core.report(core.diagnostics.lock().kv_batch(key.endpoint));
+                }
                 if !budget.take(batch.events.len(), Instant::now()) {
                     core.metrics.event_problem("rate_limited");
                     if !std::mem::replace(&mut over_budget, true) {
@@ -158,6 +163,14 @@ async fn consume(
                 }
                 if stats.malformed_blocks > 0 {
                     core.metrics.event_problem("malformed_blocks");
+                }
+                if let Some(engine) = stats.foreign_block_size {
+                    core.report(core.diagnostics.lock().block_size_seen(
+                        key.endpoint,
+                        key.block_size,
+                        engine,
+                        BlockSizeSource::KvEvents,
+                    ));
                 }
                 if stats.overflowed {
                     core.metrics.event_problem("overflow");
@@ -207,6 +220,7 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                 let keep = want.get(id) == Some(key);
                 if !keep {
                     token.cancel();
+                    core.report(core.diagnostics.lock().kv_unsubscribed(id));
                 }
                 keep
             });
@@ -253,6 +267,11 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                 cfg.max_payload_bytes = core.limits.max_event_payload_bytes;
                 cfg.limits.max_events_per_batch = core.limits.max_events_per_batch;
                 let (tx, rx) = cfg.channel();
+                core.report(core.diagnostics.lock().kv_subscribed(
+                    id,
+                    &key.publisher,
+                    core.now_ms(),
+                ));
                 // the consumer ends when the subscriber (the sender) does
                 drop(spawn_subscriber(cfg, tx, token.clone()));
                 tokio::spawn(consume(core.clone(), key.clone(), rx));

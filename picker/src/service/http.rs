@@ -442,6 +442,7 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "inflight": core.inflight.get(&e.id),
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
+                "diagnostics": core.diagnostics.lock().get(&e.id),
             })
         })
         .collect();

@@ -19,6 +19,12 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MisconfigLabels {
+    pub endpoint: String,
+    pub reason: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     pub decisions: Family<DecisionLabels, Counter>,
@@ -37,6 +43,7 @@ pub struct Metrics {
     pub index_blocks: Gauge,
     pub retries: Counter,
     pub gateway_fallbacks: Counter,
+    pub endpoint_misconfigured: Family<MisconfigLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -142,6 +149,14 @@ impl Metrics {
             "Requests a gateway served on another endpoint than the chosen one (it walked down the fallback list)",
             gateway_fallbacks.clone(),
         );
+        let endpoint_misconfigured = Family::<MisconfigLabels, Gauge>::default();
+        registry.register(
+            "endpoint_misconfigured",
+            "1 while an endpoint shows a misconfiguration: reason block_size_mismatch (the \
+             model config's blockSize differs from the engine's) or kv_events_never_received \
+             (the engine serves requests but no KV event ever arrived)",
+            endpoint_misconfigured.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -160,6 +175,7 @@ impl Metrics {
             index_blocks,
             retries,
             gateway_fallbacks,
+            endpoint_misconfigured,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The picker service: listeners, feeds and the endpoint source around the routing core.
 
 pub mod core;
+pub mod diagnostics;
 pub mod errors;
 pub mod events;
 pub mod ext_proc;

@@ -10,6 +10,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::core::PickerCore;
+use super::diagnostics::{BlockSizeSource, EngineActivity};
 use super::settings::ScrapeSettings;
 use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
 use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
@@ -120,6 +121,7 @@ pub async fn run_scraper(
             .await;
         let now = core.now_ms();
         let mut capacity_updates = Vec::new();
+        let mut findings = Vec::new();
         {
             let mut loads = core.loads.write();
             for (t, r) in &results {
@@ -133,6 +135,25 @@ pub async fn run_scraper(
                             else {
                                 continue;
                             };
+                            {
+                                let mut diagnostics = core.diagnostics.lock();
+                                // SGLang reports no page size (its `block_size` is 1 token)
+                                if matches!(t.engine, EngineKind::Vllm | EngineKind::Trtllm)
+                                    && let Some(engine) = sample.block_size
+                                {
+                                    findings.push(diagnostics.block_size_seen(
+                                        *id,
+                                        t.block_size,
+                                        engine,
+                                        BlockSizeSource::Metrics,
+                                    ));
+                                }
+                                let activity = EngineActivity {
+                                    requests: sample.waiting + sample.running,
+                                    prefix_cache_queries: sample.prefix_cache_queries,
+                                };
+                                findings.push(diagnostics.engine_seen(*id, activity, now));
+                            }
                             let load =
                                 EndpointLoad::from_sample(sample, t.engine, t.block_size, now);
                             if let Some(cap) = load.kv_capacity_blocks
@@ -151,6 +172,9 @@ pub async fn run_scraper(
                     }
                 }
             }
+        }
+        for finding in findings {
+            core.report(finding);
         }
         // learned KV capacities bound the index per endpoint
         if !capacity_updates.is_empty() {
@@ -218,6 +242,10 @@ pub async fn run_scraper(
         last_ok.retain(|id, _| snap.get(id).is_some());
         first_seen.retain(|id, _| snap.get(id).is_some());
         budgets.retain(|id, _| snap.get(id).is_some());
+        let gone = core.diagnostics.lock().retain(|id| snap.get(id).is_some());
+        for finding in gone {
+            core.report(Some(finding));
+        }
         // approximate entries past their TTL
         core.index.write().expire(now);
     }

@@ -41,6 +41,8 @@ pub struct EngineState {
     /// crash mid-stream).
     pub crash_after_first: AtomicBool,
     pub waiting: AtomicU64,
+    /// `vllm:cache_config_info{block_size=...}` reported while non-zero.
+    pub block_size: AtomicU64,
 }
 
 pub struct FakeEngine {
@@ -117,14 +119,25 @@ async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
         tokio::time::sleep(Duration::from_secs(3600)).await;
     }
     let w = s.waiting.load(Ordering::SeqCst);
-    let text = format!(
-        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"m\",engine=\"0\"}} {w}\n\
+    let bs = s.block_size.load(Ordering::SeqCst);
+    let cache_config = if bs == 0 {
+        String::new()
+    } else {
+        format!(
+            "# TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"0\",num_gpu_blocks=\"512\"}} 1.0\n\
+             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"1\",num_gpu_blocks=\"512\"}} 1.0\n"
+        )
+    };
+    let text = cache_config
+        + &format!(
+            "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"m\",engine=\"0\"}} {w}\n\
          # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\",engine=\"0\"}} 0\n\
          # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"m\",engine=\"0\"}} 0.1\n\
          vllm:num_requests_waiting{{model_name=\"m\",engine=\"1\"}} {w}\n\
          vllm:num_requests_running{{model_name=\"m\",engine=\"1\"}} 0\n\
          vllm:kv_cache_usage_perc{{model_name=\"m\",engine=\"1\"}} 0.1\n"
-    );
+        );
     text.into_response()
 }
 
