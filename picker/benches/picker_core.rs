@@ -162,6 +162,7 @@ fn bench_decision(c: &mut Criterion) {
                             loads: &loads,
                             inflight: &inflight,
                             now_ms: 0,
+                            ejected: &[],
                         };
                         let req = RouteRequest {
                             model_config: &mc,

@@ -18,6 +18,7 @@ pub mod inflight;
 pub mod ingest;
 pub mod kv_events;
 pub mod load;
+pub mod outlier;
 pub mod policy;
 /// Pool specification types (shared with the `InferencePool` resource).
 pub mod pool {

@@ -115,6 +115,8 @@ pub struct RouteContext<'a> {
     pub loads: &'a LoadView,
     pub inflight: &'a InflightTracker,
     pub now_ms: u64,
+    /// Endpoints passive health ejected (sorted): skipped unless nothing else is eligible.
+    pub ejected: &'a [EndpointId],
 }
 
 /// The most leading blocks of a `prompt_tokens`-token prompt an engine serves from its cache.
@@ -202,9 +204,10 @@ impl Router {
         let mc = req.model_config;
         let threshold_ms = self.config.staleness_threshold.as_millis() as u64;
 
-        // 1. filters: model config, state, subset, tenant
+        // 1. filters: model config, state, subset, tenant, passive health
         let mut fresh: Vec<&Endpoint> = Vec::new();
         let mut stale: Vec<&Endpoint> = Vec::new();
+        let mut ejected: Vec<&Endpoint> = Vec::new();
         for e in ctx.endpoints.endpoints() {
             if e.model_config.name != mc.name || e.state == EndpointState::Draining {
                 continue;
@@ -219,12 +222,30 @@ impl Router {
             {
                 continue;
             }
+            if ctx.ejected.binary_search(&e.id).is_ok() {
+                ejected.push(e);
+                continue;
+            }
             if e.state == EndpointState::Stale
                 || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
             {
                 stale.push(e);
             } else {
                 fresh.push(e);
+            }
+        }
+        // Ejection only steers traffic away while something else can take it: when every
+        // eligible endpoint is ejected (a tenant's dedicated one, a gateway's subset), they
+        // are candidates as if they were not (Envoy's panic mode).
+        if fresh.is_empty() && stale.is_empty() {
+            for e in ejected {
+                if e.state == EndpointState::Stale
+                    || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
+                {
+                    stale.push(e);
+                } else {
+                    fresh.push(e);
+                }
             }
         }
         let failed_open = fresh.is_empty() && !stale.is_empty();
@@ -441,6 +462,7 @@ mod tests {
                 loads: &self.loads,
                 inflight: &self.inflight,
                 now_ms: 0,
+                ejected: &[],
             };
             let req = RouteRequest {
                 model_config: &self.mc,
@@ -514,6 +536,7 @@ mod tests {
                 loads: &w.loads,
                 inflight: &w.inflight,
                 now_ms: 0,
+                ejected: &[],
             };
             let req = RouteRequest {
                 model_config: &w.mc,
@@ -668,6 +691,7 @@ mod tests {
             loads: &w.loads,
             inflight: &w.inflight,
             now_ms: 0,
+            ejected: &[],
         };
         let subset = [SocketAddr::new(ids[1].address, 8000)];
         let base = RouteRequest {
@@ -693,6 +717,48 @@ mod tests {
             r.decide(&ctx, &req),
             Err(RouteError::NoEligibleEndpoint("default".into()))
         );
+    }
+
+    #[test]
+    fn ejected_endpoints_are_skipped_unless_nothing_else_is_eligible() {
+        let ids: Vec<_> = (1..=3).map(|n| id(n, 0)).collect();
+        let w = World::new(&ids);
+        let keys = w.keys(&prompt(8, 64));
+        let snap = w.set.load();
+        let r = router(Strategy::LeastLoad);
+        let decide = |ejected: &[EndpointId],
+                      allow: Option<&(dyn Fn(&Endpoint) -> bool + Sync)>| {
+            let ctx = RouteContext {
+                endpoints: &snap,
+                index: &w.index,
+                loads: &w.loads,
+                inflight: &w.inflight,
+                now_ms: 0,
+                ejected,
+            };
+            let req = RouteRequest {
+                model_config: &w.mc,
+                keys: &keys,
+                prompt_tokens: 64,
+                session: None,
+                tenant: None,
+                subset: None,
+                allow,
+                fallback_hash: 0,
+                explain: false,
+            };
+            r.decide(&ctx, &req).expect("decision")
+        };
+        let d = decide(&ids[..2], None);
+        assert_eq!(
+            (d.endpoint, d.fallbacks),
+            (ids[2], vec![]),
+            "ejected ones are no fallbacks"
+        );
+        // a tenant whose only endpoint is ejected is still served there
+        let only_first = |e: &Endpoint| e.id == ids[0];
+        let d = decide(&ids[..1], Some(&only_first));
+        assert_eq!(d.endpoint, ids[0]);
     }
 
     #[test]

@@ -37,6 +37,7 @@ fn decide(
         loads: &loads,
         inflight: &inflight,
         now_ms: 0,
+        ejected: &[],
     };
     let req = RouteRequest {
         model_config: mc,

@@ -54,6 +54,7 @@ struct FakePicker {
     behavior: Behavior,
     inputs: Mutex<Vec<PickInput>>,
     served: Mutex<Vec<(u64, SocketAddr)>>,
+    statuses: Mutex<Vec<(u64, u16)>>,
     completed: Mutex<Vec<u64>>,
 }
 
@@ -63,6 +64,7 @@ impl FakePicker {
             behavior,
             inputs: Mutex::new(Vec::new()),
             served: Mutex::new(Vec::new()),
+            statuses: Mutex::new(Vec::new()),
             completed: Mutex::new(Vec::new()),
         })
     }
@@ -119,6 +121,10 @@ impl EndpointPicker for FakePicker {
 
     fn on_response_served(&self, request_id: u64, endpoint: SocketAddr) {
         self.served.lock().unwrap().push((request_id, endpoint));
+    }
+
+    fn on_response_status(&self, request_id: u64, status: u16) {
+        self.statuses.lock().unwrap().push((request_id, status));
     }
 
     fn on_response_complete(&self, request_id: u64) {
@@ -683,6 +689,8 @@ async fn subset_hint_reaches_the_picker() {
         envoy.recv().await;
         let id = picker.inputs()[0].request_id;
         assert_eq!(*picker.served.lock().unwrap(), vec![(id, ep("10.1.0.2:8000"))]);
+        // and so does the response status (passive health)
+        assert_eq!(*picker.statuses.lock().unwrap(), vec![(id, 200)]);
     })
     .await
     .unwrap();

@@ -200,6 +200,7 @@ impl<'a> Sim<'a> {
                 loads: &self.loads,
                 inflight: &self.tracker,
                 now_ms: t as u64,
+                ejected: &[],
             };
             let req = RouteRequest {
                 model_config: &self.model_config,

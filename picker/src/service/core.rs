@@ -632,6 +632,8 @@ pub struct PickerCore {
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
     pub diagnostics: parking_lot::Mutex<Diagnostics>,
+    /// Passive health (see `passive_health`).
+    pub(super) outliers: parking_lot::Mutex<crate::outlier::OutlierDetector>,
 }
 
 impl std::fmt::Debug for PickerCore {
@@ -664,6 +666,9 @@ impl PickerCore {
             inflight: InflightTracker::new(),
             render_slots: Semaphore::new(limits.max_render_concurrency),
             body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
+            outliers: parking_lot::Mutex::new(crate::outlier::OutlierDetector::new(
+                limits.outlier_detection.clone(),
+            )),
             limits,
             index_settings,
             metrics: Metrics::new(),
@@ -844,6 +849,7 @@ impl PickerCore {
                 router.forget_endpoint(id);
             }
         }
+        self.sync_outlier_pool();
         self.metrics
             .endpoints
             .set(self.endpoints.load().len() as i64);
@@ -890,6 +896,7 @@ impl PickerCore {
     ) -> Result<EndpointId, ApiError> {
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
+        let ejected = self.ejected_endpoints();
         let snapshot = self.endpoints.load();
         snapshot
             .endpoints()
@@ -899,7 +906,11 @@ impl PickerCore {
                 subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
             })
             .filter(|e| tenancy.allows(tenant.as_deref(), e))
-            .min_by_key(|e| (self.inflight.get(&e.id).requests, e.id))
+            // an endpoint passive health ejected only when nothing else is eligible
+            .min_by_key(|e| {
+                let ejected = ejected.binary_search(&e.id).is_ok();
+                (ejected, self.inflight.get(&e.id).requests, e.id)
+            })
             .map(|e| e.id)
             .ok_or_else(|| {
                 ApiError::unavailable(
@@ -980,6 +991,7 @@ impl PickerCore {
             .filter(|s| !s.is_empty() && s.len() <= 256);
         let fallback_hash = xxhash_rust::xxh3::xxh3_64(&req.raw[..req.raw.len().min(4096)]);
         let allow_fn = |e: &Endpoint| tenancy.allows(tenant.as_deref(), e);
+        let ejected = self.ejected_endpoints();
         let decision = {
             let index = self.index.read();
             let loads = self.loads.read();
@@ -989,6 +1001,7 @@ impl PickerCore {
                 loads: &loads,
                 inflight: &self.inflight,
                 now_ms: self.now_ms(),
+                ejected: &ejected,
             };
             let rr = RouteRequest {
                 model_config: &config,

@@ -160,6 +160,11 @@ pub trait EndpointPicker: Send + Sync + 'static {
     /// when it fell back. Called at most once per request, before `on_response_complete`.
     fn on_response_served(&self, _request_id: u64, _endpoint: SocketAddr) {}
 
+    /// The response head came back with this `:status` (for passive health). Called at most
+    /// once per request, after `on_response_served` when the proxy reports both with the
+    /// response headers.
+    fn on_response_status(&self, _request_id: u64, _status: u16) {}
+
     /// The request that `pick` answered `Ok` for is over. Called exactly once for every `Ok`
     /// pick, whatever happened next: the response ended, the proxy cancelled, the stream broke,
     /// or the answer could not be delivered. This is what makes in-flight counts safe to keep.
@@ -497,6 +502,13 @@ impl<P: EndpointPicker> StreamTask<P> {
             processing_request::Request::RequestTrailers(_) => self.on_request_trailers().await,
             processing_request::Request::ResponseHeaders(headers) => {
                 self.require_routed("response headers")?;
+                if let (Some(status), Some(inflight)) =
+                    (response_status(headers.headers.as_ref()), &self.inflight)
+                {
+                    inflight
+                        .picker
+                        .on_response_status(inflight.request_id, status);
+                }
                 let answer = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
                         HeadersResponse::default(),
@@ -852,6 +864,17 @@ fn parse_request_head(headers: Option<&ProtoHeaderMap>) -> Result<RequestHead, S
         head.headers.insert(http::header::HOST, authority);
     }
     Ok(head)
+}
+
+/// The `:status` of a response head, when the proxy sent one.
+fn response_status(headers: Option<&ProtoHeaderMap>) -> Option<u16> {
+    let header = headers?.headers.iter().find(|h| h.key == ":status")?;
+    let raw: &[u8] = if header.raw_value.is_empty() {
+        header.value.as_bytes()
+    } else {
+        &header.raw_value
+    };
+    std::str::from_utf8(raw).ok()?.trim().parse().ok()
 }
 
 /// The candidate list in `filter_metadata["envoy.lb.subset_hint"]`, if the proxy sent one.

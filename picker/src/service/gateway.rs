@@ -10,13 +10,17 @@ use parking_lot::Mutex;
 use super::core::{Admission, ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
+use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
+use crate::outlier::Outcome;
 
 struct Pending {
-    /// The endpoint the answer put first.
-    chosen: SocketAddr,
     guard: InflightGuard,
     _admission: Admission,
+    /// The chosen endpoint, then the fallbacks, in the order the gateway tries them.
+    targets: Vec<EndpointId>,
+    /// The one the gateway reported as serving, once it did.
+    served: Option<EndpointId>,
 }
 
 /// Adapts [`PickerCore`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -101,9 +105,12 @@ impl EndpointPicker for GatewayPicker {
         self.pending.lock().insert(
             input.request_id,
             Pending {
-                chosen: endpoints[0],
                 guard,
                 _admission: admission,
+                targets: std::iter::once(d.endpoint)
+                    .chain(d.fallbacks.iter().copied())
+                    .collect(),
+                served: None,
             },
         );
         Ok(PickOutput {
@@ -118,12 +125,32 @@ impl EndpointPicker for GatewayPicker {
 
     fn on_response_served(&self, request_id: u64, endpoint: SocketAddr) {
         // response headers are back: the engine has produced its first output
-        if let Some(p) = self.pending.lock().get_mut(&request_id) {
-            p.guard.first_token();
-            if endpoint != p.chosen {
-                self.core.metrics.gateway_fallbacks.inc();
-            }
+        let mut pending = self.pending.lock();
+        let Some(p) = pending.get_mut(&request_id) else {
+            return;
+        };
+        p.guard.first_token();
+        let at = |id: &EndpointId| SocketAddr::new(id.address, id.port) == endpoint;
+        p.served = p.targets.iter().copied().find(at);
+        let primary = p.targets[0];
+        drop(pending);
+        // the gateway moves on to a fallback only when the chosen endpoint failed
+        if !at(&primary) {
+            self.core.metrics.gateway_fallbacks.inc();
+            self.core.record_outcome(primary, Outcome::GatewayError);
         }
+    }
+
+    fn on_response_status(&self, request_id: u64, status: u16) {
+        let endpoint = {
+            let pending = self.pending.lock();
+            let Some(p) = pending.get(&request_id) else {
+                return;
+            };
+            p.served.unwrap_or(p.targets[0])
+        };
+        self.core
+            .record_outcome(endpoint, Outcome::from_status(status));
     }
 
     fn on_body_timeout(&self) {

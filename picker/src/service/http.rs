@@ -20,6 +20,7 @@ use super::core::{ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
+use crate::outlier::Outcome;
 
 /// State shared by the HTTP handlers.
 #[derive(Clone, Debug)]
@@ -122,6 +123,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
+    state.core.refresh_outlier_gauges();
     (
         [(
             header::CONTENT_TYPE,
@@ -268,7 +270,11 @@ async fn proxy_inner(
             req = req.header(name, value);
         }
         let sent = Instant::now();
-        match tokio::time::timeout(core.limits.upstream_timeout, req.send()).await {
+        let result = tokio::time::timeout(core.limits.upstream_timeout, req.send()).await;
+        if let Some(outcome) = outcome_of(&result) {
+            core.record_outcome(ep, outcome);
+        }
+        match result {
             Err(_) => {
                 return Err(ApiError::gateway_timeout(format!(
                     "endpoint {ep} sent no response within {:?}",
@@ -294,10 +300,33 @@ async fn proxy_inner(
                     tracing::warn!(endpoint = %ep, error = %e, "endpoint failed before responding, retrying on the next fallback");
                 }
             }
+            // A 5xx head with nothing relayed yet: the client has seen nothing of it, so the
+            // request goes to the next fallback. That is safe because the picker holds the
+            // whole body, and a completion that failed without output had no effect a client
+            // could observe (an engine keeps nothing from it but KV cache), so sending it again
+            // cannot duplicate anything. The last target's 5xx goes to the client as it came.
+            Ok(Ok(resp)) if resp.status().is_server_error() && attempt + 1 < targets.len() => {
+                core.metrics.retries.inc();
+                tracing::warn!(endpoint = %ep, status = resp.status().as_u16(), "endpoint answered a 5xx, retrying on the next fallback");
+                last_err =
+                    ApiError::bad_gateway(format!("endpoint {ep} answered {}", resp.status()));
+            }
             Ok(Ok(resp)) => return Ok(stream_back(core.clone(), resp, guard, sent, admission)),
         }
     }
     Err(last_err)
+}
+
+/// What an attempt tells passive health; `None` for the picker's own failures.
+fn outcome_of(
+    result: &Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed>,
+) -> Option<Outcome> {
+    match result {
+        Err(_) => Some(Outcome::GatewayError),
+        Ok(Err(e)) if e.is_builder() => None,
+        Ok(Err(_)) => Some(Outcome::GatewayError),
+        Ok(Ok(resp)) => Some(Outcome::from_status(resp.status().as_u16())),
+    }
 }
 
 /// Relay the engine's response chunk by chunk, never buffering it. The in-flight guard (and
@@ -443,6 +472,7 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
                 "diagnostics": core.diagnostics.lock().get(&e.id),
+                "outlier": core.outlier_status(&e.id),
             })
         })
         .collect();

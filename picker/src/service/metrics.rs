@@ -15,6 +15,17 @@ pub struct DecisionLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    pub endpoint: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EjectionLabels {
+    pub endpoint: String,
+    pub trigger: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: String,
 }
@@ -44,6 +55,8 @@ pub struct Metrics {
     pub retries: Counter,
     pub gateway_fallbacks: Counter,
     pub endpoint_misconfigured: Family<MisconfigLabels, Gauge>,
+    pub outlier_ejections: Family<EjectionLabels, Counter>,
+    pub outlier_ejected: Family<EndpointLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -140,7 +153,8 @@ impl Metrics {
         let retries = Counter::default();
         registry.register(
             "upstream_retries",
-            "Requests retried on a fallback endpoint after a connection failure",
+            "Requests retried on a fallback endpoint after a connection failure or a 5xx \
+             answered before any response byte was relayed",
             retries.clone(),
         );
         let gateway_fallbacks = Counter::default();
@@ -156,6 +170,18 @@ impl Metrics {
              model config's blockSize differs from the engine's) or kv_events_never_received \
              (the engine serves requests but no KV event ever arrived)",
             endpoint_misconfigured.clone(),
+        );
+        let outlier_ejections = Family::<EjectionLabels, Counter>::default();
+        registry.register(
+            "outlier_ejections",
+            "Endpoints taken out of rotation by passive health, by endpoint and trigger",
+            outlier_ejections.clone(),
+        );
+        let outlier_ejected = Family::<EndpointLabels, Gauge>::default();
+        registry.register(
+            "outlier_ejected",
+            "1 while passive health keeps the endpoint out of rotation",
+            outlier_ejected.clone(),
         );
         Self {
             registry,
@@ -176,6 +202,8 @@ impl Metrics {
             retries,
             gateway_fallbacks,
             endpoint_misconfigured,
+            outlier_ejections,
+            outlier_ejected,
         }
     }
 

@@ -10,6 +10,7 @@ pub mod http;
 pub mod kube_source;
 pub mod listener;
 pub mod metrics;
+pub mod passive_health;
 pub mod scraper;
 pub mod settings;
 pub mod source;

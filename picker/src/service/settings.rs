@@ -145,6 +145,8 @@ pub struct Limits {
     pub max_events_per_second: u64,
     /// Events a publisher may send at once above the sustained rate.
     pub event_burst: u64,
+    /// Passive health: endpoints that keep failing are taken out of rotation for a while.
+    pub outlier_detection: crate::outlier::OutlierDetection,
 }
 
 impl Default for Limits {
@@ -170,6 +172,7 @@ impl Default for Limits {
             max_events_per_batch: 65_536,
             max_events_per_second: 200_000,
             event_burst: 400_000,
+            outlier_detection: crate::outlier::OutlierDetection::default(),
         }
     }
 }
@@ -353,6 +356,7 @@ impl PickerConfig {
                 }
             }
         }
+        l.outlier_detection.validate("limits.outlierDetection")?;
         Ok(())
     }
 

@@ -7,7 +7,7 @@ pub mod gateway;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -43,6 +43,9 @@ pub struct EngineState {
     pub waiting: AtomicU64,
     /// `vllm:cache_config_info{block_size=...}` reported while non-zero.
     pub block_size: AtomicU64,
+    /// Completions answer this status (with an error body) at once while non-zero: an engine
+    /// that fails fast while its metrics look healthy.
+    pub fail_status: AtomicU16,
 }
 
 pub struct FakeEngine {
@@ -80,6 +83,12 @@ async fn completion(
     *s.last_body.lock() = Some(v.clone());
     if s.hang.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    let fail = s.fail_status.load(Ordering::SeqCst);
+    if fail != 0 {
+        let status = StatusCode::from_u16(fail).unwrap();
+        let body = serde_json::json!({"error": {"message": "engine failure", "code": fail}});
+        return (status, axum::Json(body)).into_response();
     }
     if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
         let stall = s.stall_after_first.load(Ordering::SeqCst);

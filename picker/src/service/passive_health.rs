@@ -1,0 +1,77 @@
+//! Passive health wiring: what forwarded requests got feeds the outlier detector
+//! ([`crate::outlier`]); its ejections reach the router's candidate filter, the metrics and
+//! `/debug/endpoints`. The proxy and the ext_proc path both report here.
+
+use super::core::PickerCore;
+use super::metrics::{EjectionLabels, EndpointLabels};
+use crate::endpoint::EndpointId;
+use crate::outlier::{Outcome, OutlierStatus};
+
+impl PickerCore {
+    /// One request's result on `endpoint`.
+    pub fn record_outcome(&self, endpoint: EndpointId, outcome: Outcome) {
+        let now = self.now_ms();
+        let Some(e) = self.outliers.lock().on_result(endpoint, outcome, now) else {
+            return;
+        };
+        let name = endpoint.to_string();
+        self.metrics
+            .outlier_ejections
+            .get_or_create(&EjectionLabels {
+                endpoint: name.clone(),
+                trigger: e.trigger.as_str().to_owned(),
+            })
+            .inc();
+        self.metrics
+            .outlier_ejected
+            .get_or_create(&EndpointLabels { endpoint: name })
+            .set(1);
+        tracing::warn!(
+            endpoint = %endpoint,
+            trigger = e.trigger.as_str(),
+            ejections = e.ejections,
+            for_ms = e.until_ms.saturating_sub(now),
+            "endpoint ejected by passive health"
+        );
+    }
+
+    /// The endpoints out of rotation right now, sorted (what the router skips).
+    pub fn ejected_endpoints(&self) -> Vec<EndpointId> {
+        self.outliers.lock().ejected(self.now_ms())
+    }
+
+    pub fn outlier_status(&self, endpoint: &EndpointId) -> Option<OutlierStatus> {
+        self.outliers.lock().status(endpoint, self.now_ms())
+    }
+
+    /// Follow the endpoint set: new endpoints start healthy, departed ones are forgotten
+    /// with their gauges. Called whenever a pool view is applied.
+    pub(super) fn sync_outlier_pool(&self) {
+        let snap = self.endpoints.load();
+        let departed = self.outliers.lock().set_pool(
+            snap.endpoints()
+                .iter()
+                .map(|e| (e.id, e.model_config.name.clone())),
+        );
+        for id in departed {
+            self.metrics.outlier_ejected.remove(&EndpointLabels {
+                endpoint: id.to_string(),
+            });
+        }
+        self.refresh_outlier_gauges();
+    }
+
+    /// Ejections end by themselves as time passes: bring the per-endpoint gauges up to date
+    /// (before metrics are served).
+    pub fn refresh_outlier_gauges(&self) {
+        let states: Vec<(EndpointId, bool)> = self.outliers.lock().states(self.now_ms()).collect();
+        for (id, ejected) in states {
+            self.metrics
+                .outlier_ejected
+                .get_or_create(&EndpointLabels {
+                    endpoint: id.to_string(),
+                })
+                .set(i64::from(ejected));
+        }
+    }
+}
