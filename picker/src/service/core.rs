@@ -766,6 +766,7 @@ impl PickerCore {
             };
             catalog.insert(spec.name.clone(), entry);
         }
+        super::source::check_view_endpoints_unique(&view.endpoints)?;
         let mut endpoints = Vec::with_capacity(view.endpoints.len());
         let mut labels = BTreeMap::new();
         let mut kv_ports = BTreeMap::new();

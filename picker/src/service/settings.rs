@@ -286,6 +286,7 @@ impl PickerConfig {
                 return Err(format!("endpoints[{i}].port must be 1-65535"));
             }
         }
+        super::source::check_static_endpoints_unique(self)?;
         self.routing.validate()?;
         self.tenancy.validate()?;
         let l = &self.limits;

@@ -5,6 +5,8 @@
 //! EndpointSlices) implement the same trait, so the rest of the picker does not know which
 //! one runs.
 
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::core::{EndpointView, KvPorts, PoolView};
 use super::settings::PickerConfig;
+use crate::endpoint::EndpointId;
 
 pub trait EndpointSource: Send + 'static {
     fn name(&self) -> &'static str;
@@ -62,6 +65,75 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
         tenancy: c.tenancy.clone(),
         endpoints,
     }
+}
+
+/// Static endpoints must not overlap: the same address and port listed twice (with
+/// conflicting labels or model configs, the first would win in routing and the last in the
+/// labels). The error names both entries.
+pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), String> {
+    let mut owners: BTreeMap<SocketAddr, usize> = BTreeMap::new();
+    for (i, e) in c.endpoints.iter().enumerate() {
+        let Some(spec) = c.model_configs.iter().find(|m| m.name == e.model_config) else {
+            continue;
+        };
+        let mut spec = spec.clone();
+        if let Some(p) = e.port {
+            spec.port = p;
+        }
+        for (port, _) in spec.rank_ports() {
+            let socket = SocketAddr::new(e.address, port);
+            match owners.get(&socket) {
+                Some(&first) if first != i => {
+                    return Err(format!(
+                        "endpoints[{i}] and endpoints[{first}] both serve {socket}: list each \
+                         address and port once"
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    owners.insert(socket, i);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A pool view must list each endpoint once, and one address and port under one model config
+/// only; the error names the conflicting entries. (The Kubernetes source merges the listings
+/// of one pod under one model config, so a duplicate here is always a conflict.)
+pub fn check_view_endpoints_unique(endpoints: &[EndpointView]) -> Result<(), String> {
+    let mut by_id: BTreeMap<EndpointId, &EndpointView> = BTreeMap::new();
+    let mut by_socket: BTreeMap<SocketAddr, &EndpointView> = BTreeMap::new();
+    let describe =
+        |v: &EndpointView| format!("model config {:?}, labels {:?}", v.model_config, v.labels);
+    for v in endpoints {
+        if let Some(first) = by_id.insert(v.id, v) {
+            return Err(format!(
+                "endpoint {} is listed twice ({}; and {})",
+                v.id,
+                describe(first),
+                describe(v)
+            ));
+        }
+        let socket = SocketAddr::new(v.id.address, v.id.port);
+        match by_socket.get(&socket) {
+            Some(first) if first.model_config != v.model_config => {
+                return Err(format!(
+                    "endpoints {} and {} share {socket} under different model configs ({}; and {})",
+                    first.id,
+                    v.id,
+                    describe(first),
+                    describe(v)
+                ));
+            }
+            Some(_) => {}
+            None => {
+                by_socket.insert(socket, v);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Watches a YAML config file and republishes it when its contents change.
@@ -152,5 +224,85 @@ impl EndpointSource for StaticSource {
             let _ = tx.send(Some(self.0));
             cancel.cancelled().await;
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::core::PickerCore;
+    use crate::service::settings::{IndexSettings, Limits};
+
+    const TWO: &str = r#"
+modelConfigs:
+  - {name: a, model: m, port: 8000}
+  - {name: b, model: m, port: 9000}
+endpoints:
+  - {address: 127.0.0.2, modelConfig: a, labels: {tenant: acme}}
+  - {address: 127.0.0.3, modelConfig: a}
+"#;
+
+    #[test]
+    fn a_static_address_listed_twice_is_refused_naming_both_entries() {
+        assert!(PickerConfig::from_yaml(TWO).is_ok());
+        for dup in [
+            // same address and port, conflicting labels
+            "  - {address: 127.0.0.2, modelConfig: a, labels: {tenant: globex}}",
+            // the port spelled out
+            "  - {address: 127.0.0.2, modelConfig: a, port: 8000}",
+            // another model config on the same port
+            "  - {address: 127.0.0.2, modelConfig: b, port: 8000}",
+        ] {
+            let e = PickerConfig::from_yaml(&format!("{TWO}{dup}\n")).expect_err(dup);
+            assert!(
+                e.contains("endpoints[2]")
+                    && e.contains("endpoints[0]")
+                    && e.contains("127.0.0.2:8000"),
+                "{dup}: {e}"
+            );
+        }
+        // one address on two ports is two endpoints
+        let ok = format!("{TWO}  - {{address: 127.0.0.2, modelConfig: b}}\n");
+        assert!(PickerConfig::from_yaml(&ok).is_ok());
+    }
+
+    #[test]
+    fn a_pool_view_with_a_duplicate_is_rejected_and_the_previous_one_stays() {
+        let core = PickerCore::new(Limits::default(), IndexSettings::default()).expect("core");
+        let config = PickerConfig::from_yaml(TWO).expect("valid");
+        let good = view_from_config(&config);
+        core.apply_pool(&good).expect("applied");
+        let before = core.endpoints.load();
+        // what a Kubernetes source yields when two model configs' slices list one pod
+        let mut bad = good.clone();
+        let mut twin = bad.endpoints[0].clone();
+        twin.model_config = "b".into();
+        twin.labels.insert("tenant".into(), "globex".into());
+        bad.endpoints.push(twin);
+        let e = core.apply_pool(&bad).expect_err("duplicate");
+        assert!(
+            e.contains("127.0.0.2:8000#0")
+                && e.contains("\"a\"")
+                && e.contains("\"b\"")
+                && e.contains("globex"),
+            "{e}"
+        );
+        // the same id listed twice under one model config, labels differing
+        let mut bad = good.clone();
+        let mut twin = bad.endpoints[1].clone();
+        twin.labels.insert("tenant".into(), "globex".into());
+        bad.endpoints.push(twin);
+        let e = core.apply_pool(&bad).expect_err("duplicate");
+        assert!(
+            e.contains("127.0.0.3:8000#0") && e.contains("listed twice"),
+            "{e}"
+        );
+        assert_eq!(core.endpoints.load().endpoints(), before.endpoints());
+        assert_eq!(
+            core.labels_of(&before.endpoints()[0].id)
+                .get("tenant")
+                .map(String::as_str),
+            Some("acme")
+        );
     }
 }
