@@ -81,10 +81,13 @@ pub struct Decision {
 }
 
 /// Whether a gateway's candidate subset admits `endpoint`: the one rule every entrance uses.
-/// Like the reference endpoint picker, entries match by address only, so the ranks of a pod
-/// that listen on ports the gateway's list does not name stay eligible.
+/// An `ip:port` entry admits exactly that endpoint (a gateway whose cluster lists hosts, as
+/// with `override_host`, cannot reach a port it did not name); a bare IP (port 0) admits every
+/// port of that address.
 pub fn subset_allows(subset: &[SocketAddr], endpoint: SocketAddr) -> bool {
-    subset.iter().any(|a| a.ip() == endpoint.ip())
+    subset
+        .iter()
+        .any(|a| a.ip() == endpoint.ip() && (a.port() == 0 || a.port() == endpoint.port()))
 }
 
 /// One request as the router sees it.
