@@ -9,12 +9,11 @@
 //! mid-stream ends the client's stream and loses its traffic, and is credited again after a
 //! restart.
 //!
-//! On main as of this file, three of its checks fail, each one of issue 13's findings, and
-//! pass once those are fixed: the block-aligned prompt (the picker credits 128 tokens, vLLM hits
-//! 96: the last-token rule), the `ORIGINAL_DST` Envoy config (503 "no healthy upstream": the
-//! picker writes its whole fallback list into `x-gateway-destination-endpoint`), and the
-//! restarted picker (vLLM 0.32 answers a DEALER's replay request with four frames, the picker
-//! expects three, so it cannot rebuild its view).
+//! Three of its checks are the real-engine regression tests of issue 13's findings; before
+//! their fixes they failed exactly as the issue describes: the block-aligned prompt (credited
+//! 128 tokens, vLLM hits 96: the last-token rule), the `ORIGINAL_DST` Envoy config (503 "no
+//! healthy upstream": the whole fallback list was in `x-gateway-destination-endpoint`), and the
+//! restarted picker (vLLM 0.32's four-frame replay replies were not understood).
 //!
 //! Needs the venv of `scripts/real-engines/install-vllm.sh`; without it every test fails (never
 //! skips) and says so. Starting an engine takes about a minute, so one test starts the two
