@@ -80,6 +80,20 @@ struct EnvoySpec<'a> {
     subset: Option<&'a [SocketAddr]>,
 }
 
+impl<'a> EnvoySpec<'a> {
+    /// Full-duplex request bodies, failing closed, no subset hint.
+    fn new(shape: Shape, ext_proc: SocketAddr, pool: &'a [SocketAddr]) -> Self {
+        Self {
+            shape,
+            body_mode: "FULL_DUPLEX_STREAMED",
+            failure_mode_allow: false,
+            ext_proc,
+            pool,
+            subset: None,
+        }
+    }
+}
+
 impl Envoy {
     async fn start(spec: EnvoySpec<'_>) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -340,13 +354,10 @@ async fn envoy_routes_to_the_picked_endpoint_in_both_shapes_and_body_modes() {
     let mut seed = 0;
     for shape in [Shape::OriginalDst, Shape::OverrideHost] {
         for body_mode in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+            let addrs = pool(&[&a, &b]);
             let envoy = Envoy::start(EnvoySpec {
-                shape,
                 body_mode,
-                failure_mode_allow: false,
-                ext_proc: ext,
-                pool: &pool(&[&a, &b]),
-                subset: None,
+                ..EnvoySpec::new(shape, ext, &addrs)
             })
             .await;
             // alternate the engine holding the prefix, so "the same one as last time" cannot pass
@@ -418,15 +429,7 @@ async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
     down.shutdown();
 
     // override_host: the list's second entry serves it
-    let envoy = Envoy::start(EnvoySpec {
-        shape: Shape::OverrideHost,
-        body_mode: "FULL_DUPLEX_STREAMED",
-        failure_mode_allow: false,
-        ext_proc: ext,
-        pool: &addrs,
-        subset: None,
-    })
-    .await;
+    let envoy = Envoy::start(EnvoySpec::new(Shape::OverrideHost, ext, &addrs)).await;
     let before = served(up).await;
     let resp = post(&envoy, &body).await;
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
@@ -446,15 +449,7 @@ async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
     drop(envoy);
 
     // ORIGINAL_DST has only the header's one endpoint: the client sees Envoy's 503
-    let envoy = Envoy::start(EnvoySpec {
-        shape: Shape::OriginalDst,
-        body_mode: "FULL_DUPLEX_STREAMED",
-        failure_mode_allow: false,
-        ext_proc: ext,
-        pool: &addrs,
-        subset: None,
-    })
-    .await;
+    let envoy = Envoy::start(EnvoySpec::new(Shape::OriginalDst, ext, &addrs)).await;
     assert_eq!(post(&envoy, &body).await.status(), 503);
     p.shutdown().await;
 }
@@ -472,12 +467,9 @@ async fn envoy_honours_the_subset_hint_and_relays_the_pickers_refusals() {
 
     // the gateway offers only a: the picker stays inside the subset although b holds the prefix
     let envoy = Envoy::start(EnvoySpec {
-        shape: Shape::OverrideHost,
         body_mode: "BUFFERED",
-        failure_mode_allow: false,
-        ext_proc: ext,
-        pool: &addrs,
         subset: Some(&addrs[..1]),
+        ..EnvoySpec::new(Shape::OverrideHost, ext, &addrs)
     })
     .await;
     let before = served(&a).await;
@@ -488,12 +480,8 @@ async fn envoy_honours_the_subset_hint_and_relays_the_pickers_refusals() {
     // a subset with nothing eligible: the picker's 503 reaches the client as OpenAI JSON
     let nowhere = [SocketAddr::from(([127, 0, 0, 99], 9))];
     let envoy = Envoy::start(EnvoySpec {
-        shape: Shape::OriginalDst,
-        body_mode: "FULL_DUPLEX_STREAMED",
-        failure_mode_allow: false,
-        ext_proc: ext,
-        pool: &addrs,
         subset: Some(&nowhere),
+        ..EnvoySpec::new(Shape::OriginalDst, ext, &addrs)
     })
     .await;
     let resp = post(&envoy, &body).await;
@@ -502,15 +490,7 @@ async fn envoy_honours_the_subset_hint_and_relays_the_pickers_refusals() {
     assert_eq!(err["error"]["type"], "service_unavailable", "{err}");
     drop(envoy);
 
-    let envoy = Envoy::start(EnvoySpec {
-        shape: Shape::OriginalDst,
-        body_mode: "FULL_DUPLEX_STREAMED",
-        failure_mode_allow: false,
-        ext_proc: ext,
-        pool: &addrs,
-        subset: None,
-    })
-    .await;
+    let envoy = Envoy::start(EnvoySpec::new(Shape::OriginalDst, ext, &addrs)).await;
     // an unknown model: 404 from the picker
     let resp = post(&envoy, &json!({"model": "nope", "prompt": "hi"})).await;
     assert_eq!(resp.status(), 404);
@@ -536,12 +516,9 @@ async fn failure_mode_allow_decides_what_a_stopped_picker_means() {
     let body = json!({"model": "llama", "prompt": prompt(300), "max_tokens": 2});
     let start = |body_mode, failure_mode_allow| {
         Envoy::start(EnvoySpec {
-            shape: Shape::OverrideHost,
             body_mode,
             failure_mode_allow,
-            ext_proc: ext,
-            pool: &addrs,
-            subset: None,
+            ..EnvoySpec::new(Shape::OverrideHost, ext, &addrs)
         })
     };
     let closed = start("FULL_DUPLEX_STREAMED", false).await;
