@@ -3,4 +3,5 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod real_engine;
 pub mod sim;

