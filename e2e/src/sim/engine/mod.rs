@@ -120,7 +120,9 @@ impl StepTimeModel {
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: u32,
-    /// KV capacity in blocks (vLLM's `num_gpu_blocks`).
+    /// KV capacity in blocks (vLLM's `num_gpu_blocks`), counting the null block: like vLLM's
+    /// `BlockPool`, block 0 is reserved and never holds a cached block, so `num_blocks - 1`
+    /// are usable (a real engine evicts one block earlier than `num_gpu_blocks` suggests).
     pub num_blocks: u32,
     /// Most requests in the running batch.
     pub max_num_seqs: usize,
@@ -155,10 +157,16 @@ impl EngineConfig {
     /// The effective longest sequence: `max_model_len` bounded by the KV capacity, since a
     /// request that cannot fit in an empty cache would never finish.
     pub fn effective_max_model_len(&self) -> u64 {
-        let capacity = u64::from(self.num_blocks) * u64::from(self.block_size.max(1));
+        let capacity =
+            u64::from(usable_blocks(self.num_blocks)) * u64::from(self.block_size.max(1));
         self.max_model_len
             .map_or(capacity, |m| u64::from(m).min(capacity))
     }
+}
+
+/// Blocks that can hold KV: all but vLLM's null block.
+fn usable_blocks(num_blocks: u32) -> u32 {
+    num_blocks.saturating_sub(1).max(1)
 }
 
 /// A request as the engine receives it (already tokenized).
@@ -302,11 +310,11 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// A rank with an empty cache and its clock at 0. Out-of-range sizes are raised to 1 so
+    /// A rank with an empty cache and its clock at 0. Out-of-range sizes are raised to 1 (2 blocks: one is the null block) so
     /// that a bad configuration cannot make the model divide by zero or never progress.
     pub fn new(mut config: EngineConfig) -> Self {
         config.block_size = config.block_size.max(1);
-        config.num_blocks = config.num_blocks.max(1);
+        config.num_blocks = config.num_blocks.max(2);
         config.max_num_seqs = config.max_num_seqs.max(1);
         config.max_num_batched_tokens = config.max_num_batched_tokens.max(1);
         let stats = EngineStats {
@@ -315,7 +323,7 @@ impl Rank {
             ..EngineStats::default()
         };
         Self {
-            pool: BlockPool::new(config.num_blocks),
+            pool: BlockPool::new(usable_blocks(config.num_blocks)),
             config,
             requests: FxHashMap::default(),
             waiting: VecDeque::new(),
@@ -369,7 +377,7 @@ impl Rank {
         self.running.len()
     }
 
-    /// Fraction of blocks referenced by requests.
+    /// Fraction of the usable blocks referenced by requests (vLLM leaves the null block out).
     pub fn kv_usage(&self) -> f64 {
         self.pool.num_used() as f64 / self.pool.num_blocks() as f64
     }
@@ -509,7 +517,7 @@ impl Rank {
         let mut aborted: Vec<RequestId> = self.running.drain(..).collect();
         aborted.extend(self.waiting.drain(..));
         self.requests.clear();
-        self.pool.reset(self.config.num_blocks);
+        self.pool.reset(usable_blocks(self.config.num_blocks));
         if reset_counters {
             self.stats = EngineStats {
                 num_blocks: self.config.num_blocks,

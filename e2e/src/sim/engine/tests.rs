@@ -198,8 +198,8 @@ fn salt_and_lora_isolate_blocks() {
 
 #[test]
 fn eviction_is_lru_and_only_when_needed() {
-    // 8 blocks of 4 tokens.
-    let mut r = Rank::new(cfg(8));
+    // 8 usable blocks of 4 tokens (and vLLM's null block).
+    let mut r = Rank::new(cfg(9));
     r.submit(req(1, toks(0, 12), 1)).unwrap(); // blocks a0 a1 a2
     run(&mut r);
     r.submit(req(2, toks(100, 12), 1)).unwrap(); // blocks b0 b1 b2
@@ -256,7 +256,7 @@ fn chunked_prefill_respects_the_token_budget() {
     assert_eq!((o[0].prefill_tokens, o[0].decode_requests), (32, 0));
     assert_eq!((o[1].prefill_tokens, o[1].decode_requests), (31, 1));
     // KV in use: request 2 holds 3 blocks (9 tokens), request 3 holds 14 (24 + 31 tokens).
-    let u = 17.0 / 256.0;
+    let u = 17.0 / 255.0; // of the usable blocks: all but the null block
     let expect = m.prefill_ms(31, 0.0) + m.decode_ms(u);
     assert!(
         (o[1].duration_ms - expect).abs() < 1e-9,
@@ -378,7 +378,7 @@ fn abort_and_reset_release_everything() {
 
 #[test]
 fn submit_validates() {
-    let mut r = Rank::new(cfg(4)); // 16 tokens of KV
+    let mut r = Rank::new(cfg(5)); // 16 tokens of KV and the null block
     assert_eq!(r.submit(req(1, vec![], 1)), Err(SubmitError::EmptyPrompt));
     assert_eq!(
         r.submit(req(1, toks(0, 4), 0)),

@@ -163,8 +163,8 @@ impl SimConfig {
             "--speedup must be a positive number"
         );
         anyhow::ensure!(
-            self.engine.block_size >= 1 && self.engine.num_blocks >= 1,
-            "--block-size and --kv-blocks must be at least 1"
+            self.engine.block_size >= 1 && self.engine.num_blocks >= 2,
+            "--block-size must be at least 1 and --kv-blocks at least 2 (one is the null block)"
         );
         anyhow::ensure!(
             self.default_max_tokens >= 1,
