@@ -556,67 +556,100 @@ pub async fn render_endpoints_and_multi_turn_reuse(t: &Target) {
 /// Error bodies are OpenAI JSON, `{"error": {"message", "type", "param", "code"}}`, with the
 /// status vLLM gives; `/v1/models` and `/health`.
 pub async fn errors_are_openai_json(t: &Target) {
-    let check = |(s, v): (u16, Value), status: u16, kind: &str| {
-        assert_eq!(s, status, "{v}");
-        assert!(v["error"]["message"].is_string(), "{v}");
-        assert_eq!(v["error"]["code"], status, "{v}");
-        assert_eq!(v["error"]["type"], kind, "{v}");
-    };
-    let raw = client()
-        .post(t.url("/v1/completions"))
-        .body("{nope")
-        .header("content-type", "application/json")
-        .send()
-        .await
-        .unwrap();
-    let s = raw.status().as_u16();
-    check((s, raw.json().await.unwrap()), 400, "BadRequestError");
     let m = &t.model;
-    check(
-        t.post("/v1/completions", &json!({"model": "other", "prompt": "x"}))
-            .await,
-        404,
-        "NotFoundError",
-    );
-    check(
-        t.post("/v1/completions", &json!({"model": m})).await,
-        400,
-        "BadRequestError",
-    );
-    check(
-        t.post(
-            "/v1/completions",
-            &json!({"model": m, "prompt": "x", "max_tokens": 0}),
-        )
-        .await,
-        400,
-        "BadRequestError",
-    );
-    check(
-        t.post("/v1/completions", &json!({"model": m, "prompt": [1, -2]}))
-            .await,
-        400,
-        "BadRequestError",
-    );
     let max_len = t.max_model_len().await;
-    check(
-        t.post(
+    // (case, path, body, status, type): every case is sent and checked, and the failure lists
+    // every mismatch with the body the engine gave.
+    let cases: Vec<(&str, &str, Option<Value>, u16, &str)> = vec![
+        ("invalid JSON", "/v1/completions", None, 400, "Bad Request"),
+        (
+            "unknown model",
             "/v1/completions",
-            &json!({"model": m, "prompt": tokens(3, max_len - 8), "max_tokens": 20}),
-        )
-        .await,
-        400,
-        "BadRequestError",
-    );
-    check(
-        t.post(
+            Some(json!({"model": "other", "prompt": "x"})),
+            404,
+            "NotFoundError",
+        ),
+        (
+            "no prompt",
+            "/v1/completions",
+            Some(json!({"model": m})),
+            400,
+            "BadRequestError",
+        ),
+        (
+            "max_tokens 0",
+            "/v1/completions",
+            Some(json!({"model": m, "prompt": "x", "max_tokens": 0})),
+            400,
+            "BadRequestError",
+        ),
+        // A body that fails the request schema: vLLM's validation handler, `"Bad Request"`.
+        (
+            "negative token id",
+            "/v1/completions",
+            Some(json!({"model": m, "prompt": [1, -2]})),
+            400,
+            "Bad Request",
+        ),
+        (
+            "messages not a list",
+            "/v1/chat/completions",
+            Some(json!({"model": m, "messages": "hi"})),
+            400,
+            "Bad Request",
+        ),
+        (
+            "a prompt longer than the context",
+            "/v1/completions",
+            Some(json!({"model": m, "prompt": tokens(3, max_len + 1), "max_tokens": 1})),
+            400,
+            "BadRequestError",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (case, path, body, status, kind) in cases {
+        let req = client().post(t.url(path));
+        let req = match &body {
+            Some(b) => req.json(b),
+            None => req.body("{nope").header("content-type", "application/json"),
+        };
+        let r = req.send().await.unwrap();
+        let s = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        let ok = s == status
+            && v["error"]["message"].is_string()
+            && v["error"]["code"] == status
+            && v["error"]["type"] == kind
+            && v["error"].get("param").is_some();
+        if !ok {
+            wrong.push(format!("{case}: want {status} {kind:?}, got {s} {v}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    // vLLM names the failing field of a schema error.
+    let (_, v) = t
+        .post(
             "/v1/chat/completions",
             &json!({"model": m, "messages": "hi"}),
         )
-        .await,
-        400,
-        "BadRequestError",
-    );
+        .await;
+    assert_eq!(v["error"]["param"], "body.messages", "{v}");
+    let (_, v) = t
+        .post("/v1/completions", &json!({"model": m, "prompt": [1, -2]}))
+        .await;
+    assert_eq!(v["error"]["param"], "body.prompt.1", "{v}");
+    // A prompt that fits but leaves less room than `max_tokens` asks for is not an error: the
+    // output is shortened to the context.
+    let (s, v) = t
+        .post(
+            "/v1/completions",
+            &json!({"model": m, "prompt": tokens(4, max_len - 8), "max_tokens": 20,
+                "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
     let r = client()
         .post(t.url("/v1/models"))
         .json(&json!({}))

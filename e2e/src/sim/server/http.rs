@@ -60,13 +60,23 @@ pub(crate) fn router(rt: Arc<Runtime>, slot: Arc<EngineSlot>, fixed_rank: Option
 pub(crate) struct ApiError {
     status: StatusCode,
     message: String,
+    /// Set for a body that fails vLLM's request schema (pydantic validation): vLLM answers
+    /// those with type `"Bad Request"` and the failing field's location as `param`
+    /// (`body.messages`, `body.prompt.1`), and everything else with `"BadRequestError"`.
+    schema_param: Option<String>,
 }
 
 impl ApiError {
     fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// A body that does not match the request schema, at `param` (as vLLM's validation
+    /// handler reports it).
+    fn schema(param: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
+            schema_param: Some(param.into()),
+            ..Self::bad(message)
         }
     }
 
@@ -74,6 +84,7 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            schema_param: None,
         }
     }
 }
@@ -81,6 +92,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = match self.status {
+            StatusCode::BAD_REQUEST if self.schema_param.is_some() => "Bad Request",
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
@@ -90,7 +102,7 @@ impl IntoResponse for ApiError {
         let body = json!({"error": {
             "message": self.message,
             "type": kind,
-            "param": null,
+            "param": self.schema_param,
             "code": self.status.as_u16(),
         }});
         (self.status, axum::Json(body)).into_response()
@@ -135,8 +147,11 @@ struct GenRequest {
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Json>, ApiError> {
     match serde_json::from_slice::<Json>(body) {
         Ok(Json::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad("the request body must be a JSON object")),
-        Err(e) => Err(ApiError::bad(format!("invalid JSON body: {e}"))),
+        Ok(_) => Err(ApiError::schema(
+            "body",
+            "the request body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::schema("body", format!("invalid JSON body: {e}"))),
     }
 }
 
@@ -155,17 +170,23 @@ fn resolve_model(
             StatusCode::NOT_FOUND,
             format!("The model `{m}` does not exist."),
         )),
-        Some(_) => Err(ApiError::bad("`model` must be a string")),
+        Some(_) => Err(ApiError::schema("body.model", "`model` must be a string")),
     }
 }
 
 fn token_array(items: &[Json]) -> Result<Vec<u32>, ApiError> {
     items
         .iter()
-        .map(|v| {
+        .enumerate()
+        .map(|(i, v)| {
             v.as_u64()
                 .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| ApiError::bad("token ids must be integers within 0..=4294967295"))
+                .ok_or_else(|| {
+                    ApiError::schema(
+                        format!("body.prompt.{i}"),
+                        "token ids must be integers within 0..=4294967295",
+                    )
+                })
         })
         .collect()
 }
@@ -224,6 +245,12 @@ fn chat_prompt(rt: &Runtime, body: &serde_json::Map<String, Json>) -> Result<Vec
     let messages = body
         .get("messages")
         .ok_or_else(|| ApiError::bad("`messages` is required"))?;
+    if !messages.is_array() {
+        return Err(ApiError::schema(
+            "body.messages",
+            "`messages` must be a list",
+        ));
+    }
     let add_generation_prompt = match body.get("add_generation_prompt") {
         None | Some(Json::Null) => true,
         Some(Json::Bool(b)) => *b,
@@ -297,6 +324,17 @@ fn parse_gen(
     if max_tokens == 0 {
         return Err(ApiError::bad("`max_tokens` must be at least 1"));
     }
+    // Like vLLM 0.32: a prompt that leaves no room in the context is rejected; otherwise
+    // `max_tokens` is shortened to what the context leaves (the request ends with "length").
+    let max_len = rt.cfg.engine.effective_max_model_len();
+    let prompt_len = prompt.len() as u64;
+    if prompt_len >= max_len {
+        return Err(ApiError::bad(format!(
+            "This model's maximum context length is {max_len} tokens. However, your request \
+             has {prompt_len} input tokens."
+        )));
+    }
+    let max_tokens = max_tokens.min(u32::try_from(max_len - prompt_len).unwrap_or(u32::MAX));
     if let Some(n) = opt_u32(&body, "n")?
         && n != 1
     {
