@@ -4,4 +4,5 @@
 pub mod bench;
 pub mod cluster;
 pub mod real_engine;
+pub mod real_vllm;
 pub mod sim;

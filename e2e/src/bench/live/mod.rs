@@ -14,6 +14,7 @@
 pub mod client;
 pub mod procs;
 pub mod prom;
+pub mod vllm;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -238,6 +239,16 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Engines that run elsewhere (real ones) and only a picker of ours.
+    pub fn with_picker(engines: EnginesInfo, picker: Picker) -> Self {
+        Self {
+            engines,
+            picker: Some(picker.http),
+            picker_metrics: Some(picker.metrics),
+            guards: vec![picker.guard],
+        }
+    }
+
     pub async fn stop(self) {
         for g in self.guards {
             g.stop().await;
@@ -293,8 +304,33 @@ pub async fn start_cluster(
 ) -> anyhow::Result<Cluster> {
     let tag = policy.name().replace(':', "-");
     let (eng_guard, engines) = start_engines(exe, &opts.cluster, opts.seed, &tag).await?;
+    let picker = start_picker(exe, opts, policy, &engines, http).await?;
+    Ok(Cluster {
+        engines,
+        picker: Some(picker.http),
+        picker_metrics: Some(picker.metrics),
+        guards: vec![picker.guard, eng_guard],
+    })
+}
+
+/// A picker child process.
+pub struct Picker {
+    pub guard: ChildGuard,
+    pub http: SocketAddr,
+    pub metrics: SocketAddr,
+}
+
+/// Start a picker running `policy` in front of `engines`, and wait until it is ready.
+pub async fn start_picker(
+    exe: &Path,
+    opts: &BenchOptions,
+    policy: &PolicySpec,
+    engines: &EnginesInfo,
+    http: &reqwest::Client,
+) -> anyhow::Result<Picker> {
+    let tag = policy.name().replace(':', "-");
     let routing = policy.routing(&opts.routing);
-    let cfg = picker_config(&engines, &opts.cluster, &routing, opts.scrape_ms)?;
+    let cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms)?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
     std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
         .with_context(|| format!("writing {}", path.display()))?;
@@ -340,11 +376,10 @@ pub async fn start_cluster(
     }
     // let the KV event subscriptions connect (ZMQ drops what is published before)
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok(Cluster {
-        engines,
-        picker: Some(http_addr),
-        picker_metrics: Some(metrics),
-        guards: vec![picker_guard, eng_guard],
+    Ok(Picker {
+        guard: picker_guard,
+        http: http_addr,
+        metrics,
     })
 }
 
@@ -474,6 +509,7 @@ pub async fn replay(
     let mut issues: Vec<Issue> = Vec::new();
     let mut errors = 0usize;
     let block_tokens = workload.block_tokens;
+    let vocab = opts.token_vocab;
     loop {
         for issue in issues.drain(..) {
             ceilings.observe(&issue.hash_ids, issue.input_len);
@@ -487,7 +523,12 @@ pub async fn replay(
             let url = urls[(issue.id % urls.len() as u64) as usize].clone();
             let header = session_header.clone();
             tokio::spawn(async move {
-                let prompt = prompt_tokens(&issue.hash_ids, block_tokens, issue.input_len);
+                let mut prompt = prompt_tokens(&issue.hash_ids, block_tokens, issue.input_len);
+                if let Some(v) = vocab {
+                    for t in &mut prompt {
+                        *t = super::workload::tokens::fold_into_vocab(*t, v);
+                    }
+                }
                 let rec = client::send(
                     &http,
                     client::Send {

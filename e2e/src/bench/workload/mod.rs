@@ -211,6 +211,54 @@ impl Workload {
         }
     }
 
+    /// Shrink every prompt and output by `divisor` while keeping the prefix structure: a hash
+    /// id then stands for `block_tokens / divisor` tokens, a prompt is `ceil(input / divisor)`
+    /// tokens (still covered by the same ids) and an output `ceil(output / divisor)`. For engines
+    /// far slower than the trace's (the real-engine bench's CPU engines). `divisor` must divide
+    /// `block_tokens`.
+    pub fn shrink_tokens(&mut self, divisor: u32) -> Result<(), WorkloadError> {
+        if divisor <= 1 {
+            return Ok(());
+        }
+        if !self.block_tokens.is_multiple_of(divisor) {
+            return Err(WorkloadError::Invalid(format!(
+                "--token-divisor {divisor} must divide the workload's {} tokens per hash id",
+                self.block_tokens
+            )));
+        }
+        fn shrink(nodes: &[Node], d: u32) -> Vec<Node> {
+            nodes
+                .iter()
+                .map(|n| match n {
+                    Node::Request { think_ms, req } => Node::Request {
+                        think_ms: *think_ms,
+                        req: TraceRequest {
+                            hash_ids: req.hash_ids.clone(),
+                            input_len: req.input_len.div_ceil(d).max(1),
+                            output_len: req.output_len.div_ceil(d).max(1),
+                        },
+                    },
+                    Node::Subagent(c) => Node::Subagent(shrink(c, d)),
+                })
+                .collect()
+        }
+        match &mut self.plan {
+            Plan::Timed(sessions) => {
+                for s in sessions.iter_mut() {
+                    s.nodes = shrink(&s.nodes, divisor).into();
+                }
+            }
+            Plan::Concurrent { templates, .. } => {
+                for t in templates.iter_mut() {
+                    *t = shrink(t, divisor).into();
+                }
+            }
+        }
+        self.block_tokens /= divisor;
+        self.name = format!("{}, tokens ÷{divisor}", self.name);
+        Ok(())
+    }
+
     /// Compress (scale > 1) or stretch the client side's timing: session start times and
     /// think times are divided by `scale`, i.e. the arrival rate is multiplied by it.
     pub fn scale_arrivals(&mut self, scale: f64) {
