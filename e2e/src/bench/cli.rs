@@ -671,6 +671,21 @@ pub async fn run_policies_jobs(
 }
 
 fn cluster_text(c: &ClusterConfig) -> String {
+    cluster_text_for(c, &super::Backend::Sim)
+}
+
+fn cluster_text_for(c: &ClusterConfig, backend: &super::Backend) -> String {
+    if let super::Backend::Vllm(v) = backend {
+        return format!(
+            "{} real vLLM engines (one per core), {} MiB of KV each, blocks of {} tokens, max {} \
+             sequences and {} batched tokens per step",
+            c.engines,
+            v.kv_cache_bytes >> 20,
+            c.engine.block_size,
+            c.engine.max_num_seqs,
+            c.engine.max_num_batched_tokens
+        );
+    }
     format!(
         "{} engines × {} ranks, {} KV blocks of {} tokens per rank ({} tokens), max {} batched \
          tokens, speed-up {}",
@@ -712,7 +727,7 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
         "workload: {} ({} requests per pass)\ncluster: {}",
         workload.name,
         workload.requests_per_pass(),
-        cluster_text(&cluster)
+        cluster_text_for(&cluster, &opts.backend)
     );
     let runs = match (&a.router, a.mode) {
         (Some(router), Mode::Live) => {
@@ -772,7 +787,7 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
     let info = RunInfo {
         mode: format!("{:?}", a.mode).to_lowercase(),
         workload: workload.name.clone(),
-        cluster: cluster_text(&cluster),
+        cluster: cluster_text_for(&cluster, &opts.backend),
         command,
     };
     output(&runs, &info, a.json.as_ref(), a.report.as_ref())
