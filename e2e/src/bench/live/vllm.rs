@@ -4,9 +4,8 @@
 //! The engines serve the bench's model name ([`MODEL`]) so that the workload's requests need
 //! no change; prompts are token-id arrays folded into the model's vocabulary
 //! ([`crate::bench::workload::tokens::fold_into_vocab`]), so the picker needs no tokenizer. The
-//! engines publish KV events without a replay socket: on main the picker cannot read vLLM
-//! 0.32's four-frame replay (issue 13, finding 1) and its idle probe would stall the live
-//! socket for the replay timeout.
+//! engines publish KV events without a replay socket, as in the measured runs of
+//! `e2e/BENCHMARKS.md` §6 (made before the picker read vLLM 0.32's four-frame replay).
 
 use std::time::{Duration, Instant};
 
