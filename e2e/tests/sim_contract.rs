@@ -200,11 +200,11 @@ async fn replay_recovers_a_gap() {
         assert_eq!(complete(a.http, &tokens(2, 40), 1).await.0, 200);
         h.inject(0, fault(json!({"kind": "clear"}))).await.unwrap();
         assert_eq!(complete(a.http, &tokens(3, 40), 1).await.0, 200);
-        let live = sub.drain(Duration::from_millis(300)).await;
+        let live = sub.drain_quiet(Duration::from_millis(300)).await;
         let seqs: Vec<u64> = live.iter().map(|m| m.0).collect();
         assert_eq!(seqs, vec![0, 2], "batch 1 was dropped");
 
-        let mut view = PickerView::new();
+        let mut view = picker_view();
         view.apply(&live[0].1);
         let missing = replay(a.replay[0], 1).await;
         assert_eq!(missing.iter().map(|m| m.0).collect::<Vec<_>>(), vec![1, 2]);
@@ -251,7 +251,7 @@ async fn dp_ranks_by_header_body_and_load() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
-        let msgs = sub1.drain(Duration::from_millis(300)).await;
+        let msgs = sub1.drain_quiet(Duration::from_millis(300)).await;
         assert!(!msgs.is_empty());
         assert!(msgs.iter().all(|(_, b)| b.data_parallel_rank == Some(1)));
         // The prefix lives on rank 1 only.
@@ -325,8 +325,8 @@ async fn dp_rank_ports_and_multiple_engines() {
         let q = tokens(6, 32);
         complete(a.http_ranks[0], &q, 1).await;
         complete(b.http_ranks[0], &q, 1).await;
-        let ha = stored(&sub_a.drain(Duration::from_millis(300)).await);
-        let hb = stored(&sub_b.drain(Duration::from_millis(300)).await);
+        let ha = stored(&sub_a.drain_quiet(Duration::from_millis(300)).await);
+        let hb = stored(&sub_b.drain_quiet(Duration::from_millis(300)).await);
         assert_eq!(ha.len(), 2);
         assert_eq!(hb.len(), 2);
         assert!(

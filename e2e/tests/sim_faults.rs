@@ -2,6 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod contract;
 mod sim_support;
 
 use std::io::{BufRead, BufReader};
@@ -88,7 +89,7 @@ async fn restart_in_place_clears_cache_and_counters() {
         complete(a.http, &p, 1).await;
         assert_eq!(cached(&complete(a.http, &p, 1).await.1), 48);
         admin(a.http, json!({"kind": "restart"})).await;
-        let msgs = sub.drain(Duration::from_millis(300)).await;
+        let msgs = sub.drain_quiet(Duration::from_millis(300)).await;
         let last = msgs.last().unwrap();
         assert_eq!(last.1.events, vec![KvEvent::AllBlocksCleared]);
         assert_eq!(last.0, msgs.len() as u64 - 1, "sequence continues");
@@ -97,7 +98,7 @@ async fn restart_in_place_clears_cache_and_counters() {
         assert_eq!(cached(&complete(a.http, &p, 1).await.1), 0);
 
         admin(a.http, json!({"kind": "restart", "seq": "zero"})).await;
-        let msgs = sub.drain(Duration::from_millis(300)).await;
+        let msgs = sub.drain_quiet(Duration::from_millis(300)).await;
         let last = msgs.last().unwrap();
         assert_eq!(
             (last.0, &last.1.events),
@@ -136,7 +137,7 @@ async fn crash_close_drops_connections_and_restarts_on_the_same_ports() {
         let mut sub = Sub::connect(a.kv_events[0]).await;
         let p = tokens(1, 48);
         complete(a.http, &p, 1).await;
-        assert!(!sub.drain(Duration::from_millis(200)).await.is_empty());
+        assert!(!sub.drain_quiet(Duration::from_millis(200)).await.is_empty());
         // A long streaming response is cut mid-way.
         let stream = tokio::spawn(async move {
             let r = client()
@@ -179,7 +180,7 @@ async fn crash_close_drops_connections_and_restarts_on_the_same_ports() {
         assert_eq!(h.addrs()[0], a);
         let mut sub = Sub::connect(a.kv_events[0]).await;
         assert_eq!(cached(&complete(a.http, &p, 1).await.1), 0);
-        let msgs = sub.drain(Duration::from_millis(300)).await;
+        let msgs = sub.drain_quiet(Duration::from_millis(300)).await;
         assert_eq!(msgs.first().map(|m| m.0), Some(0));
         let m = metrics(a.http, EngineKind::Vllm).await;
         assert_eq!(m.for_rank(0).unwrap().prefix_cache_queries, Some(48.0));

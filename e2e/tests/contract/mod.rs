@@ -238,8 +238,13 @@ impl Sub {
     /// after its responses may have gone out, on vLLM by a separate publisher thread, so this
     /// reads until nothing has arrived for a second.
     pub async fn drain(&mut self) -> Vec<(u64, EventBatch)> {
+        self.drain_quiet(Duration::from_secs(1)).await
+    }
+
+    /// Every message until none arrives for `quiet` (the simulator publishes at once).
+    pub async fn drain_quiet(&mut self, quiet: Duration) -> Vec<(u64, EventBatch)> {
         let mut out = Vec::new();
-        while let Some(m) = self.next(Duration::from_secs(1)).await {
+        while let Some(m) = self.next(quiet).await {
             out.push(m);
         }
         out
