@@ -256,6 +256,11 @@ pub struct ReplayArgs {
     /// Send each request's session id in the session header (sticky sessions).
     #[arg(long)]
     pub session_header: bool,
+    /// Live mode with `--backend vllm`: replay sessions as chat conversations through
+    /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
+    /// picker and the engine tokenize them again).
+    #[arg(long)]
+    pub chat: bool,
     /// Offline: do not time decisions (decision_us_p99 null; output byte-for-byte
     /// reproducible).
     #[arg(long)]
@@ -471,6 +476,11 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         a.scrape_ms > 0.0 && a.scrape_ms.is_finite(),
         "--scrape-ms must be positive"
     );
+    anyhow::ensure!(
+        !a.chat || (a.mode == Mode::Live && matches!(a.vllm.backend, BackendArg::Vllm)),
+        "--chat needs --mode live --backend vllm (the simulator's chat tokenization is not the \
+         model's)"
+    );
     Ok(BenchOptions {
         cluster,
         routing: RoutingConfig::default(),
@@ -486,6 +496,8 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         time_decisions: !a.no_decision_timing,
         backend: a.vllm.backend(),
         token_vocab: a.vllm.token_vocab,
+        chat: a.chat,
+        chat_tokenizer: None,
     })
 }
 
@@ -596,6 +608,9 @@ pub async fn run_policies_jobs(
         opts_real = opts.clone();
         opts_real.cluster.engine.num_blocks = r.num_blocks;
         opts_real.token_vocab = opts.token_vocab.or(Some(r.vocab));
+        if opts.chat {
+            opts_real.chat_tokenizer = Some(r.model.clone());
+        }
         opts = &opts_real;
         real = Some(r);
     }

@@ -93,6 +93,12 @@ pub struct BenchOptions {
     /// Fold the prompts' token ids into a vocabulary of this size (a small real model's);
     /// `None` sends them as generated (`1000..121000`, inside a 128k vocabulary).
     pub token_vocab: Option<u32>,
+    /// Live mode: replay sessions as chat conversations ([`live::chat`]) through
+    /// `/v1/chat/completions`, the engines' replies carried into later turns as text.
+    pub chat: bool,
+    /// Chat mode: the model folder whose `tokenizer.json` and `tokenizer_config.json` the
+    /// picker tokenizes with (set from the real engines' model).
+    pub chat_tokenizer: Option<std::path::PathBuf>,
 }
 
 /// The engines of live mode.
@@ -147,6 +153,8 @@ impl Default for BenchOptions {
             time_decisions: true,
             backend: Backend::Sim,
             token_vocab: None,
+            chat: false,
+            chat_tokenizer: None,
         }
     }
 }

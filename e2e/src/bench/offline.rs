@@ -502,6 +502,8 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             load_series,
             hit_rate_ideal: sim.ceilings.ideal(),
             error_samples: errors,
+            picker: None,
+            engine_prefill_tokens: prefill_tokens,
         },
     }
 }

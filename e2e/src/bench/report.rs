@@ -107,6 +107,36 @@ pub fn notes(runs: &[PolicyRun]) -> String {
         );
     }
     for r in runs {
+        let d = &r.detail;
+        if let Some(p) = d.picker {
+            let pct =
+                |x: Option<f64>| x.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0));
+            let _ = writeln!(
+                out,
+                "{}: picker credited {} of prompt tokens as cached (engines hit {}); {} of {} \
+                 decisions by session pin",
+                r.summary.policy,
+                pct(p.credited),
+                pct(Some(r.summary.hit_rate)),
+                pct(p.session_pinned),
+                p.decisions
+            );
+        }
+        if !d.engine_prefill_tokens.is_empty() {
+            let per: Vec<String> = d
+                .engine_prefill_tokens
+                .iter()
+                .map(|t| format!("{:.0}k", t / 1000.0))
+                .collect();
+            let _ = writeln!(
+                out,
+                "{}: tokens prefilled per engine: {}",
+                r.summary.policy,
+                per.join(" / ")
+            );
+        }
+    }
+    for r in runs {
         for e in &r.detail.error_samples {
             let _ = writeln!(out, "{}: error: {e}", r.summary.policy);
         }

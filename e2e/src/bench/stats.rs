@@ -61,6 +61,42 @@ pub struct RunDetail {
     pub hit_rate_ideal: Option<f64>,
     /// First error messages (bounded), for the terminal.
     pub error_samples: Vec<String>,
+    /// What the picker believed, from its own metrics (live runs through kvroute's picker).
+    pub picker: Option<PickerFigures>,
+    /// Tokens each engine rank prefilled (prompt tokens minus its cache hits), by its own
+    /// counters (live runs).
+    pub engine_prefill_tokens: Vec<f64>,
+}
+
+/// The picker's view of a run: set beside the engines' counters, it shows whether the picker
+/// credited cache the engines did not have, and how often sessions overrode the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PickerFigures {
+    /// Prompt tokens the picker expected to be served from cache, over all prompt tokens it
+    /// routed (`kvroute_picker_predicted_prefix_hit_tokens_total` / `..._prompt_tokens_total`).
+    pub credited: Option<f64>,
+    /// Share of decisions made by a session pin rather than by the policy.
+    pub session_pinned: Option<f64>,
+    pub decisions: f64,
+}
+
+impl PickerFigures {
+    /// The figures between two scrapes of the picker's `/metrics`.
+    pub fn from_metrics(before: &str, after: &str) -> Self {
+        use super::live::prom::counter_sum;
+        let delta = |name: &str, with: &[(&str, &str)]| {
+            (counter_sum(after, name, with) - counter_sum(before, name, with)).max(0.0)
+        };
+        let prompt = delta("kvroute_picker_prompt_tokens_total", &[]);
+        let credited = delta("kvroute_picker_predicted_prefix_hit_tokens_total", &[]);
+        let decisions = delta("kvroute_picker_decisions_total", &[]);
+        let pinned = delta("kvroute_picker_decisions_total", &[("reason", "session")]);
+        Self {
+            credited: (prompt > 0.0).then(|| credited / prompt),
+            session_pinned: (decisions > 0.0).then(|| pinned / decisions),
+            decisions,
+        }
+    }
 }
 
 /// Nearest-rank percentile of sorted values (0 when empty).

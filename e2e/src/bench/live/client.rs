@@ -21,7 +21,8 @@ struct StreamOptions {
 #[derive(Serialize)]
 struct Body<'a> {
     model: &'a str,
-    prompt: &'a [u32],
+    #[serde(flatten)]
+    input: Input<'a>,
     max_tokens: u32,
     /// vLLM's knobs to generate exactly `max_tokens` (the simulator always does).
     min_tokens: u32,
@@ -47,11 +48,22 @@ impl SimClock {
     }
 }
 
+/// What a request asks about: token ids (`/v1/completions`) or a conversation
+/// (`/v1/chat/completions`, see [`super::chat`]).
+#[derive(Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Input<'a> {
+    Prompt(&'a [u32]),
+    Messages(&'a [super::chat::Message]),
+}
+
 /// A request to send.
 pub struct Send<'a> {
     pub url: &'a str,
     pub model: &'a str,
-    pub prompt: &'a [u32],
+    pub input: Input<'a>,
+    /// Prompt tokens to record when the engine reports none (the token-id prompt's length).
+    pub prompt_tokens: u32,
     pub max_tokens: u32,
     /// `(header, value)` for the session id.
     pub session: Option<(&'a str, String)>,
@@ -63,7 +75,7 @@ pub struct Send<'a> {
 fn failed(s: &Send<'_>, clock: &SimClock, error: String) -> RequestRecord {
     RequestRecord {
         release_ms: s.release_ms,
-        prompt_tokens: s.prompt.len() as u32,
+        prompt_tokens: s.prompt_tokens,
         ttft_ms: None,
         e2e_ms: None,
         tpot_ms: None,
@@ -74,15 +86,23 @@ fn failed(s: &Send<'_>, clock: &SimClock, error: String) -> RequestRecord {
     }
 }
 
-/// Send one request and stream its response.
-pub async fn send(client: &reqwest::Client, s: Send<'_>, clock: SimClock) -> RequestRecord {
+/// Send one request and stream its response. With [`Input::Messages`], also returns the text
+/// the engine streamed (the assistant's reply), when the request succeeded.
+pub async fn send(
+    client: &reqwest::Client,
+    s: Send<'_>,
+    clock: SimClock,
+) -> (RequestRecord, Option<String>) {
     match tokio::time::timeout(s.timeout, send_inner(client, &s, clock)).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => failed(&s, &clock, e),
-        Err(_) => failed(
-            &s,
-            &clock,
-            format!("no complete response within {:?}", s.timeout),
+        Ok(Err(e)) => (failed(&s, &clock, e), None),
+        Err(_) => (
+            failed(
+                &s,
+                &clock,
+                format!("no complete response within {:?}", s.timeout),
+            ),
+            None,
         ),
     }
 }
@@ -91,10 +111,11 @@ async fn send_inner(
     client: &reqwest::Client,
     s: &Send<'_>,
     clock: SimClock,
-) -> Result<RequestRecord, String> {
+) -> Result<(RequestRecord, Option<String>), String> {
+    let chat = matches!(s.input, Input::Messages(_));
     let body = Body {
         model: s.model,
-        prompt: s.prompt,
+        input: s.input,
         max_tokens: s.max_tokens,
         min_tokens: s.max_tokens,
         ignore_eos: true,
@@ -124,7 +145,9 @@ async fn send_inner(
     let mut last: Option<Instant> = None;
     let mut tokens: u32 = 0;
     let mut usage_completion: Option<u32> = None;
+    let mut usage_prompt: Option<u32> = None;
     let mut cached: Option<u32> = None;
+    let mut reply = String::new();
     let mut done = false;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| format!("reading the stream: {e}"))?;
@@ -143,7 +166,7 @@ async fn send_inner(
                     continue;
                 }
                 let has = |needle: &[u8]| data.windows(needle.len()).any(|w| w == needle);
-                if has(b"\"error\"") || has(b"\"usage\"") {
+                if chat || has(b"\"error\"") || has(b"\"usage\"") {
                     let v: serde_json::Value = serde_json::from_slice(data)
                         .map_err(|e| format!("bad stream event: {e}"))?;
                     if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
@@ -154,10 +177,13 @@ async fn send_inner(
                         return Err(format!("error in stream: {msg}"));
                     }
                     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                        usage_completion = u
-                            .get("completion_tokens")
-                            .and_then(serde_json::Value::as_u64)
-                            .map(|x| x as u32);
+                        let count = |k: &str| {
+                            u.get(k)
+                                .and_then(serde_json::Value::as_u64)
+                                .map(|x| x as u32)
+                        };
+                        usage_completion = count("completion_tokens");
+                        usage_prompt = count("prompt_tokens");
                         cached = u
                             .get("prompt_tokens_details")
                             .and_then(|d| d.get("cached_tokens"))
@@ -170,6 +196,14 @@ async fn send_inner(
                         .is_some_and(|c| !c.is_empty());
                     if !has_text {
                         continue;
+                    }
+                    if chat
+                        && reply.len() < super::chat::MAX_REPLY_BYTES
+                        && let Some(t) = v
+                            .pointer("/choices/0/delta/content")
+                            .and_then(serde_json::Value::as_str)
+                    {
+                        reply.push_str(t);
                     }
                 }
                 tokens += 1;
@@ -193,9 +227,9 @@ async fn send_inner(
     let output = usage_completion.unwrap_or(tokens).max(tokens);
     let last = last.unwrap_or(first);
     let tpot = (tokens > 1).then(|| (clock.ms(last) - clock.ms(first)) / f64::from(tokens - 1));
-    Ok(RequestRecord {
+    let record = RequestRecord {
         release_ms: s.release_ms,
-        prompt_tokens: s.prompt.len() as u32,
+        prompt_tokens: usage_prompt.unwrap_or(s.prompt_tokens),
         ttft_ms: Some((clock.ms(first) - s.release_ms).max(0.0)),
         e2e_ms: Some((clock.ms(end) - s.release_ms).max(0.0)),
         tpot_ms: tpot,
@@ -203,7 +237,8 @@ async fn send_inner(
         cached_tokens: cached,
         end_ms: clock.ms(end),
         error: None,
-    })
+    };
+    Ok((record, chat.then_some(reply)))
 }
 
 /// End of the first SSE event in `buf`: `(event length, separator length)`.

@@ -11,6 +11,7 @@
 //! hit rate and prefill work from the engines' `/metrics` counters, the decision latency from
 //! the picker's `/metrics` histogram.
 
+pub mod chat;
 pub mod client;
 pub mod procs;
 pub mod prom;
@@ -24,7 +25,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kvroute_picker::config::{CostModelCalibration, RoutingConfig};
-use kvroute_picker::pool::{DataParallel, KvEventsSpec, ModelConfigSpec, RankSelection};
+use kvroute_picker::pool::{
+    DataParallel, KvEventsSpec, ModelConfigSpec, RankSelection, TokenizerSpec,
+};
 use kvroute_picker::service::settings::{
     IndexSettings, Limits, Listen, PickerConfig, ScrapeSettings, StaticEndpoint,
 };
@@ -134,6 +137,7 @@ pub fn picker_config(
     cluster: &ClusterConfig,
     routing: &RoutingConfig,
     scrape_ms: f64,
+    tokenizer: Option<TokenizerSpec>,
 ) -> anyhow::Result<PickerConfig> {
     let first = &info.engines[0];
     let port0 = |v: &[SocketAddr]| v.first().map(SocketAddr::port);
@@ -156,7 +160,7 @@ pub fn picker_config(
             rank_selection: RankSelection::Header,
         },
         kv_events,
-        tokenizer: None,
+        tokenizer,
         lora_adapters: Vec::new(),
         pod_selector: BTreeMap::new(),
         kv_capacity_blocks: Some(u64::from(cluster.engine.num_blocks)),
@@ -330,7 +334,13 @@ pub async fn start_picker(
 ) -> anyhow::Result<Picker> {
     let tag = policy.name().replace(':', "-");
     let routing = policy.routing(&opts.routing);
-    let cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms)?;
+    // chat mode: the picker tokenizes conversations as the engines do
+    let tokenizer = opts.chat_tokenizer.as_ref().map(|dir| TokenizerSpec {
+        path: Some(dir.join("tokenizer.json").display().to_string()),
+        config_path: Some(dir.join("tokenizer_config.json").display().to_string()),
+        ..TokenizerSpec::default()
+    });
+    let cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
     std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
         .with_context(|| format!("writing {}", path.display()))?;
@@ -435,6 +445,11 @@ pub async fn replay(
         speedup.is_finite() && speedup > 0.0,
         "--speedup must be positive"
     );
+    let api = if opts.chat {
+        "v1/chat/completions"
+    } else {
+        "v1/completions"
+    };
     let urls: Vec<Arc<str>> = if target.router == DIRECT {
         anyhow::ensure!(
             !target.engines.is_empty(),
@@ -443,22 +458,23 @@ pub async fn replay(
         target
             .engines
             .iter()
-            .map(|e| Arc::from(format!("http://{}/v1/completions", e.http)))
+            .map(|e| Arc::from(format!("http://{}/{api}", e.http)))
             .collect()
     } else {
         vec![Arc::from(format!(
-            "{}/v1/completions",
+            "{}/{api}",
             target.router.trim_end_matches('/')
         ))]
     };
     let before = engine_counters(http, &target.engines).await;
-    let hist_before = match target.picker_metrics {
-        Some(m) => fetch(http, &format!("http://{m}/metrics"))
-            .await
-            .map(|t| prom::histogram(&t, DECISION_HISTOGRAM))
-            .unwrap_or_default(),
-        None => Vec::new(),
+    let picker_before = match target.picker_metrics {
+        Some(m) => fetch(http, &format!("http://{m}/metrics")).await,
+        None => None,
     };
+    let hist_before = picker_before
+        .as_deref()
+        .map(|t| prom::histogram(t, DECISION_HISTOGRAM))
+        .unwrap_or_default();
 
     let clock = SimClock {
         start: Instant::now(),
@@ -510,6 +526,9 @@ pub async fn replay(
     let mut errors = 0usize;
     let block_tokens = workload.block_tokens;
     let vocab = opts.token_vocab;
+    let chats = opts
+        .chat
+        .then(|| Arc::new(parking_lot::Mutex::new(chat::ChatSessions::default())));
     loop {
         for issue in issues.drain(..) {
             ceilings.observe(&issue.hash_ids, issue.input_len);
@@ -522,6 +541,7 @@ pub async fn replay(
             let http = http.clone();
             let url = urls[(issue.id % urls.len() as u64) as usize].clone();
             let header = session_header.clone();
+            let chats = chats.clone();
             tokio::spawn(async move {
                 let mut prompt = prompt_tokens(&issue.hash_ids, block_tokens, issue.input_len);
                 if let Some(v) = vocab {
@@ -529,12 +549,21 @@ pub async fn replay(
                         *t = super::workload::tokens::fold_into_vocab(*t, v);
                     }
                 }
-                let rec = client::send(
+                let messages = chats.as_ref().map(|c| {
+                    c.lock()
+                        .next(issue.session, &prompt, issue.output_len, block_tokens)
+                });
+                let input = match &messages {
+                    Some(m) => client::Input::Messages(m),
+                    None => client::Input::Prompt(&prompt),
+                };
+                let (rec, reply) = client::send(
                     &http,
                     client::Send {
                         url: &url,
                         model: MODEL,
-                        prompt: &prompt,
+                        input,
+                        prompt_tokens: prompt.len() as u32,
                         max_tokens: issue.output_len,
                         session: header
                             .as_deref()
@@ -545,6 +574,9 @@ pub async fn replay(
                     clock,
                 )
                 .await;
+                if let Some(c) = &chats {
+                    c.lock().reply(issue.session, reply);
+                }
                 drop(permit);
                 let _ = tx.send((issue.id, rec)).await;
             });
@@ -616,14 +648,18 @@ pub async fn replay(
     } else {
         0.0
     };
-    let decision_us_p99 = match target.picker_metrics {
-        Some(m) => fetch(http, &format!("http://{m}/metrics"))
-            .await
-            .map(|t| prom::histogram(&t, DECISION_HISTOGRAM))
-            .and_then(|h| prom::histogram_quantile(&hist_before, &h, 0.99))
-            .map(|s| (s * 1e6 * 10.0).round() / 10.0),
+    let picker_after = match target.picker_metrics {
+        Some(m) => fetch(http, &format!("http://{m}/metrics")).await,
         None => None,
     };
+    let decision_us_p99 = picker_after
+        .as_deref()
+        .map(|t| prom::histogram(t, DECISION_HISTOGRAM))
+        .and_then(|h| prom::histogram_quantile(&hist_before, &h, 0.99))
+        .map(|s| (s * 1e6 * 10.0).round() / 10.0);
+    let picker = picker_after
+        .as_deref()
+        .map(|a| stats::PickerFigures::from_metrics(picker_before.as_deref().unwrap_or(""), a));
     let figures = EngineFigures {
         hit_rate: (queries > 0.0).then(|| hits / queries),
         load_cv: stats::coefficient_of_variation(&per_rank_prefill),
@@ -648,6 +684,8 @@ pub async fn replay(
             load_series,
             hit_rate_ideal: ceilings.ideal(),
             error_samples: errs,
+            picker,
+            engine_prefill_tokens: per_rank_prefill,
         },
     })
 }

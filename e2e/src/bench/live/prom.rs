@@ -59,6 +59,19 @@ pub fn engine_counters(text: &str) -> BTreeMap<u32, RankCounters> {
     out
 }
 
+/// The sum of `name`'s samples whose labels include every `(key, value)` of `with`.
+pub fn counter_sum(text: &str, name: &str, with: &[(&str, &str)]) -> f64 {
+    samples(text)
+        .filter(|(n, labels, _)| {
+            *n == name
+                && with
+                    .iter()
+                    .all(|(k, v)| labels.get(k).is_some_and(|x| x == v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
 /// Cumulative buckets `(le, count)` of a histogram, summed over label sets.
 pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
     let bucket = format!("{name}_bucket");
@@ -121,6 +134,23 @@ pub fn histogram_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_sum_over_matching_label_sets() {
+        let text = "# TYPE d counter\n\
+                    d{policy=\"a\",reason=\"session\"} 3\n\
+                    d{policy=\"a\",reason=\"policy\"} 4\n\
+                    d{policy=\"b\",reason=\"session\"} 5\n\
+                    e 7\n";
+        assert_eq!(counter_sum(text, "d", &[]), 12.0);
+        assert_eq!(counter_sum(text, "d", &[("reason", "session")]), 8.0);
+        assert_eq!(
+            counter_sum(text, "d", &[("policy", "a"), ("reason", "session")]),
+            3.0
+        );
+        assert_eq!(counter_sum(text, "e", &[]), 7.0);
+        assert_eq!(counter_sum(text, "f", &[]), 0.0);
+    }
 
     #[test]
     fn counters_and_histograms_parse() {

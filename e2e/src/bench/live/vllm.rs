@@ -23,6 +23,8 @@ pub struct RealEngines {
     pub num_blocks: u32,
     /// The model's vocabulary size.
     pub vocab: u32,
+    /// The model folder (its tokenizer files too).
+    pub model: std::path::PathBuf,
 }
 
 impl RealEngines {
@@ -100,6 +102,7 @@ impl RealEngines {
             info,
             num_blocks: num_blocks.unwrap_or(1),
             vocab,
+            model,
         })
     }
 
