@@ -17,6 +17,19 @@
 //! | SGLang | `sglang:num_queue_reqs` | `sglang:num_running_reqs` | `sglang:token_usage` | `sglang:max_total_num_tokens` (tokens) | `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (`cache_source="device"` only) |
 //! | TRT-LLM | `trtllm_num_requests_waiting` | `trtllm_num_requests_running` | `trtllm_kv_cache_utilization`, else used/max blocks | `trtllm_kv_cache_tokens_per_block`, `trtllm_kv_cache_max_blocks` | `trtllm_prompt_tokens_total`, `trtllm_prompt_cached_tokens_total` |
 //!
+//! Latency histograms feed the cost model's calibration ([`crate::calibration`]); only their
+//! `_sum` and `_count` series are read (per scrape, the deltas give mean values), never the
+//! buckets:
+//!
+//! | | prefill time per request | TTFT, queue time | uncached tokens per request | inter-token latency |
+//! |---|---|---|---|---|
+//! | vLLM | `vllm:request_prefill_time_seconds` | `vllm:time_to_first_token_seconds`, `vllm:request_queue_time_seconds` | `vllm:request_prefill_kv_computed_tokens`, else Δ(queries − hits) | `vllm:inter_token_latency_seconds`, else `vllm:time_per_output_token_seconds` (before 0.11) |
+//! | SGLang | — | `sglang:time_to_first_token_seconds`, `sglang:queue_time_seconds` | Δ(prompt − cached tokens) | `sglang:inter_token_latency_seconds`, else `sglang:time_per_output_token_seconds` |
+//! | TRT-LLM | `trtllm_request_prefill_time_seconds` | `trtllm_time_to_first_token_seconds`, `trtllm_request_queue_time_seconds` | Δ(prompt − cached tokens) | `trtllm_time_per_output_token_seconds` |
+//!
+//! `vllm:iteration_tokens_total` (tokens per engine step) is not read: a step's size without
+//! its duration gives no rate.
+//!
 //! `trtllm-serve` serves JSON iteration stats on `/metrics`; its Prometheus text is on
 //! `/prometheus/metrics` and only exists with `return_perf_metrics` (the load gauges also need
 //! `enable_iter_perf_stats`). Its stats task is woken when requests complete, so its gauges lag
@@ -112,6 +125,8 @@ pub struct EngineMetrics {
     engine: EngineKind,
     aggregate: LoadSample,
     ranks: BTreeMap<u32, LoadSample>,
+    perf_aggregate: PerfCounters,
+    perf_ranks: BTreeMap<u32, PerfCounters>,
 }
 
 impl EngineMetrics {
@@ -142,6 +157,123 @@ impl EngineMetrics {
             Some(&self.aggregate)
         } else {
             self.ranks.get(&rank)
+        }
+    }
+
+    /// The latency counters for a data-parallel rank: the rank's own when it reports its
+    /// timing (vLLM labels every histogram with `engine`), else the server's (SGLang's
+    /// tokenizer reports TTFT once per server), so that the means derived from them always
+    /// describe one consistent set of requests.
+    pub fn perf_for_rank(&self, rank: u32) -> &PerfCounters {
+        match self.perf_ranks.get(&rank) {
+            Some(p) if p.has_timing() => p,
+            _ => &self.perf_aggregate,
+        }
+    }
+
+    /// The server's latency counters (summed over ranks where the series are per rank).
+    pub fn perf_aggregate(&self) -> &PerfCounters {
+        &self.perf_aggregate
+    }
+}
+
+/// The `_sum` and `_count` of one histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct SumCount {
+    pub sum: f64,
+    pub count: f64,
+}
+
+/// Cumulative latency and token counters an engine reports, as read from one scrape (each a
+/// counter since the engine started; the calibration takes deltas between scrapes). Times in
+/// seconds, as exported.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct PerfCounters {
+    /// Time from a request's scheduling to its first token.
+    pub prefill_time: Option<SumCount>,
+    /// Time from a request's arrival to its first token.
+    pub ttft: Option<SumCount>,
+    /// Time requests waited before being scheduled.
+    pub queue_time: Option<SumCount>,
+    /// Tokens each request computed in prefill (its uncached prompt tokens).
+    pub prefill_tokens: Option<SumCount>,
+    /// Time between output tokens (the decode step as a request sees it).
+    pub inter_token_latency: Option<SumCount>,
+    /// Prompt tokens looked up in the prefix cache (a counter; see [`LoadSample`]).
+    pub prompt_tokens: Option<f64>,
+    /// Of those, tokens found cached.
+    pub cached_tokens: Option<f64>,
+}
+
+impl PerfCounters {
+    /// Whether a prefill duration can be derived: the prefill histogram, or TTFT and queue
+    /// time.
+    pub fn has_timing(&self) -> bool {
+        self.prefill_time.is_some() || (self.ttft.is_some() && self.queue_time.is_some())
+    }
+
+    fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    fn read(folded: &Folded, rank: Option<u32>) -> Self {
+        let get = |field| folded.get(&(field, rank)).copied();
+        let pair = |sum, count| {
+            Some(SumCount {
+                sum: get(sum)?,
+                count: get(count)?,
+            })
+        };
+        use Field::*;
+        Self {
+            prefill_time: pair(PrefillTimeSum, PrefillTimeCount),
+            ttft: pair(TtftSum, TtftCount),
+            queue_time: pair(QueueTimeSum, QueueTimeCount),
+            prefill_tokens: pair(PrefillTokensSum, PrefillTokensCount),
+            inter_token_latency: pair(ItlSum, ItlCount)
+                .or_else(|| pair(ItlFallbackSum, ItlFallbackCount)),
+            prompt_tokens: get(Queries).or_else(|| get(QueriesFallback)),
+            cached_tokens: get(Hits).or_else(|| get(HitsFallback)),
+        }
+    }
+
+    /// Ranks combined into the server: every counter summed (present only when every rank
+    /// has it).
+    fn sum<'a>(parts: impl Iterator<Item = &'a PerfCounters> + Clone) -> Self {
+        fn pairs(mut values: impl Iterator<Item = Option<SumCount>>) -> Option<SumCount> {
+            values.try_fold(SumCount::default(), |acc, v| {
+                let v = v?;
+                Some(SumCount {
+                    sum: acc.sum + v.sum,
+                    count: acc.count + v.count,
+                })
+            })
+        }
+        let mut any = parts.clone().peekable();
+        if any.peek().is_none() {
+            return Self::default();
+        }
+        Self {
+            prefill_time: pairs(parts.clone().map(|p| p.prefill_time)),
+            ttft: pairs(parts.clone().map(|p| p.ttft)),
+            queue_time: pairs(parts.clone().map(|p| p.queue_time)),
+            prefill_tokens: pairs(parts.clone().map(|p| p.prefill_tokens)),
+            inter_token_latency: pairs(parts.clone().map(|p| p.inter_token_latency)),
+            prompt_tokens: parts.clone().map(|p| p.prompt_tokens).sum(),
+            cached_tokens: parts.map(|p| p.cached_tokens).sum(),
+        }
+    }
+
+    /// Field by field, `self` where it has a value, else `other`.
+    fn or(self, other: Self) -> Self {
+        Self {
+            prefill_time: self.prefill_time.or(other.prefill_time),
+            ttft: self.ttft.or(other.ttft),
+            queue_time: self.queue_time.or(other.queue_time),
+            prefill_tokens: self.prefill_tokens.or(other.prefill_tokens),
+            inter_token_latency: self.inter_token_latency.or(other.inter_token_latency),
+            prompt_tokens: self.prompt_tokens.or(other.prompt_tokens),
+            cached_tokens: self.cached_tokens.or(other.cached_tokens),
         }
     }
 }
@@ -430,6 +562,20 @@ enum Field {
     HitsFallback,
     /// vLLM's info gauge; its labels carry `BlockSize` and `CapacityBlocks`.
     CacheConfig,
+    /// `_sum` and `_count` of the latency histograms (see [`PerfCounters`]).
+    PrefillTimeSum,
+    PrefillTimeCount,
+    TtftSum,
+    TtftCount,
+    QueueTimeSum,
+    QueueTimeCount,
+    PrefillTokensSum,
+    PrefillTokensCount,
+    ItlSum,
+    ItlCount,
+    /// Read only when `ItlSum`/`ItlCount` are absent (the older `time_per_output_token` name).
+    ItlFallbackSum,
+    ItlFallbackCount,
 }
 
 impl Field {
@@ -443,6 +589,18 @@ impl Field {
                 | Self::Hits
                 | Self::QueriesFallback
                 | Self::HitsFallback
+                | Self::PrefillTimeSum
+                | Self::PrefillTimeCount
+                | Self::TtftSum
+                | Self::TtftCount
+                | Self::QueueTimeSum
+                | Self::QueueTimeCount
+                | Self::PrefillTokensSum
+                | Self::PrefillTokensCount
+                | Self::ItlSum
+                | Self::ItlCount
+                | Self::ItlFallbackSum
+                | Self::ItlFallbackCount
         )
     }
 }
@@ -493,6 +651,18 @@ impl Scheme {
                     QueriesFallback
                 }
                 "vllm:gpu_prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits" => HitsFallback,
+                "vllm:request_prefill_time_seconds_sum" => PrefillTimeSum,
+                "vllm:request_prefill_time_seconds_count" => PrefillTimeCount,
+                "vllm:time_to_first_token_seconds_sum" => TtftSum,
+                "vllm:time_to_first_token_seconds_count" => TtftCount,
+                "vllm:request_queue_time_seconds_sum" => QueueTimeSum,
+                "vllm:request_queue_time_seconds_count" => QueueTimeCount,
+                "vllm:request_prefill_kv_computed_tokens_sum" => PrefillTokensSum,
+                "vllm:request_prefill_kv_computed_tokens_count" => PrefillTokensCount,
+                "vllm:inter_token_latency_seconds_sum" => ItlSum,
+                "vllm:inter_token_latency_seconds_count" => ItlCount,
+                "vllm:time_per_output_token_seconds_sum" => ItlFallbackSum,
+                "vllm:time_per_output_token_seconds_count" => ItlFallbackCount,
                 _ => return None,
             },
             EngineKind::Sglang => match name {
@@ -502,6 +672,14 @@ impl Scheme {
                 "sglang:max_total_num_tokens" => CapacityTokens,
                 "sglang:prompt_tokens_total" | "sglang:prompt_tokens" => Queries,
                 "sglang:cached_tokens_total" | "sglang:cached_tokens" => Hits,
+                "sglang:time_to_first_token_seconds_sum" => TtftSum,
+                "sglang:time_to_first_token_seconds_count" => TtftCount,
+                "sglang:queue_time_seconds_sum" => QueueTimeSum,
+                "sglang:queue_time_seconds_count" => QueueTimeCount,
+                "sglang:inter_token_latency_seconds_sum" => ItlSum,
+                "sglang:inter_token_latency_seconds_count" => ItlCount,
+                "sglang:time_per_output_token_seconds_sum" => ItlFallbackSum,
+                "sglang:time_per_output_token_seconds_count" => ItlFallbackCount,
                 _ => return None,
             },
             EngineKind::Trtllm => match name {
@@ -513,6 +691,14 @@ impl Scheme {
                 "trtllm_kv_cache_used_blocks" => UsedBlocks,
                 "trtllm_prompt_tokens_total" | "trtllm_prompt_tokens" => Queries,
                 "trtllm_prompt_cached_tokens_total" | "trtllm_prompt_cached_tokens" => Hits,
+                "trtllm_request_prefill_time_seconds_sum" => PrefillTimeSum,
+                "trtllm_request_prefill_time_seconds_count" => PrefillTimeCount,
+                "trtllm_time_to_first_token_seconds_sum" => TtftSum,
+                "trtllm_time_to_first_token_seconds_count" => TtftCount,
+                "trtllm_request_queue_time_seconds_sum" => QueueTimeSum,
+                "trtllm_request_queue_time_seconds_count" => QueueTimeCount,
+                "trtllm_time_per_output_token_seconds_sum" => ItlSum,
+                "trtllm_time_per_output_token_seconds_count" => ItlCount,
                 _ => return None,
             },
         })
@@ -792,7 +978,7 @@ fn build(engine: EngineKind, folded: &Folded) -> Result<EngineMetrics, MetricsEr
     let rank_ids: BTreeSet<u32> = folded.keys().filter_map(|(_, rank)| *rank).collect();
     let global = Partial::read(folded, None);
     let mut partials = BTreeMap::new();
-    for rank in rank_ids {
+    for &rank in &rank_ids {
         let partial = Partial::read(folded, Some(rank));
         // A rank named only by configuration or counters has no load to route on.
         if partial.has_load() {
@@ -818,10 +1004,21 @@ fn build(engine: EngineKind, folded: &Folded) -> Result<EngineMetrics, MetricsEr
     let aggregate = aggregate
         .complete()
         .map_err(|field| MetricsError::MissingMetric(scheme.metric_name(field)))?;
+    let mut perf_ranks = BTreeMap::new();
+    for &rank in &rank_ids {
+        let perf = PerfCounters::read(folded, Some(rank));
+        if !perf.is_empty() {
+            perf_ranks.insert(rank, perf);
+        }
+    }
+    let perf_aggregate =
+        PerfCounters::read(folded, None).or(PerfCounters::sum(perf_ranks.values()));
     Ok(EngineMetrics {
         engine,
         aggregate,
         ranks,
+        perf_aggregate,
+        perf_ranks,
     })
 }
 
@@ -1325,6 +1522,114 @@ vllm:cache_config_info{engine="0",model_name="x\"y",block_size="16",num_gpu_bloc
                 .unwrap()
                 .contains("\"engine\":\"vllm\"")
         );
+    }
+
+    fn sc(sum: f64, count: f64) -> Option<SumCount> {
+        Some(SumCount { sum, count })
+    }
+
+    #[test]
+    fn latency_counters_of_real_vllm_0_32() {
+        let text = include_str!("../tests/fixtures/vllm-0.32/metrics_after.txt");
+        let m = vllm(text).unwrap();
+        let expected = PerfCounters {
+            prefill_time: sc(0.7772683109994887, 14.0),
+            ttft: sc(0.8451347351074219, 14.0),
+            queue_time: sc(0.0005056230004356621, 14.0),
+            prefill_tokens: sc(9895.0, 14.0),
+            inter_token_latency: sc(0.0, 0.0),
+            prompt_tokens: Some(10471.0),
+            cached_tokens: Some(576.0),
+        };
+        assert_eq!(m.perf_for_rank(0), &expected);
+        assert!(expected.has_timing());
+        // one rank: the server is that rank
+        assert_eq!(m.perf_aggregate(), &expected);
+    }
+
+    #[test]
+    fn latency_counters_per_rank_and_summed() {
+        let m = vllm(VLLM).unwrap();
+        let server = m.perf_aggregate();
+        assert_eq!(
+            server.ttft,
+            sc(97.41283416748047 + 80.03511333465576, 911.0 + 794.0)
+        );
+        assert_eq!(server.cached_tokens, Some(524_288.0 + 393_216.0));
+        // no prefill histogram nor queue time (vLLM before 0.10): no prefill duration to
+        // derive, per rank or for the server
+        assert!(!server.has_timing());
+        assert_eq!(m.perf_for_rank(0), server);
+        // a rank with its own timing reads its own
+        let text = r#"
+vllm:num_requests_waiting{engine="0"} 0
+vllm:num_requests_running{engine="0"} 0
+vllm:kv_cache_usage_perc{engine="0"} 0
+vllm:num_requests_waiting{engine="1"} 0
+vllm:num_requests_running{engine="1"} 0
+vllm:kv_cache_usage_perc{engine="1"} 0
+vllm:request_prefill_time_seconds_sum{engine="0"} 1.5
+vllm:request_prefill_time_seconds_count{engine="0"} 3
+vllm:request_prefill_time_seconds_sum{engine="1"} 4
+vllm:request_prefill_time_seconds_count{engine="1"} 8
+"#;
+        let m = vllm(text).unwrap();
+        assert_eq!(m.perf_for_rank(1).prefill_time, sc(4.0, 8.0));
+        assert_eq!(m.perf_for_rank(0).prefill_time, sc(1.5, 3.0));
+        assert_eq!(m.perf_aggregate().prefill_time, sc(5.5, 11.0));
+        assert_eq!(
+            m.perf_for_rank(7),
+            m.perf_aggregate(),
+            "unknown rank: the server"
+        );
+    }
+
+    #[test]
+    fn sglang_ranks_read_the_servers_ttft() {
+        let m = parse(SGLANG, EngineKind::Sglang).unwrap();
+        // TTFT is the tokenizer's (no dp_rank), queue time the schedulers' (per dp_rank): a
+        // rank takes the server's counters so that both describe the same requests
+        let p = m.perf_for_rank(1);
+        assert_eq!(p, m.perf_aggregate());
+        assert_eq!(p.ttft, sc(1201.667221069336, 2934.0));
+        assert_eq!(p.queue_time, sc(311.4185 + 254.0917, 1502.0 + 1433.0));
+        assert_eq!(p.prompt_tokens, Some(2_346_800.0));
+        assert_eq!(p.cached_tokens, Some(1_200_000.0), "host hits excluded");
+        assert!(p.has_timing());
+    }
+
+    #[test]
+    fn trtllm_and_fallback_names() {
+        let m = parse(TRTLLM, EngineKind::Trtllm).unwrap();
+        let p = m.perf_for_rank(0);
+        assert_eq!(p.ttft, sc(402.1187334060669, 1509.0));
+        assert_eq!(
+            p.queue_time, None,
+            "this trtllm-serve exports no queue time"
+        );
+        assert!(!p.has_timing());
+        let text = "trtllm_num_requests_waiting 0\ntrtllm_num_requests_running 1\n\
+                    trtllm_kv_cache_utilization 0.5\n\
+                    trtllm_request_prefill_time_seconds_sum 2.5\n\
+                    trtllm_request_prefill_time_seconds_count 10\n\
+                    trtllm_time_per_output_token_seconds_sum 0.4\n\
+                    trtllm_time_per_output_token_seconds_count 20\n";
+        let p = *parse(text, EngineKind::Trtllm).unwrap().perf_aggregate();
+        assert_eq!(p.prefill_time, sc(2.5, 10.0));
+        assert_eq!(p.inter_token_latency, sc(0.4, 20.0));
+        // vLLM before 0.11 named its inter-token histogram time_per_output_token
+        let text = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n\
+                    vllm:kv_cache_usage_perc 0\n\
+                    vllm:time_per_output_token_seconds_sum 3\n\
+                    vllm:time_per_output_token_seconds_count 100\n\
+                    vllm:request_time_per_output_token_seconds_sum 9\n\
+                    vllm:request_time_per_output_token_seconds_count 9\n";
+        let p = *vllm(text).unwrap().perf_aggregate();
+        assert_eq!(p.inter_token_latency, sc(3.0, 100.0));
+        // a histogram missing its count is not half-read
+        let text = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n\
+                    vllm:kv_cache_usage_perc 0\nvllm:request_prefill_time_seconds_sum 3\n";
+        assert_eq!(vllm(text).unwrap().perf_aggregate().prefill_time, None);
     }
 
     /// Prefixes of every fixture, read as every engine: errors are fine, panics are not.
