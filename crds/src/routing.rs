@@ -169,7 +169,8 @@ pub enum FailureMode {
 /// Calibration of the `CostModel` strategy: prefill time of a batch of `T` tokens is
 /// `prefillQuadraticMs * T^2 + prefillLinearMs * T + prefillConstantMs`, chunked by
 /// `maxBatchedTokens`; each engine step also spends the decode time of the running requests.
-/// The defaults fit an 8B-class model on one H100-class GPU.
+/// The defaults fit an 8B-class model on one H100-class GPU. With `calibrate` (the default)
+/// these values are the prior of what the picker learns per endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct CostModelCalibration {
@@ -203,6 +204,13 @@ pub struct CostModelCalibration {
     /// e2e/BENCHMARKS.md: best or near best on every Mooncake load tested).
     #[schemars(range(min = 0.0))]
     pub recompute_weight: f64,
+    /// Learn each endpoint's prefill cost (per step and per token) and decode step time
+    /// online, with the values above as the prior: from this picker's own time-to-first-token
+    /// measurements of streamed responses and, with less weight, from the engine's latency
+    /// histograms. An endpoint much slower than the prior (a CPU engine is 20-50x slower than
+    /// the GPU defaults) is then priced as it is. Learned values stay between 1/4 and 100
+    /// times the configured ones. `false`: the values above for every endpoint. Default true.
+    pub calibrate: bool,
 }
 
 impl Default for CostModelCalibration {
@@ -217,6 +225,7 @@ impl Default for CostModelCalibration {
             max_batched_tokens: 8192,
             assumed_waiting_tokens: 1024,
             recompute_weight: 8.0,
+            calibrate: true,
         }
     }
 }
@@ -410,6 +419,11 @@ mod tests {
         let back: RoutingConfig = serde_json::from_str(&json).expect("deserialize");
         assert_eq!(c, back);
         assert!(json.contains("\"stalenessThreshold\":\"2s\""), "{json}");
+        assert!(json.contains("\"calibrate\":true"), "{json}");
+        let off: RoutingConfig =
+            serde_json::from_str(r#"{"costModel":{"calibrate":false}}"#).expect("parse");
+        assert!(!off.cost_model.calibrate);
+        assert_eq!(off.cost_model.recompute_weight, 8.0);
     }
 
     #[test]

@@ -163,6 +163,7 @@ fn bench_decision(c: &mut Criterion) {
                             inflight: &inflight,
                             now_ms: 0,
                             ejected: &[],
+                            calibration: None,
                         };
                         let req = RouteRequest {
                             model_config: &mc,

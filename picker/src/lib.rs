@@ -5,6 +5,7 @@
 //! the same code.
 
 pub mod block_keys;
+pub mod calibration;
 pub mod cli;
 /// Routing configuration (shared with the `InferencePool` resource).
 pub mod config {

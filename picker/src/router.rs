@@ -12,6 +12,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::block_keys::BlockKey;
+use crate::calibration::Calibration;
 use crate::config::{FailureMode, RoutingConfig};
 use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
 use crate::index::{KvIndex, PrefixMatch};
@@ -120,6 +121,9 @@ pub struct RouteContext<'a> {
     pub now_ms: u64,
     /// Endpoints passive health ejected (sorted): skipped unless nothing else is eligible.
     pub ejected: &'a [EndpointId],
+    /// The cost model's per-endpoint calibration; `None` (calibration off, or a caller that
+    /// learns nothing, as the offline simulator) leaves every candidate on the configured one.
+    pub calibration: Option<&'a Calibration>,
 }
 
 /// The most leading blocks of a `prompt_tokens`-token prompt an engine serves from its cache.
@@ -298,6 +302,7 @@ impl Router {
                         pending_tokens: inflight.pending_tokens,
                         session_affinity: pinned == Some(e.id),
                         stale: failed_open,
+                        learned: ctx.calibration.and_then(|c| c.learned(&e.id)),
                     },
                 }
             })
@@ -421,6 +426,7 @@ mod tests {
         index: KvIndex,
         loads: LoadView,
         inflight: InflightTracker,
+        calibration: Calibration,
     }
 
     fn id(n: u8, rank: u32) -> EndpointId {
@@ -439,12 +445,15 @@ mod tests {
                     .expect("slot");
                 loads.update(*i, EndpointLoad::default());
             }
+            let mut calibration = Calibration::default();
+            calibration.set_pool(ids.iter().copied());
             Self {
                 mc,
                 set,
                 index,
                 loads,
                 inflight: InflightTracker::new(),
+                calibration,
             }
         }
 
@@ -466,6 +475,7 @@ mod tests {
                 inflight: &self.inflight,
                 now_ms: 0,
                 ejected: &[],
+                calibration: Some(&self.calibration),
             };
             let req = RouteRequest {
                 model_config: &self.mc,
@@ -540,6 +550,7 @@ mod tests {
                 inflight: &w.inflight,
                 now_ms: 0,
                 ejected: &[],
+                calibration: None,
             };
             let req = RouteRequest {
                 model_config: &w.mc,
@@ -695,6 +706,7 @@ mod tests {
             inflight: &w.inflight,
             now_ms: 0,
             ejected: &[],
+            calibration: None,
         };
         let subset = [SocketAddr::new(ids[1].address, 8000)];
         let base = RouteRequest {
@@ -738,6 +750,7 @@ mod tests {
                 inflight: &w.inflight,
                 now_ms: 0,
                 ejected,
+                calibration: None,
             };
             let req = RouteRequest {
                 model_config: &w.mc,
@@ -776,6 +789,69 @@ mod tests {
             Router::resolve_model(&snap, "gpt"),
             Err(RouteError::UnknownModel(_))
         ));
+    }
+
+    /// Issue 14: the cost model prices each endpoint with what was learned about it.
+    #[test]
+    fn a_calibrated_slow_endpoint_loses_where_the_prior_would_tie() {
+        use crate::calibration::TtftBasis;
+        let ids: Vec<_> = (1..=2).map(|n| id(n, 0)).collect();
+        let mut w = World::new(&ids);
+        let r = router(Strategy::CostModel);
+        let keys = w.keys(&prompt(11, 2048));
+        let d = w.decide(&r, &keys, None).expect("d");
+        let scores: Vec<_> = d.candidates.iter().map(|c| c.score).collect();
+        assert_eq!(scores[0], scores[1], "uncalibrated: a tie");
+        assert!(d.candidates.iter().all(|c| c.features.learned.is_none()));
+        // endpoint 1 turns out to take 20x the prior's time to its first token
+        let cal = r.config().cost_model;
+        for tokens in [256.0, 1024.0, 2048.0, 4096.0] {
+            for _ in 0..10 {
+                let basis = TtftBasis {
+                    work_tokens: tokens,
+                    decode_ms: 0.0,
+                };
+                let slow = 20.0 * policy::prefill_ms(&cal, tokens);
+                w.calibration.observe_ttft(&ids[0], basis, slow);
+            }
+        }
+        for seed in 0..16 {
+            let keys = w.keys(&prompt(100 + seed, 2048));
+            let d = w.decide(&r, &keys, None).expect("d");
+            assert_eq!(d.endpoint, ids[1], "request {seed}");
+            let slow = d
+                .candidates
+                .iter()
+                .find(|c| c.endpoint == ids[0].to_string())
+                .expect("explained");
+            let learned = slow.features.learned.expect("learned values explained");
+            assert!(learned.prefill_ms_per_token > 5.0 * cal.prefill_linear_ms);
+            assert!(learned.observations == 40);
+        }
+        // with calibration off (no view), the tie is back
+        let snap = w.set.load();
+        let ctx = RouteContext {
+            endpoints: &snap,
+            index: &w.index,
+            loads: &w.loads,
+            inflight: &w.inflight,
+            now_ms: 0,
+            ejected: &[],
+            calibration: None,
+        };
+        let req = RouteRequest {
+            model_config: &w.mc,
+            keys: &keys,
+            prompt_tokens: 2048,
+            session: None,
+            tenant: None,
+            subset: None,
+            allow: None,
+            fallback_hash: 0,
+            explain: true,
+        };
+        let d = r.decide(&ctx, &req).expect("d");
+        assert_eq!(d.candidates[0].score, d.candidates[1].score);
     }
 
     #[test]

@@ -38,6 +38,7 @@ fn decide(
         inflight: &inflight,
         now_ms: 0,
         ejected: &[],
+        calibration: None,
     };
     let req = RouteRequest {
         model_config: mc,

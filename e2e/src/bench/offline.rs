@@ -201,6 +201,8 @@ impl<'a> Sim<'a> {
                 inflight: &self.tracker,
                 now_ms: t as u64,
                 ejected: &[],
+                // the simulator's engines follow the configured step model: nothing to learn
+                calibration: None,
             };
             let req = RouteRequest {
                 model_config: &self.model_config,

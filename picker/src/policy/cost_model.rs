@@ -11,8 +11,14 @@
 //! `queued` is this picker's pending prefill tokens on the endpoint, or the engine's waiting
 //! count times an assumed size, whichever is larger. This is exactly the trade-off the router
 //! exists for: a long cached prefix shrinks `uncached`, a deep queue grows `queued`.
+//!
+//! The constants are the configured calibration, unless the candidate's features carry values
+//! learned for that endpoint ([`crate::calibration`]): then its prefill costs
+//! `overheadMs × steps + msPerToken × tokens` in the prior's shape ([`prefill_regressors`])
+//! and its decode steps the configured curve times the learned scale.
 
-use super::{Candidate, Policy, RequestFacts};
+use super::{Candidate, Features, Policy, RequestFacts};
+use crate::calibration::{LearnedCost, TtftBasis};
 use crate::config::CostModelCalibration;
 
 /// Prefill time in ms of `tokens` tokens, chunked by the engine's per-step budget.
@@ -29,26 +35,79 @@ pub fn prefill_ms(cal: &CostModelCalibration, tokens: f64) -> f64 {
     full * f(chunk) + if rem > 0.0 { f(rem) } else { 0.0 }
 }
 
+/// Engine steps and linear-token equivalents of prefilling `tokens`: `[steps, tokens']`, with
+/// each chunk's quadratic term counted in units of the linear one
+/// (`tokens' = Σ chunk + (prefillQuadraticMs / prefillLinearMs) · chunk²`). So the configured
+/// prefill time is exactly `prefillConstantMs · steps + prefillLinearMs · tokens'`, and a
+/// learned (overhead, ms per token) pair takes the place of those two constants, the
+/// quadratic term scaling with the linear one. (With `prefillLinearMs` 0 the quadratic term is
+/// not represented.)
+pub fn prefill_regressors(cal: &CostModelCalibration, tokens: f64) -> [f64; 2] {
+    if tokens.is_nan() || tokens <= 0.0 {
+        return [0.0, 0.0];
+    }
+    let chunk = f64::from(cal.max_batched_tokens.max(1));
+    let rho = if cal.prefill_linear_ms > 0.0 {
+        cal.prefill_quadratic_ms / cal.prefill_linear_ms
+    } else {
+        0.0
+    };
+    let equivalent = |t: f64| t + rho * t * t;
+    let full = (tokens / chunk).floor();
+    let rem = tokens - full * chunk;
+    if rem > 0.0 {
+        [full + 1.0, full * equivalent(chunk) + equivalent(rem)]
+    } else {
+        [full, full * equivalent(chunk)]
+    }
+}
+
+/// Prefill time in ms of `tokens` tokens with an endpoint's learned constants.
+pub fn learned_prefill_ms(cal: &CostModelCalibration, learned: &LearnedCost, tokens: f64) -> f64 {
+    let [steps, equivalent] = prefill_regressors(cal, tokens);
+    learned.overhead_ms * steps + learned.prefill_ms_per_token * equivalent
+}
+
+/// Prefill time with the candidate's learned constants when it has them.
+fn candidate_prefill_ms(cal: &CostModelCalibration, f: &Features, tokens: f64) -> f64 {
+    match &f.learned {
+        Some(l) => learned_prefill_ms(cal, l, tokens),
+        None => prefill_ms(cal, tokens),
+    }
+}
+
 /// Decode step time in ms at KV usage `u` in [0, 1] (floor 1 ms).
 pub fn decode_step_ms(cal: &CostModelCalibration, u: f64) -> f64 {
     let u = u.clamp(0.0, 1.0);
     (cal.decode_base_ms + cal.decode_linear_ms * u + cal.decode_quadratic_ms * u * u).max(1.0)
 }
 
-/// Estimated TTFT in ms of a request with `uncached` tokens to prefill on an endpoint with
-/// the given features.
-pub fn estimated_ttft_ms(cal: &CostModelCalibration, f: &super::Features) -> f64 {
+/// The work a candidate's TTFT estimate rests on: the prefill tokens up to the request's first
+/// token and the decode time the engine's steps spend meanwhile. It is also what the
+/// calibration measures an observed TTFT against.
+pub fn ttft_basis(cal: &CostModelCalibration, f: &Features) -> TtftBasis {
     let assumed = f.waiting * f64::from(cal.assumed_waiting_tokens);
     let queued = (f.pending_tokens as f64).max(assumed);
     let work = queued + f64::from(f.uncached_tokens);
     let steps = (work / f64::from(cal.max_batched_tokens.max(1))).ceil();
     let decoding = f.running > 0.0 || f.inflight_requests > f.pending_requests;
-    let decode = if decoding {
-        steps * decode_step_ms(cal, f.kv_usage)
+    let decode_ms = if decoding {
+        let scale = f.learned.map_or(1.0, |l| l.decode_scale);
+        steps * decode_step_ms(cal, f.kv_usage) * scale
     } else {
         0.0
     };
-    prefill_ms(cal, work) + decode
+    TtftBasis {
+        work_tokens: work,
+        decode_ms,
+    }
+}
+
+/// Estimated TTFT in ms of a request with `uncached` tokens to prefill on an endpoint with
+/// the given features.
+pub fn estimated_ttft_ms(cal: &CostModelCalibration, f: &Features) -> f64 {
+    let basis = ttft_basis(cal, f);
+    candidate_prefill_ms(cal, f, basis.work_tokens) + basis.decode_ms
 }
 
 #[derive(Debug, Clone)]
@@ -71,7 +130,11 @@ impl Policy for CostModel {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             // the greedy TTFT, plus the recomputation's cost to everyone else (locality has a
             // future value: see `CostModelCalibration::recompute_weight`)
-            let recompute = prefill_ms(&self.cal, f64::from(c.features.uncached_tokens));
+            let recompute = candidate_prefill_ms(
+                &self.cal,
+                &c.features,
+                f64::from(c.features.uncached_tokens),
+            );
             *s = -(estimated_ttft_ms(&self.cal, &c.features)
                 + self.cal.recompute_weight * recompute);
         }
@@ -131,6 +194,58 @@ mod tests {
         deep.pending_tokens = 100_000;
         let cands = [cand(1, feat(8192, 0, 0.0, 0.0)), cand(2, deep)];
         assert_eq!(pick(&valued, &r, &cands), ep(1));
+    }
+
+    #[test]
+    fn learned_constants_replace_the_configured_ones() {
+        let cal = CostModelCalibration::default();
+        let as_configured = LearnedCost {
+            overhead_ms: cal.prefill_constant_ms,
+            prefill_ms_per_token: cal.prefill_linear_ms,
+            decode_scale: 1.0,
+            decode_step_ms: decode_step_ms(&cal, 0.0),
+            observations: 1,
+        };
+        // the configured constants in the learned form are the configured model exactly,
+        // chunking and quadratic term included
+        for tokens in [0.0, 1.0, 1000.0, 8192.0, 20_000.0] {
+            let d = learned_prefill_ms(&cal, &as_configured, tokens) - prefill_ms(&cal, tokens);
+            assert!(d.abs() < 1e-9, "{tokens}: {d}");
+        }
+        let p = CostModel::new(cal);
+        let r = req(4096);
+        let plain = feat(4096, 0, 0.0, 2.0);
+        let same = Features {
+            learned: Some(as_configured),
+            ..plain
+        };
+        let mut s = [0.0; 2];
+        p.score(&r, &[cand(1, plain), cand(2, same)], &mut s);
+        assert!((s[0] - s[1]).abs() < 1e-9, "{s:?}");
+        // an endpoint learned to be 20x slower per token and 10x per step loses the tie,
+        // in its TTFT and in the recomputation's price
+        let slow = Features {
+            learned: Some(LearnedCost {
+                overhead_ms: 10.0 * cal.prefill_constant_ms,
+                prefill_ms_per_token: 20.0 * cal.prefill_linear_ms,
+                ..as_configured
+            }),
+            ..plain
+        };
+        assert_eq!(pick(&p, &r, &[cand(1, slow), cand(2, plain)]), ep(2));
+        assert_eq!(pick(&p, &r, &[cand(2, slow), cand(1, plain)]), ep(1));
+        assert!(estimated_ttft_ms(&cal, &slow) > 10.0 * estimated_ttft_ms(&cal, &plain) / 2.0);
+        // a slow decode step counts where requests are running
+        let slow_decode = Features {
+            learned: Some(LearnedCost {
+                decode_scale: 10.0,
+                ..as_configured
+            }),
+            ..plain
+        };
+        let basis = ttft_basis(&cal, &slow_decode);
+        assert!((basis.decode_ms - 10.0 * ttft_basis(&cal, &plain).decode_ms).abs() < 1e-9);
+        assert_eq!(pick(&p, &r, &[cand(1, slow_decode), cand(2, plain)]), ep(2));
     }
 
     #[test]

@@ -16,10 +16,14 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub use baselines::{LeastLoad, RandomPolicy, RoundRobin};
 pub use cache_aware::CacheAware;
-pub use cost_model::{CostModel, estimated_ttft_ms, prefill_ms};
+pub use cost_model::{
+    CostModel, decode_step_ms, estimated_ttft_ms, learned_prefill_ms, prefill_ms,
+    prefill_regressors, ttft_basis,
+};
 pub use kv_cost::KvCost;
 pub use weighted::Weighted;
 
+use crate::calibration::LearnedCost;
 use crate::config::{RoutingConfig, Strategy};
 use crate::endpoint::EndpointId;
 
@@ -58,6 +62,9 @@ pub struct Features {
     pub session_affinity: bool,
     /// Its metrics are older than the staleness threshold (only routed to when failing open).
     pub stale: bool,
+    /// The cost model's constants learned for this endpoint, when calibration is on and has
+    /// data for it (`None`: the configured calibration applies).
+    pub learned: Option<LearnedCost>,
 }
 
 impl Features {

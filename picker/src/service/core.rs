@@ -21,6 +21,7 @@ use super::errors::ApiError;
 use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::settings::{IndexSettings, Limits};
 use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
+use crate::calibration::{Calibration, TtftBasis};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, ModelConfig, RankSelection,
@@ -603,6 +604,10 @@ pub struct Routed {
     pub tenant_salted: bool,
     pub lora: Option<String>,
     pub token_kind: TokenKind,
+    /// What the cost model's TTFT estimate for the chosen endpoint rested on, while
+    /// calibration is on (`None` as well when the in-flight cap moved the request elsewhere):
+    /// a streamed response's first chunk is measured against it.
+    pub ttft_basis: Option<TtftBasis>,
 }
 
 /// The shared state of one picker.
@@ -615,6 +620,8 @@ pub struct PickerCore {
     pub index: RwLock<KvIndex>,
     pub loads: RwLock<LoadView>,
     pub inflight: InflightTracker,
+    /// The cost model's per-endpoint calibration (see `calibration`).
+    pub calibration: RwLock<Calibration>,
     pub limits: Limits,
     pub index_settings: IndexSettings,
     pub metrics: Metrics,
@@ -664,6 +671,7 @@ impl PickerCore {
             })),
             loads: RwLock::new(LoadView::new()),
             inflight: InflightTracker::new(),
+            calibration: RwLock::new(Calibration::new(RoutingConfig::default().cost_model)),
             render_slots: Semaphore::new(limits.max_render_concurrency),
             body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
             outliers: parking_lot::Mutex::new(crate::outlier::OutlierDetector::new(
@@ -851,6 +859,7 @@ impl PickerCore {
             }
         }
         self.sync_outlier_pool();
+        self.sync_calibration();
         self.metrics
             .endpoints
             .set(self.endpoints.load().len() as i64);
@@ -993,9 +1002,11 @@ impl PickerCore {
         let fallback_hash = xxhash_rust::xxh3::xxh3_64(&req.raw[..req.raw.len().min(4096)]);
         let allow_fn = |e: &Endpoint| tenancy.allows(tenant.as_deref(), e);
         let ejected = self.ejected_endpoints();
+        let calibrating = routing.cost_model.calibrate;
         let decision = {
             let index = self.index.read();
             let loads = self.loads.read();
+            let calibration = self.calibration.read();
             let ctx = RouteContext {
                 endpoints: &snapshot,
                 index: &index,
@@ -1003,6 +1014,7 @@ impl PickerCore {
                 inflight: &self.inflight,
                 now_ms: self.now_ms(),
                 ejected: &ejected,
+                calibration: calibrating.then_some(&*calibration),
             };
             let rr = RouteRequest {
                 model_config: &config,
@@ -1034,7 +1046,10 @@ impl PickerCore {
             }
         })?;
         // shed when the chosen endpoint and every fallback are full
+        let chosen = decision.endpoint;
         let decision = self.apply_inflight_cap(decision)?;
+        let ttft_basis = (calibrating && decision.endpoint == chosen)
+            .then(|| crate::policy::ttft_basis(&routing.cost_model, &decision.features));
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -1048,6 +1063,7 @@ impl PickerCore {
             tenant_salted,
             lora,
             token_kind: kind,
+            ttft_basis,
         })
     }
 

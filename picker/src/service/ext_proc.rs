@@ -165,6 +165,11 @@ pub trait EndpointPicker: Send + Sync + 'static {
     /// response headers.
     fn on_response_status(&self, _request_id: u64, _status: u16) {}
 
+    /// The first non-empty chunk of the response body passed (only seen when the proxy sends
+    /// response bodies, in `STREAMED` or `FULL_DUPLEX_STREAMED` mode). Called at most once per
+    /// request, before `on_response_complete`.
+    fn on_first_response_body(&self, _request_id: u64) {}
+
     /// The request that `pick` answered `Ok` for is over. Called exactly once for every `Ok`
     /// pick, whatever happened next: the response ended, the proxy cancelled, the stream broke,
     /// or the answer could not be delivered. This is what makes in-flight counts safe to keep.
@@ -378,6 +383,7 @@ struct InFlight<P: EndpointPicker> {
     picker: Arc<P>,
     request_id: u64,
     served_reported: bool,
+    body_reported: bool,
 }
 
 impl<P: EndpointPicker> Drop for InFlight<P> {
@@ -523,6 +529,12 @@ impl<P: EndpointPicker> StreamTask<P> {
             }
             processing_request::Request::ResponseBody(body) => {
                 self.require_routed("a response body")?;
+                if let Some(inflight) = self.inflight.as_mut()
+                    && !body.body.is_empty()
+                    && !std::mem::replace(&mut inflight.body_reported, true)
+                {
+                    inflight.picker.on_first_response_body(inflight.request_id);
+                }
                 let end = body.end_of_stream;
                 // In full-duplex mode the proxy has drained the chunk; what is not sent back
                 // is lost. Otherwise an empty answer means CONTINUE with the chunk unchanged.
@@ -734,6 +746,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             picker: self.shared.picker.clone(),
             request_id: self.request_id,
             served_reported: false,
+            body_reported: false,
         });
 
         let endpoints = within_subset(output.endpoints, subset.as_deref());

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::http::StatusCode;
 use parking_lot::Mutex;
@@ -10,6 +11,7 @@ use parking_lot::Mutex;
 use super::core::{Admission, ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
+use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
 use crate::outlier::Outcome;
@@ -21,6 +23,12 @@ struct Pending {
     targets: Vec<EndpointId>,
     /// The one the gateway reported as serving, once it did.
     served: Option<EndpointId>,
+    /// The response's status, once the gateway reported it.
+    status: Option<u16>,
+    /// When the pick was answered, and what the chosen endpoint's TTFT estimate rested on
+    /// (set for streamed requests while calibration is on).
+    picked: Instant,
+    basis: Option<TtftBasis>,
 }
 
 /// Adapts [`PickerCore`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -111,6 +119,9 @@ impl EndpointPicker for GatewayPicker {
                     .chain(d.fallbacks.iter().copied())
                     .collect(),
                 served: None,
+                status: None,
+                picked: Instant::now(),
+                basis: routed.ttft_basis.filter(|_| parsed.stream),
             },
         );
         Ok(PickOutput {
@@ -143,14 +154,37 @@ impl EndpointPicker for GatewayPicker {
 
     fn on_response_status(&self, request_id: u64, status: u16) {
         let endpoint = {
-            let pending = self.pending.lock();
-            let Some(p) = pending.get(&request_id) else {
+            let mut pending = self.pending.lock();
+            let Some(p) = pending.get_mut(&request_id) else {
                 return;
             };
+            p.status = Some(status);
             p.served.unwrap_or(p.targets[0])
         };
         self.core
             .record_outcome(endpoint, Outcome::from_status(status));
+    }
+
+    fn on_first_response_body(&self, request_id: u64) {
+        // the first body chunk of a streamed response is its first token (its headers come
+        // before the engine has produced anything)
+        let observed = {
+            let mut pending = self.pending.lock();
+            let Some(p) = pending.get_mut(&request_id) else {
+                return;
+            };
+            let primary = p.targets[0];
+            let ok = p.status.is_none_or(|s| (200..300).contains(&s));
+            match p.basis.take() {
+                Some(basis) if ok && p.served.is_none_or(|s| s == primary) => {
+                    Some((primary, basis, p.picked.elapsed()))
+                }
+                _ => None,
+            }
+        };
+        if let Some((endpoint, basis, ttft)) = observed {
+            self.core.observe_ttft(endpoint, basis, ttft);
+        }
     }
 
     fn on_body_timeout(&self) {

@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 
 use super::core::{ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
+use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
 use crate::outlier::Outcome;
@@ -124,6 +125,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     state.core.refresh_outlier_gauges();
+    state.core.refresh_calibration_gauges();
     (
         [(
             header::CONTENT_TYPE,
@@ -311,7 +313,19 @@ async fn proxy_inner(
                 last_err =
                     ApiError::bad_gateway(format!("endpoint {ep} answered {}", resp.status()));
             }
-            Ok(Ok(resp)) => return Ok(stream_back(core.clone(), resp, guard, sent, admission)),
+            Ok(Ok(resp)) => {
+                // only a streamed response's first chunk is its first token, and only the
+                // chosen endpoint's was estimated
+                let basis = routed
+                    .ttft_basis
+                    .filter(|_| parsed.stream && ep == d.endpoint);
+                let timing = Timing {
+                    endpoint: ep,
+                    sent,
+                    basis,
+                };
+                return Ok(stream_back(core.clone(), resp, guard, timing, admission));
+            }
         }
     }
     Err(last_err)
@@ -329,6 +343,14 @@ fn outcome_of(
     }
 }
 
+/// When and where a request was forwarded, and what its TTFT estimate rested on.
+struct Timing {
+    endpoint: EndpointId,
+    sent: Instant,
+    /// Set when the first chunk is a TTFT the calibration learns from.
+    basis: Option<TtftBasis>,
+}
+
 /// Relay the engine's response chunk by chunk, never buffering it. The in-flight guard (and
 /// the admission slot) live as long as the stream: the first chunk marks the first token,
 /// the end (or the client going away, which drops the stream and so the upstream connection)
@@ -337,10 +359,13 @@ fn stream_back(
     core: Arc<PickerCore>,
     resp: reqwest::Response,
     guard: InflightGuard,
-    sent: Instant,
+    mut timing: Timing,
     admission: super::core::Admission,
 ) -> Response {
     let status = resp.status();
+    if !status.is_success() {
+        timing.basis = None;
+    }
     let mut builder = Response::builder().status(status.as_u16());
     for (name, value) in resp.headers() {
         if !hop_by_hop(name) || name == header::CONTENT_LENGTH {
@@ -353,7 +378,7 @@ fn stream_back(
         guard: InflightGuard,
         first: bool,
         core: Arc<PickerCore>,
-        sent: Instant,
+        timing: Timing,
         _admission: super::core::Admission,
     }
     let relay = Relay {
@@ -361,7 +386,7 @@ fn stream_back(
         guard,
         first: true,
         core,
-        sent,
+        timing,
         _admission: admission,
     };
     let stream = futures::stream::unfold(relay, move |mut r| async move {
@@ -369,10 +394,14 @@ fn stream_back(
             Ok(Some(Ok(chunk))) => {
                 if std::mem::take(&mut r.first) {
                     r.guard.first_token();
+                    let ttft = r.timing.sent.elapsed();
                     r.core
                         .metrics
                         .upstream_ttft_seconds
-                        .observe(r.sent.elapsed().as_secs_f64());
+                        .observe(ttft.as_secs_f64());
+                    if let Some(basis) = r.timing.basis.take() {
+                        r.core.observe_ttft(r.timing.endpoint, basis, ttft);
+                    }
                 }
                 Some((Ok::<Bytes, std::io::Error>(chunk), r))
             }
@@ -473,6 +502,7 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
                 "diagnostics": core.diagnostics.lock().get(&e.id),
                 "outlier": core.outlier_status(&e.id),
+                "calibration": core.calibration.read().status(&e.id),
             })
         })
         .collect();

@@ -1,5 +1,7 @@
 //! The picker's own Prometheus metrics.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -31,6 +33,15 @@ pub struct KindLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub endpoint: String,
+    pub source: String,
+}
+
+/// A gauge of floating-point values.
+pub type FloatGauge = Gauge<f64, AtomicU64>;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MisconfigLabels {
     pub endpoint: String,
     pub reason: String,
@@ -57,6 +68,10 @@ pub struct Metrics {
     pub endpoint_misconfigured: Family<MisconfigLabels, Gauge>,
     pub outlier_ejections: Family<EjectionLabels, Counter>,
     pub outlier_ejected: Family<EndpointLabels, Gauge>,
+    pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
+    pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
+    pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
+    pub cost_model_observations: Family<SourceLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -183,6 +198,35 @@ impl Metrics {
             "1 while passive health keeps the endpoint out of rotation",
             outlier_ejected.clone(),
         );
+        let cost_model_overhead_ms = Family::<EndpointLabels, FloatGauge>::default();
+        registry.register(
+            "cost_model_overhead_ms",
+            "Cost model: fixed milliseconds per engine step of prefill learned for the endpoint \
+             (routing.costModel.prefillConstantMs is the prior)",
+            cost_model_overhead_ms.clone(),
+        );
+        let cost_model_prefill_ms_per_token = Family::<EndpointLabels, FloatGauge>::default();
+        registry.register(
+            "cost_model_prefill_ms_per_token",
+            "Cost model: milliseconds per prefilled token learned for the endpoint \
+             (routing.costModel.prefillLinearMs is the prior)",
+            cost_model_prefill_ms_per_token.clone(),
+        );
+        let cost_model_decode_step_ms = Family::<EndpointLabels, FloatGauge>::default();
+        registry.register(
+            "cost_model_decode_step_ms",
+            "Cost model: decode step time at an empty KV cache learned for the endpoint \
+             (routing.costModel.decodeBaseMs is the prior)",
+            cost_model_decode_step_ms.clone(),
+        );
+        let cost_model_observations = Family::<SourceLabels, Gauge>::default();
+        registry.register(
+            "cost_model_calibration_observations",
+            "Observations the endpoint's learned cost model rests on, by source: picker_ttft \
+             (this picker's time-to-first-token measurements), engine_prefill and engine_decode \
+             (the engine's own histograms)",
+            cost_model_observations.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -204,6 +248,10 @@ impl Metrics {
             endpoint_misconfigured,
             outlier_ejections,
             outlier_ejected,
+            cost_model_overhead_ms,
+            cost_model_prefill_ms_per_token,
+            cost_model_decode_step_ms,
+            cost_model_observations,
         }
     }
 

@@ -1,5 +1,6 @@
 //! The picker service: listeners, feeds and the endpoint source around the routing core.
 
+pub mod calibration;
 pub mod core;
 pub mod diagnostics;
 pub mod errors;

@@ -122,6 +122,7 @@ pub async fn run_scraper(
         let now = core.now_ms();
         let mut capacity_updates = Vec::new();
         let mut findings = Vec::new();
+        let mut latencies = Vec::new();
         {
             let mut loads = core.loads.write();
             for (t, r) in &results {
@@ -154,6 +155,7 @@ pub async fn run_scraper(
                                 };
                                 findings.push(diagnostics.engine_seen(*id, activity, now));
                             }
+                            latencies.push((*id, *m.perf_for_rank(id.rank), sample.kv_usage));
                             let load =
                                 EndpointLoad::from_sample(sample, t.engine, t.block_size, now);
                             if let Some(cap) = load.kv_capacity_blocks
@@ -176,6 +178,7 @@ pub async fn run_scraper(
         for finding in findings {
             core.report(finding);
         }
+        core.observe_engines(&latencies);
         // learned KV capacities bound the index per endpoint
         if !capacity_updates.is_empty() {
             let mut index = core.index.write();
