@@ -55,6 +55,7 @@ struct FakePicker {
     inputs: Mutex<Vec<PickInput>>,
     served: Mutex<Vec<(u64, SocketAddr)>>,
     statuses: Mutex<Vec<(u64, u16)>>,
+    first_bodies: Mutex<Vec<u64>>,
     completed: Mutex<Vec<u64>>,
 }
 
@@ -65,6 +66,7 @@ impl FakePicker {
             inputs: Mutex::new(Vec::new()),
             served: Mutex::new(Vec::new()),
             statuses: Mutex::new(Vec::new()),
+            first_bodies: Mutex::new(Vec::new()),
             completed: Mutex::new(Vec::new()),
         })
     }
@@ -125,6 +127,10 @@ impl EndpointPicker for FakePicker {
 
     fn on_response_status(&self, request_id: u64, status: u16) {
         self.statuses.lock().unwrap().push((request_id, status));
+    }
+
+    fn on_first_response_body(&self, request_id: u64) {
+        self.first_bodies.lock().unwrap().push(request_id);
     }
 
     fn on_response_complete(&self, request_id: u64) {
@@ -542,7 +548,10 @@ async fn full_duplex_streamed_chunks() {
             envoy.recv().await.response,
             Some(processing_response::Response::ResponseHeaders(_))
         ));
+        // the first non-empty chunk is the first token (the calibration times it), reported
+        // once
         for (chunk, end) in [
+            (&b""[..], false),
             (&b"data: 1\n\n"[..], false),
             (&b"data: [DONE]\n\n"[..], true),
         ] {
@@ -560,7 +569,13 @@ async fn full_duplex_streamed_chunks() {
             };
             assert_eq!(streamed.body, chunk);
             assert_eq!(streamed.end_of_stream, end);
+            let first = picker.first_bodies.lock().unwrap().clone();
+            assert_eq!(first.len(), usize::from(!chunk.is_empty()), "{first:?}");
         }
+        assert_eq!(
+            *picker.first_bodies.lock().unwrap(),
+            vec![picker.inputs()[0].request_id]
+        );
         assert_eq!(picker.wait_completed(1).await.len(), 1);
         assert!(matches!(envoy.finish().await, Ok(None)));
     })

@@ -46,6 +46,10 @@ pub struct EngineState {
     /// Completions answer this status (with an error body) at once while non-zero: an engine
     /// that fails fast while its metrics look healthy.
     pub fail_status: AtomicU16,
+    /// Milliseconds a stream waits before its first chunk (its prefill), beyond the usual 20.
+    pub first_chunk_delay_ms: AtomicU64,
+    /// More exposition lines `/metrics` serves (histograms, say).
+    pub extra_metrics: Mutex<String>,
 }
 
 pub struct FakeEngine {
@@ -93,8 +97,12 @@ async fn completion(
     if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
         let stall = s.stall_after_first.load(Ordering::SeqCst);
         let crash = s.crash_after_first.load(Ordering::SeqCst);
+        let prefill = Duration::from_millis(s.first_chunk_delay_ms.load(Ordering::SeqCst));
         let stream = futures::stream::iter(sse_chunks().into_iter().enumerate()).then(
             move |(i, c)| async move {
+                if i == 0 {
+                    tokio::time::sleep(prefill).await;
+                }
                 if i == 1 && stall {
                     tokio::time::sleep(Duration::from_secs(3600)).await;
                 }
@@ -138,7 +146,9 @@ async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
              vllm:cache_config_info{{block_size=\"{bs}\",engine=\"1\",num_gpu_blocks=\"512\"}} 1.0\n"
         )
     };
-    let text = cache_config
+    let extra = s.extra_metrics.lock().clone();
+    let text = extra
+        + &cache_config
         + &format!(
             "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"m\",engine=\"0\"}} {w}\n\
          # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\",engine=\"0\"}} 0\n\
