@@ -271,8 +271,10 @@ pub struct RoutingConfig {
     pub staleness_threshold: Duration,
     /// What to do when every eligible endpoint is stale: `FailOpen` (default) or `FailClose`.
     pub failure_mode: FailureMode,
-    /// Request header whose value identifies a session; requests of one session stay on the
-    /// same endpoint and rank unless it is overloaded.
+    /// Request header whose value identifies a session. Under the load-only strategies
+    /// (`LeastLoad`, `RoundRobin`, `Random`) requests of one session stay on the same endpoint
+    /// and rank unless it is overloaded; the cache-aware ones follow the session's cached
+    /// blocks (the KV index) and use the session's last endpoint to break ties.
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub session_header: String,
     /// Calibration of the `CostModel` strategy's time-to-first-token estimate.

@@ -48,7 +48,8 @@ impl RouteError {
 pub enum DecisionReason {
     /// The policy's best score.
     Policy,
-    /// The request's session is pinned there and it is not overloaded.
+    /// The request's session is pinned there and it is not overloaded (for a policy that
+    /// places by cache: and it scores as well as the policy's choice).
     Session,
 }
 
@@ -346,13 +347,19 @@ impl Router {
         };
         let mut scores = vec![0.0; eligible.len()];
         self.policy.score(&facts, &eligible, &mut scores);
-        let session_pick = pinned.and_then(|p| eligible.iter().position(|c| c.endpoint == p));
-        let (chosen, reason) = match session_pick {
-            Some(i) => (i, DecisionReason::Session),
-            None => (
-                self.policy.choose(&facts, &eligible, &scores),
-                DecisionReason::Policy,
-            ),
+        // a pin holds for the load-only baselines (their `choose` is not even asked: round
+        // robin's turn is not used up); a cache-placing policy keeps it only where it scores
+        // as well as the policy's own choice (see `Policy::places_by_cache`)
+        let pin = pinned.and_then(|p| eligible.iter().position(|c| c.endpoint == p));
+        let (chosen, reason) = match pin {
+            Some(i) if !self.policy.places_by_cache() => (i, DecisionReason::Session),
+            _ => {
+                let best = self.policy.choose(&facts, &eligible, &scores);
+                match pin {
+                    Some(i) if scores[i] >= scores[best] => (i, DecisionReason::Session),
+                    _ => (best, DecisionReason::Policy),
+                }
+            }
         };
         let mut order: Vec<usize> = (0..eligible.len()).filter(|&i| i != chosen).collect();
         order.sort_by(|&a, &b| {
@@ -634,16 +641,59 @@ mod tests {
         for _ in 0..10 {
             guards.push(w.inflight.begin(first.endpoint, 64, 64));
         }
-        let r2 = router(Strategy::Weighted);
         let moved = w
-            .decide(&r2, &w.keys(&prompt(3, 64)), Some("s-1"))
+            .decide(&r, &w.keys(&prompt(3, 64)), Some("s-1"))
             .expect("d");
         assert_eq!(moved.reason, DecisionReason::Policy);
+        assert_ne!(moved.endpoint, first.endpoint);
+        // and stays on the new endpoint although the old one's load falls back
+        guards.truncate(1);
         let d = w
-            .decide(&r2, &w.keys(&prompt(3, 64)), Some("s-1"))
+            .decide(&r, &w.keys(&prompt(3, 64)), Some("s-1"))
             .expect("d");
         assert_eq!(d.endpoint, moved.endpoint, "re-pinned to the new endpoint");
-        assert_ne!(d.endpoint, first.endpoint);
+        assert_eq!(d.reason, DecisionReason::Session);
+    }
+
+    #[test]
+    fn a_cache_placing_policy_keeps_a_pin_only_where_it_scores_as_well() {
+        let ids: Vec<_> = (1..=2).map(|n| id(n, 0)).collect();
+        let mut w = World::new(&ids);
+        let r = router(Strategy::CostModel);
+        let keys = w.keys(&prompt(5, 256));
+        // the tie-break's choice among equal candidates, and the other endpoint
+        let hashed = w.decide(&r, &keys, None).expect("d").endpoint;
+        let x = ids.iter().copied().find(|i| *i != hashed).expect("two");
+        let record = |w: &mut World, e: EndpointId| {
+            let slot = w.index.slot(&e).expect("slot");
+            w.index.record_routed(slot, &keys, 0);
+        };
+        // the prefix is cached on x: the session goes there and is pinned
+        record(&mut w, x);
+        let first = w.decide(&r, &keys, Some("s")).expect("d");
+        assert_eq!((first.endpoint, first.reason), (x, DecisionReason::Policy));
+        // cached on both, no load: a tie, which the pin breaks (the hash would say `hashed`)
+        record(&mut w, hashed);
+        assert_eq!(w.decide(&r, &keys, None).expect("d").endpoint, hashed);
+        let tied = w.decide(&r, &keys, Some("s")).expect("d");
+        assert_eq!((tied.endpoint, tied.reason), (x, DecisionReason::Session));
+        // the pinned endpoint gets a queue (below the balance guard's thresholds): the cost
+        // model leaves it for the other copy of the blocks
+        let _busy: Vec<_> = (0..3).map(|_| w.inflight.begin(x, 4096, 4096)).collect();
+        let moved = w.decide(&r, &keys, Some("s")).expect("d");
+        assert_eq!(
+            (moved.endpoint, moved.reason),
+            (hashed, DecisionReason::Policy)
+        );
+        // a load-only baseline keeps the session where it was pinned in the same state
+        let ll = router(Strategy::LeastLoad);
+        let pinned = w.decide(&ll, &keys, Some("t")).expect("d");
+        let _more: Vec<_> = (0..3)
+            .map(|_| w.inflight.begin(pinned.endpoint, 64, 64))
+            .collect();
+        let kept = w.decide(&ll, &keys, Some("t")).expect("d");
+        assert_eq!(kept.endpoint, pinned.endpoint);
+        assert_eq!(kept.reason, DecisionReason::Session);
     }
 
     #[test]

@@ -21,6 +21,10 @@ impl Policy for LeastLoad {
         false
     }
 
+    fn places_by_cache(&self) -> bool {
+        false
+    }
+
     fn score(&self, _req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             // tokens break ties between equal request counts without outweighing a request
@@ -42,6 +46,10 @@ impl Policy for RoundRobin {
     }
 
     fn uses_balance_guard(&self) -> bool {
+        false
+    }
+
+    fn places_by_cache(&self) -> bool {
         false
     }
 
@@ -77,6 +85,10 @@ impl Policy for RandomPolicy {
     }
 
     fn uses_balance_guard(&self) -> bool {
+        false
+    }
+
+    fn places_by_cache(&self) -> bool {
         false
     }
 

@@ -98,6 +98,17 @@ pub trait Policy: Send + Sync {
         true
     }
 
+    /// Whether the policy places requests by where their prefix is cached (the KV index).
+    /// Such a policy already sends a session's next turn to the endpoint holding its blocks
+    /// and weighs that against the queue there, so a session pin only breaks its ties (an
+    /// unconditional pin would keep the session on a busy endpoint it should leave, and
+    /// measured on real vLLM it cost hit rate and balance: `e2e/BENCHMARKS.md` §7). For the
+    /// load-only baselines the pin is the session's stickiness: it holds unless the endpoint
+    /// is overloaded.
+    fn places_by_cache(&self) -> bool {
+        true
+    }
+
     /// One score per candidate, higher is better, written into `scores` (same length).
     fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]);
 
