@@ -123,6 +123,17 @@ pub struct ClusterArgs {
     /// Live mode: simulated time runs this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Simulated engines' prefill cost per token, ms [default: DESIGN §10's GPU fit, 0.0152];
+    /// the quadratic term scales with it. Set it (and the two below) from what the picker
+    /// learned on real engines (`kvroute_picker_cost_model_*`) to calibrate the simulator.
+    #[arg(long)]
+    pub step_prefill_ms_per_token: Option<f64>,
+    /// Simulated engines' fixed cost of a step that prefills, ms [default: 16.5].
+    #[arg(long)]
+    pub step_overhead_ms: Option<f64>,
+    /// Factor on the simulated decode step time [default: 1].
+    #[arg(long)]
+    pub step_decode_scale: Option<f64>,
 }
 
 impl ClusterArgs {
@@ -154,6 +165,30 @@ impl ClusterArgs {
         c.engine.num_blocks = kv_blocks;
         c.engine.max_num_seqs = self.max_num_seqs.max(1);
         c.engine.max_num_batched_tokens = self.max_batched_tokens.max(1);
+        let positive = |v: Option<f64>, flag: &str| -> anyhow::Result<Option<f64>> {
+            match v {
+                Some(x) if !(x.is_finite() && x > 0.0) => {
+                    anyhow::bail!("{flag} must be a positive number, got {x}")
+                }
+                other => Ok(other),
+            }
+        };
+        let st = &mut c.engine.step_time;
+        if let Some(b) = positive(
+            self.step_prefill_ms_per_token,
+            "--step-prefill-ms-per-token",
+        )? {
+            st.prefill_a *= b / st.prefill_b;
+            st.prefill_b = b;
+        }
+        if let Some(o) = positive(self.step_overhead_ms, "--step-overhead-ms")? {
+            st.prefill_c = o;
+        }
+        if let Some(k) = positive(self.step_decode_scale, "--step-decode-scale")? {
+            st.decode_a *= k;
+            st.decode_b *= k;
+            st.decode_c *= k;
+        }
         Ok(c)
     }
 }
@@ -256,6 +291,10 @@ pub struct ReplayArgs {
     /// Send each request's session id in the session header (sticky sessions).
     #[arg(long)]
     pub session_header: bool,
+    /// Run the policy list this many times, interleaved (A, B, C, A, B, C...): with real
+    /// engines, repeated runs on the same engines show the run-to-run spread.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -498,6 +537,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         token_vocab: a.vllm.token_vocab,
         chat: a.chat,
         chat_tokenizer: None,
+        repeat: a.repeat.max(1),
     })
 }
 
@@ -614,8 +654,16 @@ pub async fn run_policies_jobs(
         opts = &opts_real;
         real = Some(r);
     }
-    for &p in policies {
-        let name = p.name();
+    let rounds = opts.repeat.max(1);
+    let order: Vec<(usize, PolicySpec)> = (0..rounds)
+        .flat_map(|r| policies.iter().map(move |&p| (r, p)))
+        .collect();
+    for (round, p) in order {
+        let name = if round == 0 {
+            p.name()
+        } else {
+            format!("{} #{}", p.name(), round + 1)
+        };
         let pb = progress_bar(total, &name, hide_progress);
         let run = match mode {
             Mode::Offline => {
@@ -826,6 +874,9 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
         max_num_seqs: 256,
         max_batched_tokens: 8192,
         speedup: d.speedup,
+        step_prefill_ms_per_token: None,
+        step_overhead_ms: None,
+        step_decode_scale: None,
     }
     .cluster()?;
     let policies = parse_policies(&d.policies).map_err(anyhow::Error::msg)?;

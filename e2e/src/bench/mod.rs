@@ -99,6 +99,8 @@ pub struct BenchOptions {
     /// Chat mode: the model folder whose `tokenizer.json` and `tokenizer_config.json` the
     /// picker tokenizes with (set from the real engines' model).
     pub chat_tokenizer: Option<std::path::PathBuf>,
+    /// Times the policy list runs, interleaved.
+    pub repeat: usize,
 }
 
 /// The engines of live mode.
@@ -155,6 +157,7 @@ impl Default for BenchOptions {
             token_vocab: None,
             chat: false,
             chat_tokenizer: None,
+            repeat: 1,
         }
     }
 }
@@ -174,6 +177,9 @@ pub struct PolicySpec {
     pub strategy: Strategy,
     /// `routing.costModel.recomputeWeight` for this run; `None` keeps the configured one.
     pub recompute_weight: Option<f64>,
+    /// `routing.costModel.calibrate` for this run (`cost-model-static`: off); `None` keeps
+    /// the configured one.
+    pub calibrate: Option<bool>,
 }
 
 impl From<Strategy> for PolicySpec {
@@ -181,6 +187,7 @@ impl From<Strategy> for PolicySpec {
         Self {
             strategy,
             recompute_weight: None,
+            calibrate: None,
         }
     }
 }
@@ -188,9 +195,13 @@ impl From<Strategy> for PolicySpec {
 impl PolicySpec {
     /// The name in reports (`cost-model`, `cost-model:0`, `least-load`...).
     pub fn name(&self) -> String {
+        let base = match self.calibrate {
+            Some(false) => format!("{}-static", self.strategy.as_str()),
+            _ => self.strategy.as_str().into(),
+        };
         match self.recompute_weight {
-            Some(w) => format!("{}:{w}", self.strategy.as_str()),
-            None => self.strategy.as_str().into(),
+            Some(w) => format!("{base}:{w}"),
+            None => base,
         }
     }
 
@@ -205,6 +216,9 @@ impl PolicySpec {
         };
         if let Some(w) = self.recompute_weight {
             r.cost_model.recompute_weight = w;
+        }
+        if let Some(c) = self.calibrate {
+            r.cost_model.calibrate = c;
         }
         r
     }
@@ -227,10 +241,16 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             Some((s, w)) => (s, Some(w)),
             None => (name, None),
         };
+        // `cost-model-static`: the cost model with the configured constants only
+        let (strategy, calibrate) = match strategy.strip_suffix("-static") {
+            Some(s) if Strategy::from_cli(s) == Some(Strategy::CostModel) => (s, Some(false)),
+            _ => (strategy, None),
+        };
         let strategy = Strategy::from_cli(strategy).ok_or_else(|| {
             format!(
-                "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], weighted, \
-                 cache-aware, kv-cost, least-load, round-robin, random"
+                "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], \
+                 cost-model-static[:RECOMPUTE_WEIGHT] (not calibrated), weighted, cache-aware, \
+                 kv-cost, least-load, round-robin, random"
             )
         })?;
         let recompute_weight = match weight {
@@ -250,6 +270,7 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
         let spec = PolicySpec {
             strategy,
             recompute_weight,
+            calibrate,
         };
         if !out.contains(&spec) {
             out.push(spec);
@@ -259,4 +280,28 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
         return Err("--policies names no policy".into());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_lists_parse_weights_and_the_static_cost_model() {
+        let p = parse_policies("cost-model, cost-model-static:0,least-load,cost-model")
+            .expect("valid list");
+        assert_eq!(p.len(), 3, "duplicates dropped: {p:?}");
+        assert_eq!(p[0].name(), "cost-model");
+        assert_eq!(p[1].name(), "cost-model-static:0");
+        let base = kvroute_picker::config::RoutingConfig::default();
+        assert!(p[0].routing(&base).cost_model.calibrate);
+        let r = p[1].routing(&base);
+        assert!(!r.cost_model.calibrate);
+        assert_eq!(r.cost_model.recompute_weight, 0.0);
+        assert_eq!(p[2].strategy, Strategy::LeastLoad);
+        assert!(parse_policies("least-load-static").is_err());
+        assert!(parse_policies("least-load:3").is_err());
+        assert!(parse_policies("cost-model:-1").is_err());
+        assert!(parse_policies(" , ").is_err());
+    }
 }

@@ -108,7 +108,7 @@ pub fn notes(runs: &[PolicyRun]) -> String {
     }
     for r in runs {
         let d = &r.detail;
-        if let Some(p) = d.picker {
+        if let Some(p) = &d.picker {
             let pct =
                 |x: Option<f64>| x.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0));
             let _ = writeln!(
@@ -121,6 +121,14 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 pct(p.session_pinned),
                 p.decisions
             );
+            for (e, overhead, per_token, decode) in &p.learned {
+                let _ = writeln!(
+                    out,
+                    "{}: cost model learned for {e}: {overhead:.1} ms a step + {per_token:.4} ms \
+                     a prefill token, decode step {decode:.1} ms",
+                    r.summary.policy
+                );
+            }
         }
         if !d.engine_prefill_tokens.is_empty() {
             let per: Vec<String> = d

@@ -70,7 +70,7 @@ pub struct RunDetail {
 
 /// The picker's view of a run: set beside the engines' counters, it shows whether the picker
 /// credited cache the engines did not have, and how often sessions overrode the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct PickerFigures {
     /// Prompt tokens the picker expected to be served from cache, over all prompt tokens it
     /// routed (`kvroute_picker_predicted_prefix_hit_tokens_total` / `..._prompt_tokens_total`).
@@ -78,6 +78,9 @@ pub struct PickerFigures {
     /// Share of decisions made by a session pin rather than by the policy.
     pub session_pinned: Option<f64>,
     pub decisions: f64,
+    /// What the cost model learned per endpoint at the end of the run:
+    /// `(endpoint, overhead ms per step, prefill ms per token, decode step ms)`.
+    pub learned: Vec<(String, f64, f64, f64)>,
 }
 
 impl PickerFigures {
@@ -91,10 +94,28 @@ impl PickerFigures {
         let credited = delta("kvroute_picker_predicted_prefix_hit_tokens_total", &[]);
         let decisions = delta("kvroute_picker_decisions_total", &[]);
         let pinned = delta("kvroute_picker_decisions_total", &[("reason", "session")]);
+        let gauge =
+            |name: &str, endpoint: &str| counter_sum(after, name, &[("endpoint", endpoint)]);
+        let learned = super::live::prom::label_values(
+            after,
+            "kvroute_picker_cost_model_prefill_ms_per_token",
+            "endpoint",
+        )
+        .into_iter()
+        .map(|e| {
+            let row = (
+                gauge("kvroute_picker_cost_model_overhead_ms", &e),
+                gauge("kvroute_picker_cost_model_prefill_ms_per_token", &e),
+                gauge("kvroute_picker_cost_model_decode_step_ms", &e),
+            );
+            (e, row.0, row.1, row.2)
+        })
+        .collect();
         Self {
             credited: (prompt > 0.0).then(|| credited / prompt),
             session_pinned: (decisions > 0.0).then(|| pinned / decisions),
             decisions,
+            learned,
         }
     }
 }

@@ -72,6 +72,15 @@ pub fn counter_sum(text: &str, name: &str, with: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
+/// The distinct values of label `label` on `name`'s samples, sorted.
+pub fn label_values(text: &str, name: &str, label: &str) -> Vec<String> {
+    let set: std::collections::BTreeSet<String> = samples(text)
+        .filter(|(n, _, _)| *n == name)
+        .filter_map(|(_, labels, _)| labels.get(label).map(|v| (*v).to_string()))
+        .collect();
+    set.into_iter().collect()
+}
+
 /// Cumulative buckets `(le, count)` of a histogram, summed over label sets.
 pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
     let bucket = format!("{name}_bucket");
@@ -150,6 +159,8 @@ mod tests {
         );
         assert_eq!(counter_sum(text, "e", &[]), 7.0);
         assert_eq!(counter_sum(text, "f", &[]), 0.0);
+        assert_eq!(label_values(text, "d", "policy"), vec!["a", "b"]);
+        assert!(label_values(text, "e", "policy").is_empty());
     }
 
     #[test]
