@@ -682,6 +682,82 @@ fn estimate(reference: &Reference, s: &EndpointState) -> Option<LearnedCost> {
     })
 }
 
+/// Observations at which an endpoint's own values weigh as much as its pool's.
+pub const POOL_SHRINK_OBSERVATIONS: f64 = 32.0;
+/// An endpoint's values stay within this factor of its pool's.
+pub const POOL_MAX_RATIO: f64 = 2.0;
+
+/// The values the cost model prices each candidate with: the pool's fit (the observation-
+/// weighted geometric mean over the candidates that learned something), which an endpoint
+/// without observations inherits, and each endpoint's own values shrunk towards it (its own
+/// weigh `n / (n + POOL_SHRINK_OBSERVATIONS)` after `n` observations) and kept within
+/// [`POOL_MAX_RATIO`] of it. Endpoints of one model config are usually alike, and two free
+/// constants per endpoint are poorly determined outside the work sizes observed; priced
+/// alone, an endpoint learned slow is avoided and never corrected, and a new one at the
+/// configured (GPU) prior looks faster than every calibrated peer and takes all the traffic.
+/// An inherited entry reports 0 observations. No candidate learned anything: unchanged.
+pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
+    let (mut w, mut lo, mut lp, mut ld) = (0.0, 0.0, 0.0, 0.0);
+    for l in learned.iter().flatten() {
+        let n = l.observations as f64;
+        if n <= 0.0
+            || l.overhead_ms <= 0.0
+            || l.prefill_ms_per_token <= 0.0
+            || l.decode_scale <= 0.0
+        {
+            continue;
+        }
+        w += n;
+        lo += n * l.overhead_ms.ln();
+        lp += n * l.prefill_ms_per_token.ln();
+        ld += n * l.decode_scale.ln();
+    }
+    if w <= 0.0 {
+        return learned.to_vec();
+    }
+    let (po, pp, pd) = (lo / w, lp / w, ld / w);
+    let bound = POOL_MAX_RATIO.ln();
+    let mix = |own: f64, pool: f64, a: f64| {
+        (a * own.ln() + (1.0 - a) * pool)
+            .clamp(pool - bound, pool + bound)
+            .exp()
+    };
+    learned
+        .iter()
+        .map(|l| match l {
+            Some(l)
+                if l.observations > 0
+                    && l.overhead_ms > 0.0
+                    && l.prefill_ms_per_token > 0.0
+                    && l.decode_scale > 0.0 =>
+            {
+                let n = l.observations as f64;
+                let a = n / (n + POOL_SHRINK_OBSERVATIONS);
+                let decode_scale = mix(l.decode_scale, pd, a);
+                Some(LearnedCost {
+                    overhead_ms: mix(l.overhead_ms, po, a),
+                    prefill_ms_per_token: mix(l.prefill_ms_per_token, pp, a),
+                    decode_step_ms: l.decode_step_ms / l.decode_scale * decode_scale,
+                    decode_scale,
+                    observations: l.observations,
+                })
+            }
+            other => {
+                let base = other.or_else(|| learned.iter().flatten().next().copied())?;
+                let decode_scale = pd.exp();
+                Some(LearnedCost {
+                    overhead_ms: po.exp(),
+                    prefill_ms_per_token: pp.exp(),
+                    decode_step_ms: base.decode_step_ms / base.decode_scale.max(f64::MIN_POSITIVE)
+                        * decode_scale,
+                    decode_scale,
+                    observations: 0,
+                })
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1118,5 +1194,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn cost(overhead: f64, per_token: f64, n: u64) -> LearnedCost {
+        LearnedCost {
+            overhead_ms: overhead,
+            prefill_ms_per_token: per_token,
+            decode_scale: 1.0,
+            decode_step_ms: 5.7,
+            observations: n,
+        }
+    }
+
+    #[test]
+    fn a_new_endpoint_inherits_its_pool_and_outliers_are_held_near_it() {
+        // nothing learned anywhere: the configured calibration for all
+        assert_eq!(pooled(&[None, None]), vec![None, None]);
+        // two peers learned ~10x the prior; a new endpoint is priced like them, not at the prior
+        let p = pooled(&[
+            Some(cost(100.0, 0.1, 200)),
+            Some(cost(100.0, 0.1, 200)),
+            None,
+        ]);
+        let new = p[2].expect("inherited");
+        assert!((new.prefill_ms_per_token - 0.1).abs() < 1e-9 && new.observations == 0);
+        assert!((new.overhead_ms - 100.0).abs() < 1e-9);
+        // few observations: mostly the pool's values; a far outlier stays within 2x of the pool
+        let p = pooled(&[Some(cost(100.0, 0.1, 1000)), Some(cost(100.0, 0.5, 4))]);
+        let young = p[1].expect("kept");
+        assert!(young.prefill_ms_per_token < 0.15, "{young:?}");
+        let p = pooled(&[Some(cost(100.0, 0.1, 1000)), Some(cost(100.0, 100.0, 1000))]);
+        let pool = (0.1f64.ln() * 0.5 + 100.0f64.ln() * 0.5).exp();
+        for l in p.iter().flatten() {
+            let r = l.prefill_ms_per_token / pool;
+            assert!((0.5 - 1e-9..=2.0 + 1e-9).contains(&r), "{r}");
+        }
+        // well-observed endpoints keep most of a real difference
+        let p = pooled(&[Some(cost(50.0, 0.05, 2000)), Some(cost(50.0, 0.15, 2000))]);
+        let (a, b) = (p[0].expect("a"), p[1].expect("b"));
+        assert!(
+            b.prefill_ms_per_token / a.prefill_ms_per_token > 2.5,
+            "{a:?} {b:?}"
+        );
     }
 }

@@ -275,7 +275,7 @@ impl Router {
         let block_size = mc.block_size.max(1);
         let prompt_blocks = req.keys.len() as u32;
         let servable = servable_blocks(req.prompt_tokens, block_size);
-        let cands: Vec<Candidate> = pool
+        let mut cands: Vec<Candidate> = pool
             .iter()
             .map(|e| {
                 let slot = ctx.index.slot(&e.id);
@@ -308,6 +308,13 @@ impl Router {
                 }
             })
             .collect();
+        // the learned costs priced against the candidates' pool (see `calibration::pooled`)
+        if ctx.calibration.is_some() {
+            let own: Vec<_> = cands.iter().map(|c| c.features.learned).collect();
+            for (c, l) in cands.iter_mut().zip(crate::calibration::pooled(&own)) {
+                c.features.learned = l;
+            }
+        }
 
         // 3. balance guard: never add work to an overloaded endpoint (for cache-aware
         //    policies), and never keep a session on one (for every policy)
@@ -853,7 +860,9 @@ mod tests {
         let scores: Vec<_> = d.candidates.iter().map(|c| c.score).collect();
         assert_eq!(scores[0], scores[1], "uncalibrated: a tie");
         assert!(d.candidates.iter().all(|c| c.features.learned.is_none()));
-        // endpoint 1 turns out to take 20x the prior's time to its first token
+        // endpoint 1 turns out to take 20x the prior's time to its first token, endpoint 2 the
+        // prior's own (an endpoint without observations would be priced like its peers:
+        // `calibration::pooled`)
         let cal = r.config().cost_model;
         for tokens in [256.0, 1024.0, 2048.0, 4096.0] {
             for _ in 0..10 {
@@ -863,6 +872,8 @@ mod tests {
                 };
                 let slow = 20.0 * policy::prefill_ms(&cal, tokens);
                 w.calibration.observe_ttft(&ids[0], basis, slow);
+                w.calibration
+                    .observe_ttft(&ids[1], basis, policy::prefill_ms(&cal, tokens));
             }
         }
         for seed in 0..16 {
