@@ -686,6 +686,8 @@ fn estimate(reference: &Reference, s: &EndpointState) -> Option<LearnedCost> {
 pub const POOL_SHRINK_OBSERVATIONS: f64 = 32.0;
 /// An endpoint's values stay within this factor of its pool's.
 pub const POOL_MAX_RATIO: f64 = 2.0;
+/// An endpoint's values closer than this factor to its pool's are the pool's.
+pub const POOL_SAME_RATIO: f64 = 1.1;
 
 /// The values the cost model prices each candidate with: the pool's fit (the observation-
 /// weighted geometric mean over the candidates that learned something), which an endpoint
@@ -717,10 +719,16 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
     }
     let (po, pp, pd) = (lo / w, lp / w, ld / w);
     let bound = POOL_MAX_RATIO.ln();
+    // within the estimator's noise of the pool's value is the pool's value: alike endpoints
+    // tie exactly, so the tie-break still spreads their requests
+    let same = POOL_SAME_RATIO.ln();
     let mix = |own: f64, pool: f64, a: f64| {
-        (a * own.ln() + (1.0 - a) * pool)
-            .clamp(pool - bound, pool + bound)
-            .exp()
+        let v = (a * own.ln() + (1.0 - a) * pool).clamp(pool - bound, pool + bound);
+        if (v - pool).abs() < same {
+            pool.exp()
+        } else {
+            v.exp()
+        }
     };
     learned
         .iter()
@@ -1229,6 +1237,18 @@ mod tests {
             let r = l.prefill_ms_per_token / pool;
             assert!((0.5 - 1e-9..=2.0 + 1e-9).contains(&r), "{r}");
         }
+        // values within the noise of each other are exactly the pool's: a tie
+        let p = pooled(&[
+            Some(cost(14.04, 0.015188, 1)),
+            Some(cost(14.05, 0.015187, 1)),
+            None,
+        ]);
+        let v: Vec<_> = p
+            .iter()
+            .flatten()
+            .map(|l| (l.overhead_ms, l.prefill_ms_per_token))
+            .collect();
+        assert!(v.windows(2).all(|w| w[0] == w[1]), "{v:?}");
         // well-observed endpoints keep most of a real difference
         let p = pooled(&[Some(cost(50.0, 0.05, 2000)), Some(cost(50.0, 0.15, 2000))]);
         let (a, b) = (p[0].expect("a"), p[1].expect("b"));
