@@ -481,6 +481,17 @@ mod tests {
             keys: &[BlockKey],
             session: Option<&str>,
         ) -> Result<Decision, RouteError> {
+            self.decide_calibrated(r, keys, session, true)
+        }
+
+        /// `calibrated: false` routes with no calibration view (calibration off).
+        fn decide_calibrated(
+            &self,
+            r: &Router,
+            keys: &[BlockKey],
+            session: Option<&str>,
+            calibrated: bool,
+        ) -> Result<Decision, RouteError> {
             let snap = self.set.load();
             let ctx = RouteContext {
                 endpoints: &snap,
@@ -489,7 +500,7 @@ mod tests {
                 inflight: &self.inflight,
                 now_ms: 0,
                 ejected: &[],
-                calibration: Some(&self.calibration),
+                calibration: calibrated.then_some(&self.calibration),
             };
             let req = RouteRequest {
                 model_config: &self.mc,
@@ -890,28 +901,7 @@ mod tests {
             assert!(learned.observations == 40);
         }
         // with calibration off (no view), the tie is back
-        let snap = w.set.load();
-        let ctx = RouteContext {
-            endpoints: &snap,
-            index: &w.index,
-            loads: &w.loads,
-            inflight: &w.inflight,
-            now_ms: 0,
-            ejected: &[],
-            calibration: None,
-        };
-        let req = RouteRequest {
-            model_config: &w.mc,
-            keys: &keys,
-            prompt_tokens: 2048,
-            session: None,
-            tenant: None,
-            subset: None,
-            allow: None,
-            fallback_hash: 0,
-            explain: true,
-        };
-        let d = r.decide(&ctx, &req).expect("d");
+        let d = w.decide_calibrated(&r, &keys, None, false).expect("d");
         assert_eq!(d.candidates[0].score, d.candidates[1].score);
     }
 
