@@ -30,3 +30,4 @@ pub mod service;
 pub mod session;
 pub mod token_cache;
 pub mod tokenize;
+pub mod turnover;
