@@ -204,15 +204,6 @@ pub struct CostModelCalibration {
     /// e2e/BENCHMARKS.md: best or near best on every Mooncake load tested).
     #[schemars(range(min = 0.0))]
     pub recompute_weight: f64,
-    /// The price of evicting other requests' cached blocks. A candidate whose cache has no
-    /// empty room evicts its least recently used idle blocks for the tokens it writes; each
-    /// evicted token is charged what recomputing it would cost (`1 + recomputeWeight` times
-    /// its prefill), times how much likelier its victims are to be still wanted than the
-    /// calmest candidate's (the share of recent reuses that came back later than blocks
-    /// survive there), times this weight. So sessions stop piling onto the cache that holds
-    /// their prefix once it turns over faster than its peers. 0 = off. Default 1.
-    #[schemars(range(min = 0.0))]
-    pub eviction_weight: f64,
     /// Learn each endpoint's prefill cost (per step and per token) and decode step time
     /// online, with the values above as the prior: from this picker's own time-to-first-token
     /// measurements of streamed responses and, with less weight, from the engine's latency
@@ -234,7 +225,6 @@ impl Default for CostModelCalibration {
             max_batched_tokens: 8192,
             assumed_waiting_tokens: 1024,
             recompute_weight: 8.0,
-            eviction_weight: 1.0,
             calibrate: true,
         }
     }
@@ -333,10 +323,6 @@ impl RoutingConfig {
             (
                 "routing.costModel.recomputeWeight",
                 self.cost_model.recompute_weight,
-            ),
-            (
-                "routing.costModel.evictionWeight",
-                self.cost_model.eviction_weight,
             ),
         ];
         for (name, v) in finite_nonneg {

@@ -30,4 +30,3 @@ pub mod service;
 pub mod session;
 pub mod token_cache;
 pub mod tokenize;
-pub mod turnover;

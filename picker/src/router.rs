@@ -20,7 +20,6 @@ use crate::inflight::InflightTracker;
 use crate::load::LoadView;
 use crate::policy::{self, Candidate, Features, Policy, RequestFacts};
 use crate::session::SessionTable;
-use crate::turnover::Turnover;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum RouteError {
@@ -143,9 +142,6 @@ pub struct Router {
     config: RoutingConfig,
     policy: Box<dyn Policy>,
     sessions: Mutex<SessionTable>,
-    /// What the decisions wrote to each endpoint's cache and how soon requests came back for
-    /// blocks: the eviction price of a placement (see [`crate::turnover`]).
-    turnover: Mutex<Turnover>,
 }
 
 impl std::fmt::Debug for Router {
@@ -173,7 +169,6 @@ impl Router {
             config,
             policy,
             sessions: Mutex::new(SessionTable::new(DEFAULT_SESSION_CAPACITY)),
-            turnover: Mutex::new(Turnover::default()),
         }
     }
 
@@ -280,7 +275,6 @@ impl Router {
         let block_size = mc.block_size.max(1);
         let prompt_blocks = req.keys.len() as u32;
         let servable = servable_blocks(req.prompt_tokens, block_size);
-        let turnover = self.turnover.lock();
         let mut cands: Vec<Candidate> = pool
             .iter()
             .map(|e| {
@@ -292,12 +286,6 @@ impl Router {
                 let cached = (matched * block_size).min(req.prompt_tokens);
                 let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
                 let inflight = ctx.inflight.get(&e.id);
-                let retention_ms = load.kv_capacity_blocks.and_then(|cap| {
-                    let cap = (cap * u64::from(block_size)) as f64;
-                    let active = (load.kv_usage.clamp(0.0, 1.0) * cap)
-                        .max(inflight.tokens.saturating_sub(inflight.pending_tokens) as f64);
-                    turnover.retention_ms(&e.id, cap - active, ctx.now_ms)
-                });
                 Candidate {
                     endpoint: e.id,
                     features: Features {
@@ -316,13 +304,10 @@ impl Router {
                         session_affinity: pinned == Some(e.id),
                         stale: failed_open,
                         learned: ctx.calibration.and_then(|c| c.learned(&e.id)),
-                        retention_ms,
-                        victim_reuse: retention_ms.map_or(0.0, |r| turnover.reused_after(r)),
                     },
                 }
             })
             .collect();
-        drop(turnover);
         // the learned costs priced against the candidates' pool (see `calibration::pooled`)
         if ctx.calibration.is_some() {
             let own: Vec<_> = cands.iter().map(|c| c.features.learned).collect();
@@ -401,13 +386,6 @@ impl Router {
         if let Some(k) = session_key {
             self.sessions.lock().set(k, winner.endpoint);
         }
-        self.turnover.lock().record(
-            winner.endpoint,
-            req.keys,
-            winner.features.matched_blocks,
-            winner.features.uncached_tokens,
-            ctx.now_ms,
-        );
         let candidates = if req.explain {
             let mut j = 0;
             cands
@@ -463,7 +441,6 @@ mod tests {
         loads: LoadView,
         inflight: InflightTracker,
         calibration: Calibration,
-        now_ms: u64,
     }
 
     fn id(n: u8, rank: u32) -> EndpointId {
@@ -491,7 +468,6 @@ mod tests {
                 loads,
                 inflight: InflightTracker::new(),
                 calibration,
-                now_ms: 0,
             }
         }
 
@@ -522,7 +498,7 @@ mod tests {
                 index: &self.index,
                 loads: &self.loads,
                 inflight: &self.inflight,
-                now_ms: self.now_ms,
+                now_ms: 0,
                 ejected: &[],
                 calibration: calibrated.then_some(&self.calibration),
             };
@@ -631,95 +607,6 @@ mod tests {
         assert_eq!(servable_blocks(0, 32), 0);
         assert_eq!(servable_blocks(1, 32), 0);
         assert_eq!(servable_blocks(33, 32), 1);
-    }
-
-    /// The router measures what its decisions write to each cache and how soon requests come
-    /// back for blocks, and the cost model prices the evictions with it: a cold request goes
-    /// to the cache whose victims are dead, against a somewhat shorter queue on the cache that
-    /// is turning over faster than requests return.
-    #[test]
-    fn decisions_measure_turnover_and_new_work_avoids_the_thrashing_cache() {
-        let (a, b) = (id(1, 0), id(2, 0));
-        // caches of 256 blocks (4,096 tokens), every block held by something unrelated
-        let world = |ids: &[EndpointId], now_ms: u64| {
-            let mut w = World::new(ids);
-            w.now_ms = now_ms;
-            for (n, i) in ids.iter().enumerate() {
-                w.loads.update(
-                    *i,
-                    EndpointLoad {
-                        kv_capacity_blocks: Some(256),
-                        sampled_at_ms: now_ms,
-                        ..EndpointLoad::default()
-                    },
-                );
-                let slot = w.index.slot(i).expect("slot");
-                let filler = w.keys(&prompt(900 + n as u32, 4096));
-                w.index.record_routed(slot, &filler, now_ms);
-            }
-            w
-        };
-        let cfg = |eviction_weight: f64| RoutingConfig {
-            cost_model: crate::config::CostModelCalibration {
-                eviction_weight,
-                ..Default::default()
-            },
-            ..RoutingConfig::default()
-        };
-        let on = Router::new(cfg(1.0));
-        let off = Router::new(cfg(0.0));
-        for r in [&on, &off] {
-            // history, where only A serves: a session's turn, its next turn 5 s later (a
-            // reuse gap of 5 s), then 32k cold tokens written to A
-            let session = prompt(10, 512);
-            let d = world(&[a], 0).decide_calibrated(r, &w_keys(&session), None, false);
-            assert_eq!(d.expect("decision").endpoint, a);
-            let mut next = session.clone();
-            next.extend(prompt(11, 256));
-            let d = world(&[a], 5_000).decide_calibrated(r, &w_keys(&next), None, false);
-            assert!(
-                d.expect("decision").candidates[0]
-                    .features
-                    .retention_ms
-                    .is_some()
-            );
-            for k in 0..4 {
-                let cold = w_keys(&prompt(20 + k, 8192));
-                world(&[a], 5_010)
-                    .decide_calibrated(r, &cold, None, false)
-                    .expect("decision");
-            }
-        }
-        // now B joins with a slightly longer queue than A's
-        let w = world(&[a, b], 5_100);
-        let _queued = w.inflight.begin(b, 256, 256);
-        let cold = w_keys(&prompt(30, 1024));
-        let d = w
-            .decide_calibrated(&on, &cold, None, false)
-            .expect("decision");
-        let feat = |e: EndpointId| {
-            d.candidates
-                .iter()
-                .find(|c| c.endpoint == e.to_string())
-                .expect("candidate")
-                .features
-        };
-        // A: ~34k tokens written in the last 5 s at a 30 s decay, 4,096 idle tokens: its
-        // blocks survive ~3.6 s, shorter than the one gap seen (5 s): its victims are wanted
-        let retention = feat(a).retention_ms.expect("A is written to");
-        assert!(retention > 3_000.0 && retention < 4_500.0, "{retention}");
-        assert_eq!(feat(a).victim_reuse, 1.0);
-        // B: nothing written, nothing it evicts is wanted
-        assert_eq!((feat(b).retention_ms, feat(b).victim_reuse), (None, 0.0));
-        assert_eq!(d.endpoint, b, "the eviction price sends new work to B");
-        let d = w
-            .decide_calibrated(&off, &cold, None, false)
-            .expect("decision");
-        assert_eq!(d.endpoint, a, "without it, the shorter queue wins");
-    }
-
-    fn w_keys(tokens: &[u32]) -> Vec<BlockKey> {
-        BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), tokens)
     }
 
     #[test]

@@ -180,9 +180,6 @@ pub struct PolicySpec {
     /// `routing.costModel.calibrate` for this run (`cost-model-static`: off); `None` keeps
     /// the configured one.
     pub calibrate: Option<bool>,
-    /// `routing.costModel.evictionWeight` for this run (`cost-model-noevict`: 0); `None`
-    /// keeps the configured one.
-    pub eviction_weight: Option<f64>,
 }
 
 impl From<Strategy> for PolicySpec {
@@ -191,7 +188,6 @@ impl From<Strategy> for PolicySpec {
             strategy,
             recompute_weight: None,
             calibrate: None,
-            eviction_weight: None,
         }
     }
 }
@@ -199,13 +195,10 @@ impl From<Strategy> for PolicySpec {
 impl PolicySpec {
     /// The name in reports (`cost-model`, `cost-model:0`, `least-load`...).
     pub fn name(&self) -> String {
-        let mut base: String = self.strategy.as_str().into();
-        if self.calibrate == Some(false) {
-            base.push_str("-static");
-        }
-        if self.eviction_weight == Some(0.0) {
-            base.push_str("-noevict");
-        }
+        let base = match self.calibrate {
+            Some(false) => format!("{}-static", self.strategy.as_str()),
+            _ => self.strategy.as_str().into(),
+        };
         match self.recompute_weight {
             Some(w) => format!("{base}:{w}"),
             None => base,
@@ -226,9 +219,6 @@ impl PolicySpec {
         }
         if let Some(c) = self.calibrate {
             r.cost_model.calibrate = c;
-        }
-        if let Some(e) = self.eviction_weight {
-            r.cost_model.eviction_weight = e;
         }
         r
     }
@@ -251,11 +241,6 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             Some((s, w)) => (s, Some(w)),
             None => (name, None),
         };
-        // `cost-model-noevict`: the cost model without its eviction price
-        let (strategy, eviction_weight) = match strategy.strip_suffix("-noevict") {
-            Some(s) if s.starts_with("cost-model") => (s, Some(0.0)),
-            _ => (strategy, None),
-        };
         // `cost-model-static`: the cost model with the configured constants only
         let (strategy, calibrate) = match strategy.strip_suffix("-static") {
             Some(s) if Strategy::from_cli(s) == Some(Strategy::CostModel) => (s, Some(false)),
@@ -263,8 +248,8 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
         };
         let strategy = Strategy::from_cli(strategy).ok_or_else(|| {
             format!(
-                "unknown policy {name:?}: expected cost-model[-static][-noevict][:RECOMPUTE_WEIGHT] \
-                 (-static: not calibrated; -noevict: no eviction price), weighted, cache-aware, \
+                "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], \
+                 cost-model-static[:RECOMPUTE_WEIGHT] (not calibrated), weighted, cache-aware, \
                  kv-cost, least-load, round-robin, random"
             )
         })?;
@@ -286,7 +271,6 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             strategy,
             recompute_weight,
             calibrate,
-            eviction_weight,
         };
         if !out.contains(&spec) {
             out.push(spec);
@@ -316,14 +300,6 @@ mod tests {
         assert_eq!(r.cost_model.recompute_weight, 0.0);
         assert_eq!(p[2].strategy, Strategy::LeastLoad);
         assert!(parse_policies("least-load-static").is_err());
-        let e = parse_policies("cost-model-noevict,cost-model-static-noevict:4").expect("valid");
-        assert_eq!(e[0].name(), "cost-model-noevict");
-        assert_eq!(e[0].routing(&base).cost_model.eviction_weight, 0.0);
-        assert!(e[0].routing(&base).cost_model.calibrate);
-        assert_eq!(e[1].name(), "cost-model-static-noevict:4");
-        assert!(!e[1].routing(&base).cost_model.calibrate);
-        assert_eq!(base.cost_model.eviction_weight, 1.0);
-        assert!(parse_policies("least-load-noevict").is_err());
         assert!(parse_policies("least-load:3").is_err());
         assert!(parse_policies("cost-model:-1").is_err());
         assert!(parse_policies(" , ").is_err());

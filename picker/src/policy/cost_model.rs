@@ -16,11 +16,6 @@
 //! learned for that endpoint ([`crate::calibration`]): then its prefill costs
 //! `overheadMs × steps + msPerToken × tokens` in the prior's shape ([`prefill_regressors`])
 //! and its decode steps the configured curve times the learned scale.
-//!
-//! The score adds two prices to the TTFT: the recomputation's cost to everyone else
-//! (`recomputeWeight` × the uncached prefill) and the cached blocks of others the placement
-//! evicts while they are still wanted, in excess of what the calmest candidate's evictions
-//! are ([`eviction_ms`], measured by [`crate::turnover`]).
 
 use super::{Candidate, Features, Policy, RequestFacts};
 use crate::calibration::{LearnedCost, TtftBasis};
@@ -108,52 +103,6 @@ pub fn ttft_basis(cal: &CostModelCalibration, f: &Features) -> TtftBasis {
     }
 }
 
-/// Tokens of other requests' idle cached blocks that placing this request on the candidate
-/// evicts, beyond what the work queued ahead of it evicts anyway: its uncached tokens are
-/// written into the empty room first, then over the least recently used idle blocks (never
-/// over the blocks running requests hold, nor over its own cached prefix). 0 when the engine
-/// reports no capacity.
-pub fn evicted_tokens(f: &Features, block_size: u32) -> f64 {
-    let Some(cap_blocks) = f.kv_capacity_blocks else {
-        return 0.0;
-    };
-    let bs = f64::from(block_size.max(1));
-    let cap = cap_blocks as f64 * bs;
-    let queued = f.pending_tokens as f64;
-    let active = (f.kv_usage.clamp(0.0, 1.0) * cap)
-        .max(f.inflight_tokens.saturating_sub(f.pending_tokens) as f64)
-        .min(cap);
-    let resident = (f.indexed_blocks as f64 * bs).min(cap);
-    let empty = (cap - resident.max(active)).max(0.0);
-    let idle = (resident - active - f64::from(f.cached_tokens)).max(0.0);
-    let evict = |written: f64| (written - empty).clamp(0.0, idle);
-    evict(queued + f64::from(f.uncached_tokens)) - evict(queued)
-}
-
-/// The eviction price of placing the request on the candidate, in ms: each evicted token
-/// costs what recomputing it does (`1 + recomputeWeight` times its marginal prefill cost),
-/// if it is still wanted beyond what the calmest candidate's victims are (`victim_reuse`
-/// above `baseline_reuse`), times `evictionWeight`.
-pub fn eviction_ms(
-    cal: &CostModelCalibration,
-    f: &Features,
-    block_size: u32,
-    baseline_reuse: f64,
-) -> f64 {
-    let excess = f.victim_reuse.min(1.0) - baseline_reuse.max(0.0);
-    if cal.eviction_weight <= 0.0 || excess <= 0.0 {
-        return 0.0;
-    }
-    let per_token = f
-        .learned
-        .map_or(cal.prefill_linear_ms, |l| l.prefill_ms_per_token);
-    cal.eviction_weight
-        * excess
-        * (1.0 + cal.recompute_weight)
-        * per_token
-        * evicted_tokens(f, block_size)
-}
-
 /// Estimated TTFT in ms of a request with `uncached` tokens to prefill on an endpoint with
 /// the given features.
 pub fn estimated_ttft_ms(cal: &CostModelCalibration, f: &Features) -> f64 {
@@ -177,23 +126,17 @@ impl Policy for CostModel {
         "cost-model"
     }
 
-    fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
-        let calmest = cands
-            .iter()
-            .map(|c| c.features.victim_reuse)
-            .fold(f64::INFINITY, f64::min);
+    fn score(&self, _req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             // the greedy TTFT, plus the recomputation's cost to everyone else (locality has a
-            // future value: see `CostModelCalibration::recompute_weight`), plus the cached
-            // blocks of others it evicts that are still wanted
+            // future value: see `CostModelCalibration::recompute_weight`)
             let recompute = candidate_prefill_ms(
                 &self.cal,
                 &c.features,
                 f64::from(c.features.uncached_tokens),
             );
             *s = -(estimated_ttft_ms(&self.cal, &c.features)
-                + self.cal.recompute_weight * recompute
-                + eviction_ms(&self.cal, &c.features, req.block_size, calmest));
+                + self.cal.recompute_weight * recompute);
         }
     }
 }
@@ -303,113 +246,6 @@ mod tests {
         let basis = ttft_basis(&cal, &slow_decode);
         assert!((basis.decode_ms - 10.0 * ttft_basis(&cal, &plain).decode_ms).abs() < 1e-9);
         assert_eq!(pick(&p, &r, &[cand(1, slow_decode), cand(2, plain)]), ep(2));
-    }
-
-    /// A 16-token-block endpoint of `cap_blocks` blocks, `resident_blocks` of them indexed,
-    /// running requests holding `active_tokens`, and `queued` uncached tokens sent ahead.
-    fn cache(cap_blocks: u64, resident_blocks: u64, active_tokens: u64, queued: u64) -> Features {
-        Features {
-            kv_capacity_blocks: Some(cap_blocks),
-            indexed_blocks: resident_blocks,
-            inflight_tokens: active_tokens + queued,
-            pending_tokens: queued,
-            ..Features::default()
-        }
-    }
-
-    #[test]
-    fn a_placement_evicts_idle_blocks_only_once_the_empty_room_is_used() {
-        // 1000 blocks = 16,000 tokens; 600 blocks resident, 4,000 tokens running: 6,400 empty,
-        // 5,600 idle
-        let mut f = cache(1000, 600, 4000, 0);
-        f.uncached_tokens = 6000;
-        assert_eq!(evicted_tokens(&f, 16), 0.0, "fits in the empty room");
-        f.uncached_tokens = 8000;
-        assert_eq!(evicted_tokens(&f, 16), 1600.0);
-        // at most every idle block, never the running ones
-        f.uncached_tokens = 50_000;
-        assert_eq!(evicted_tokens(&f, 16), 5600.0);
-        // nor the request's own cached prefix (1,600 of the idle tokens)
-        f.cached_tokens = 1600;
-        assert_eq!(evicted_tokens(&f, 16), 4000.0);
-        // the work queued ahead fills the room first: the request's share is the marginal one
-        let mut q = cache(1000, 600, 4000, 6000);
-        q.uncached_tokens = 2000;
-        assert_eq!(evicted_tokens(&q, 16), 1600.0);
-        // a scrape saying more is in use than the picker sent counts
-        let mut scraped = cache(1000, 1000, 0, 0);
-        scraped.kv_usage = 0.5;
-        scraped.uncached_tokens = 1000;
-        assert_eq!(evicted_tokens(&scraped, 16), 1000.0);
-        // no capacity reported: nothing known, nothing charged
-        let mut unknown = f;
-        unknown.kv_capacity_blocks = None;
-        assert_eq!(evicted_tokens(&unknown, 16), 0.0);
-    }
-
-    #[test]
-    fn new_work_goes_where_the_evicted_blocks_are_no_longer_wanted() {
-        let cal = CostModelCalibration::default();
-        let p = CostModel::new(cal);
-        let r = req(2048);
-        // two full caches, equally loaded, the request cold on both; endpoint 1 turns over
-        // faster than sessions come back (its victims are wanted), endpoint 2 slowly
-        let full = |victim_reuse: f64, queued: u64| Features {
-            uncached_tokens: 2048,
-            victim_reuse,
-            ..cache(1000, 1000, 4000, queued)
-        };
-        let thrashing = full(0.9, 0);
-        let calm = full(0.05, 0);
-        assert_eq!(pick(&p, &r, &[cand(1, thrashing), cand(2, calm)]), ep(2));
-        assert_eq!(pick(&p, &r, &[cand(2, thrashing), cand(1, calm)]), ep(1));
-        // the price: 2,048 evicted tokens at (1 + 8) x 0.0152 ms x 0.9
-        let price = eviction_ms(&cal, &thrashing, 16, 0.05);
-        assert!(
-            (price - 0.85 * 9.0 * 0.0152 * 2048.0).abs() < 1e-9,
-            "{price}"
-        );
-        assert_eq!(
-            eviction_ms(&cal, &thrashing, 16, 0.9),
-            0.0,
-            "no calmer candidate"
-        );
-        // it is weighed against the queue: a calm cache with a much longer queue loses
-        let calm_but_busy = full(0.05, 30_000);
-        assert_eq!(
-            pick(&p, &r, &[cand(1, thrashing), cand(2, calm_but_busy)]),
-            ep(1)
-        );
-        // weight 0 is the model without the term: the cold tie goes by queue alone
-        let off = CostModel::new(CostModelCalibration {
-            eviction_weight: 0.0,
-            ..cal
-        });
-        let shorter_queue_thrashing = full(0.9, 0);
-        let longer_queue_calm = full(0.05, 500);
-        assert_eq!(
-            pick(
-                &off,
-                &r,
-                &[cand(1, shorter_queue_thrashing), cand(2, longer_queue_calm)]
-            ),
-            ep(1)
-        );
-        assert_eq!(
-            pick(
-                &p,
-                &r,
-                &[cand(1, shorter_queue_thrashing), cand(2, longer_queue_calm)]
-            ),
-            ep(2)
-        );
-        // a cache with empty room evicts nothing, however fast it turns over
-        let roomy = Features {
-            uncached_tokens: 2048,
-            victim_reuse: 1.0,
-            ..cache(1000, 200, 0, 0)
-        };
-        assert_eq!(eviction_ms(&cal, &roomy, 16, 0.0), 0.0);
     }
 
     #[test]

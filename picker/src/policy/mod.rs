@@ -17,8 +17,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub use baselines::{LeastLoad, RandomPolicy, RoundRobin};
 pub use cache_aware::CacheAware;
 pub use cost_model::{
-    CostModel, decode_step_ms, estimated_ttft_ms, evicted_tokens, eviction_ms, learned_prefill_ms,
-    prefill_ms, prefill_regressors, ttft_basis,
+    CostModel, decode_step_ms, estimated_ttft_ms, learned_prefill_ms, prefill_ms,
+    prefill_regressors, ttft_basis,
 };
 pub use kv_cost::KvCost;
 pub use weighted::Weighted;
@@ -65,12 +65,6 @@ pub struct Features {
     /// The cost model's constants learned for this endpoint, when calibration is on and has
     /// data for it (`None`: the configured calibration applies).
     pub learned: Option<LearnedCost>,
-    /// How long an idle block survives in the endpoint's cache at the rate new work is written
-    /// there, in ms (`None`: nothing written lately). See [`crate::turnover`].
-    pub retention_ms: Option<f64>,
-    /// The share of recent reuses that came back later than `retention_ms`: how likely an idle
-    /// block this endpoint evicts next is still wanted (0 when nothing is written there).
-    pub victim_reuse: f64,
 }
 
 impl Features {
