@@ -204,15 +204,65 @@ impl Router {
         self.sessions.lock().remove_endpoint(id);
     }
 
+    /// Decide where a request goes: the eligibility filters, each candidate's features, the
+    /// balance guard, the policy's ranking (with the session pin), and the explanation.
     pub fn decide(
         &self,
         ctx: &RouteContext<'_>,
         req: &RouteRequest<'_>,
     ) -> Result<Decision, RouteError> {
+        let (pool, failed_open) = self.eligible(ctx, req)?;
+        let session_key = req.session.map(|s| SessionTable::key(req.tenant, s));
+        let pinned = session_key.and_then(|k| self.sessions.lock().get(k));
+        let cands = features(ctx, req, &pool, failed_open, pinned);
+        let overloaded = self.overloaded(&cands);
+        // a pin holds only while its endpoint is not overloaded, for every policy
+        let pinned = pinned.filter(|p| {
+            cands
+                .iter()
+                .zip(&overloaded)
+                .any(|(c, &o)| c.endpoint == *p && !o)
+        });
+        let overloaded = if self.policy.uses_balance_guard() {
+            overloaded
+        } else {
+            vec![false; cands.len()]
+        };
+        let ranked = self.rank(req, &cands, &overloaded, pinned);
+        let winner = ranked.eligible[ranked.chosen];
+        if let Some(k) = session_key {
+            self.sessions.lock().set(k, winner.endpoint);
+        }
+        let candidates = if req.explain {
+            explain(&cands, &overloaded, &ranked.scores)
+        } else {
+            Vec::new()
+        };
+        Ok(Decision {
+            endpoint: winner.endpoint,
+            fallbacks: ranked.fallbacks,
+            model_config: req.model_config.name.clone(),
+            policy: self.policy.name(),
+            reason: ranked.reason,
+            matched_blocks: winner.features.matched_blocks,
+            cached_tokens: winner.features.cached_tokens,
+            features: winner.features,
+            failed_open,
+            candidates,
+        })
+    }
+
+    /// Step 1, the filters: the endpoints of the request's model config that are not draining,
+    /// inside the gateway's subset and the tenant's allowance; passively ejected ones only when
+    /// nothing else is left; stale ones only when every endpoint is stale and the pool fails
+    /// open (then `true`).
+    fn eligible<'e>(
+        &self,
+        ctx: &RouteContext<'e>,
+        req: &RouteRequest<'_>,
+    ) -> Result<(Vec<&'e Endpoint>, bool), RouteError> {
         let mc = req.model_config;
         let threshold_ms = self.config.staleness_threshold.as_millis() as u64;
-
-        // 1. filters: model config, state, subset, tenant, passive health
         let mut fresh: Vec<&Endpoint> = Vec::new();
         let mut stale: Vec<&Endpoint> = Vec::new();
         let mut ejected: Vec<&Endpoint> = Vec::new();
@@ -256,107 +306,61 @@ impl Router {
                 }
             }
         }
-        let failed_open = fresh.is_empty() && !stale.is_empty();
-        let pool = if !fresh.is_empty() {
-            fresh
+        if !fresh.is_empty() {
+            Ok((fresh, false))
         } else if stale.is_empty() {
-            return Err(RouteError::NoEligibleEndpoint(mc.name.to_string()));
+            Err(RouteError::NoEligibleEndpoint(mc.name.to_string()))
         } else if self.config.failure_mode == FailureMode::FailOpen {
-            stale
+            Ok((stale, true))
         } else {
-            return Err(RouteError::AllStale(mc.name.to_string()));
-        };
-
-        // 2. features
-        let mut matches: Vec<PrefixMatch> = Vec::new();
-        ctx.index.longest_prefix(req.keys, &mut matches);
-        let session_key = req.session.map(|s| SessionTable::key(req.tenant, s));
-        let pinned = session_key.and_then(|k| self.sessions.lock().get(k));
-        let block_size = mc.block_size.max(1);
-        let prompt_blocks = req.keys.len() as u32;
-        let servable = servable_blocks(req.prompt_tokens, block_size);
-        let mut cands: Vec<Candidate> = pool
-            .iter()
-            .map(|e| {
-                let slot = ctx.index.slot(&e.id);
-                let matched = slot
-                    .and_then(|s| matches.binary_search_by_key(&s, |m| m.slot).ok())
-                    .map_or(0, |i| matches[i].blocks)
-                    .min(servable);
-                let cached = (matched * block_size).min(req.prompt_tokens);
-                let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
-                let inflight = ctx.inflight.get(&e.id);
-                Candidate {
-                    endpoint: e.id,
-                    features: Features {
-                        matched_blocks: matched,
-                        cached_tokens: cached,
-                        uncached_tokens: req.prompt_tokens - cached,
-                        waiting: load.waiting,
-                        running: load.running,
-                        kv_usage: load.kv_usage,
-                        kv_capacity_blocks: load.kv_capacity_blocks,
-                        indexed_blocks: slot.map_or(0, |s| ctx.index.endpoint_blocks(s) as u64),
-                        inflight_requests: inflight.requests,
-                        inflight_tokens: inflight.tokens,
-                        pending_requests: inflight.pending_requests,
-                        pending_tokens: inflight.pending_tokens,
-                        session_affinity: pinned == Some(e.id),
-                        stale: failed_open,
-                        learned: ctx.calibration.and_then(|c| c.learned(&e.id)),
-                    },
-                }
-            })
-            .collect();
-        // the learned costs priced against the candidates' pool (see `calibration::pooled`)
-        if ctx.calibration.is_some() {
-            let own: Vec<_> = cands.iter().map(|c| c.features.learned).collect();
-            for (c, l) in cands.iter_mut().zip(crate::calibration::pooled(&own)) {
-                c.features.learned = l;
-            }
+            Err(RouteError::AllStale(mc.name.to_string()))
         }
+    }
 
-        // 3. balance guard: never add work to an overloaded endpoint (for cache-aware
-        //    policies), and never keep a session on one (for every policy)
+    /// Step 3, the balance guard: which candidates carry too much more load than the least
+    /// loaded one (more than `balance.absolute` requests above it and `balance.relative` times
+    /// it).
+    fn overloaded(&self, cands: &[Candidate]) -> Vec<bool> {
         let min_load = cands
             .iter()
             .map(|c| c.features.load())
             .fold(f64::INFINITY, f64::min);
-        let is_overloaded = |c: &Candidate| {
-            let l = c.features.load();
-            l - min_load > f64::from(self.config.balance.absolute)
-                && l > self.config.balance.relative * min_load
-        };
-        let pinned = pinned.filter(|p| {
-            cands
-                .iter()
-                .find(|c| c.endpoint == *p)
-                .is_some_and(|c| !is_overloaded(c))
-        });
-        let overloaded: Vec<bool> = if self.policy.uses_balance_guard() {
-            cands.iter().map(is_overloaded).collect()
-        } else {
-            vec![false; cands.len()]
-        };
+        cands
+            .iter()
+            .map(|c| {
+                let l = c.features.load();
+                l - min_load > f64::from(self.config.balance.absolute)
+                    && l > self.config.balance.relative * min_load
+            })
+            .collect()
+    }
+
+    /// Step 4, the ranking: the policy scores the candidates the guard kept and chooses; the
+    /// session pin holds for the load-only baselines (their `choose` is not even asked: round
+    /// robin's turn is not used up), and for a cache-placing policy only where it scores as
+    /// well as the policy's own choice (see `Policy::places_by_cache`). The others, best
+    /// first, then the guarded ones by load, are the fallbacks.
+    fn rank(
+        &self,
+        req: &RouteRequest<'_>,
+        cands: &[Candidate],
+        overloaded: &[bool],
+        pinned: Option<EndpointId>,
+    ) -> Ranked {
         let eligible: Vec<Candidate> = cands
             .iter()
-            .zip(&overloaded)
+            .zip(overloaded)
             .filter(|(_, o)| !**o)
             .map(|(c, _)| *c)
             .collect();
-
-        // 4. score and choose
         let facts = RequestFacts {
             prompt_tokens: req.prompt_tokens,
-            prompt_blocks,
-            block_size,
+            prompt_blocks: req.keys.len() as u32,
+            block_size: req.model_config.block_size.max(1),
             request_hash: req.keys.first().copied().unwrap_or(req.fallback_hash),
         };
         let mut scores = vec![0.0; eligible.len()];
         self.policy.score(&facts, &eligible, &mut scores);
-        // a pin holds for the load-only baselines (their `choose` is not even asked: round
-        // robin's turn is not used up); a cache-placing policy keeps it only where it scores
-        // as well as the policy's own choice (see `Policy::places_by_cache`)
         let pin = pinned.and_then(|p| eligible.iter().position(|c| c.endpoint == p));
         let (chosen, reason) = match pin {
             Some(i) if !self.policy.places_by_cache() => (i, DecisionReason::Session),
@@ -375,53 +379,103 @@ impl Router {
         let mut fallbacks: Vec<EndpointId> = order.iter().map(|&i| eligible[i].endpoint).collect();
         let mut guarded: Vec<&Candidate> = cands
             .iter()
-            .zip(&overloaded)
+            .zip(overloaded)
             .filter(|(_, o)| **o)
             .map(|(c, _)| c)
             .collect();
         guarded.sort_by(|a, b| a.features.load().total_cmp(&b.features.load()));
         fallbacks.extend(guarded.iter().map(|c| c.endpoint));
-
-        let winner = eligible[chosen];
-        if let Some(k) = session_key {
-            self.sessions.lock().set(k, winner.endpoint);
-        }
-        let candidates = if req.explain {
-            let mut j = 0;
-            cands
-                .iter()
-                .zip(&overloaded)
-                .map(|(c, &o)| {
-                    let score = if o {
-                        None
-                    } else {
-                        j += 1;
-                        Some(scores[j - 1])
-                    };
-                    CandidateExplain {
-                        endpoint: c.endpoint.to_string(),
-                        features: c.features,
-                        score,
-                        overloaded: o,
-                    }
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        Ok(Decision {
-            endpoint: winner.endpoint,
-            fallbacks,
-            model_config: mc.name.clone(),
-            policy: self.policy.name(),
+        Ranked {
+            eligible,
+            scores,
+            chosen,
             reason,
-            matched_blocks: winner.features.matched_blocks,
-            cached_tokens: winner.features.cached_tokens,
-            features: winner.features,
-            failed_open,
-            candidates,
-        })
+            fallbacks,
+        }
     }
+}
+
+/// What the ranking step decided: the candidates it ranked (the guard's survivors), their
+/// scores, the chosen one's index among them, why, and the fallbacks in order.
+struct Ranked {
+    eligible: Vec<Candidate>,
+    scores: Vec<f64>,
+    chosen: usize,
+    reason: DecisionReason,
+    fallbacks: Vec<EndpointId>,
+}
+
+/// Step 2, the features: what each eligible endpoint offers this request — its cached
+/// prefix (capped by the engine's last-token rule), its scraped load, this picker's
+/// in-flight counts, the session pin and its learned costs, priced against the candidates'
+/// pool (see `calibration::pooled`).
+fn features(
+    ctx: &RouteContext<'_>,
+    req: &RouteRequest<'_>,
+    pool: &[&Endpoint],
+    failed_open: bool,
+    pinned: Option<EndpointId>,
+) -> Vec<Candidate> {
+    let mut matches: Vec<PrefixMatch> = Vec::new();
+    ctx.index.longest_prefix(req.keys, &mut matches);
+    let block_size = req.model_config.block_size.max(1);
+    let servable = servable_blocks(req.prompt_tokens, block_size);
+    let mut cands: Vec<Candidate> = pool
+        .iter()
+        .map(|e| {
+            let slot = ctx.index.slot(&e.id);
+            let matched = slot
+                .and_then(|s| matches.binary_search_by_key(&s, |m| m.slot).ok())
+                .map_or(0, |i| matches[i].blocks)
+                .min(servable);
+            let cached = (matched * block_size).min(req.prompt_tokens);
+            let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
+            let inflight = ctx.inflight.get(&e.id);
+            Candidate {
+                endpoint: e.id,
+                features: Features {
+                    matched_blocks: matched,
+                    cached_tokens: cached,
+                    uncached_tokens: req.prompt_tokens - cached,
+                    waiting: load.waiting,
+                    running: load.running,
+                    kv_usage: load.kv_usage,
+                    kv_capacity_blocks: load.kv_capacity_blocks,
+                    indexed_blocks: slot.map_or(0, |s| ctx.index.endpoint_blocks(s) as u64),
+                    inflight_requests: inflight.requests,
+                    inflight_tokens: inflight.tokens,
+                    pending_requests: inflight.pending_requests,
+                    pending_tokens: inflight.pending_tokens,
+                    session_affinity: pinned == Some(e.id),
+                    stale: failed_open,
+                    learned: ctx.calibration.and_then(|c| c.learned(&e.id)),
+                },
+            }
+        })
+        .collect();
+    if ctx.calibration.is_some() {
+        let own: Vec<_> = cands.iter().map(|c| c.features.learned).collect();
+        for (c, l) in cands.iter_mut().zip(crate::calibration::pooled(&own)) {
+            c.features.learned = l;
+        }
+    }
+    cands
+}
+
+/// Step 5, the explanation: every candidate with its features and score (`None` for the
+/// ones the balance guard removed).
+fn explain(cands: &[Candidate], overloaded: &[bool], scores: &[f64]) -> Vec<CandidateExplain> {
+    let mut ranked = scores.iter();
+    cands
+        .iter()
+        .zip(overloaded)
+        .map(|(c, &o)| CandidateExplain {
+            endpoint: c.endpoint.to_string(),
+            features: c.features,
+            score: if o { None } else { ranked.next().copied() },
+            overloaded: o,
+        })
+        .collect()
 }
 
 #[cfg(test)]
