@@ -221,6 +221,9 @@ pub struct GenArgs {
     /// Mean think time between turns, ms.
     #[arg(long, default_value_t = GeneratorConfig::default().think_ms)]
     pub gen_think_ms: f64,
+    /// Zipf exponent of the groups' popularity (0: every system prompt equally popular).
+    #[arg(long, default_value_t = GeneratorConfig::default().zipf)]
+    pub gen_zipf: f64,
 }
 
 impl GenArgs {
@@ -234,6 +237,7 @@ impl GenArgs {
             user_tokens: self.gen_user_tokens,
             output_tokens: self.gen_output_tokens,
             think_ms: self.gen_think_ms,
+            zipf: self.gen_zipf,
             ..GeneratorConfig::default()
         }
     }
