@@ -56,40 +56,6 @@ pub struct Args {
     pub log_json: bool,
 }
 
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-}
-
 fn identity(args: &Args) -> String {
     args.identity
         .clone()
@@ -100,7 +66,7 @@ fn identity(args: &Args) -> String {
 /// Run the operator until SIGTERM/Ctrl-C (or lost leadership, which is an error: the process
 /// exits and its restart competes again).
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    init_logging(args.log_json);
+    kvroute_process::init_logging(args.log_json, "info");
     let client = Client::try_default().await.map_err(Error::Client)?;
     let metrics = Arc::new(Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
@@ -127,7 +93,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     {
         let cancel = cancel.clone();
         tokio::spawn(async move {
-            shutdown_signal().await;
+            kvroute_process::shutdown_signal().await;
             tracing::info!("shutting down");
             cancel.cancel();
         });

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::service::kube_source::{KubeSource, KubeSourceOptions};
 use crate::service::settings::PickerConfig;
 use crate::service::source::{EndpointSource, FileSource};
-use crate::service::{http::shutdown_signal, start};
+use crate::service::start;
 
 /// kvroute's KV-cache-aware endpoint picker: an OpenAI-compatible proxy, a pick API and a
 /// Gateway API Inference Extension endpoint picker (Envoy ext_proc).
@@ -55,22 +55,9 @@ pub struct Args {
     pub log_json: bool,
 }
 
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 /// Parse arguments, run until SIGTERM/Ctrl-C, drain, exit.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    init_logging(args.log_json);
+    kvroute_process::init_logging(args.log_json, "info");
     let mut config = match (&args.config, &args.pool) {
         (Some(path), None) => PickerConfig::load(path).map_err(anyhow::Error::msg)?,
         // cluster mode: the pool resource supplies model configs, routing and tenancy, so
@@ -118,7 +105,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.print_addresses {
         println!("{}", serde_json::to_string(&running.addrs)?);
     }
-    shutdown_signal().await;
+    kvroute_process::shutdown_signal().await;
     tracing::info!("shutting down: draining in-flight requests");
     running.shutdown().await;
     Ok(())

@@ -390,12 +390,7 @@ pub struct PickerArgs {
 }
 
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    kvroute_process::init_logging(false, "warn");
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

@@ -191,14 +191,7 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    kvroute_process::init_logging(false, "info");
     let cfg = config(Args::parse())?;
     let handle = server::start(cfg).await?;
     {

@@ -515,27 +515,5 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
     .into_response()
 }
 
-/// Shutdown signal shared by the listeners: resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-}
-
 /// How long in-flight streams get to finish after shutdown starts.
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
