@@ -334,6 +334,63 @@ pub fn parse_engine_metrics(
     build(engine, &groups.fold())
 }
 
+/// One sample line of an exposition as the strict lexer reads it: the metric name, the
+/// labels (values unescaped) and the value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    pub labels: Vec<(&'a str, Cow<'a, str>)>,
+    pub value: f64,
+}
+
+impl Sample<'_> {
+    /// The value of label `name`, if the sample has it.
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_ref())
+    }
+}
+
+/// Every sample of an exposition in order, read by the lexer [`parse_engine_metrics`] uses,
+/// within the same limits. A text over `max_bytes` is refused whole; a line the lexer rejects
+/// is an error naming it, and the lines after it are still read; past `max_lines` the last
+/// item is a `TooManyLines` error.
+pub fn samples<'a>(
+    text: &'a str,
+    limits: &'a ParseLimits,
+) -> Result<impl Iterator<Item = Result<Sample<'a>, MetricsError>> + 'a, MetricsError> {
+    if text.len() > limits.max_bytes {
+        return Err(MetricsError::TooLarge {
+            size: text.len(),
+            limit: limits.max_bytes,
+        });
+    }
+    Ok(text
+        .lines()
+        .enumerate()
+        .take(limits.max_lines.saturating_add(1))
+        .filter_map(move |(index, line)| {
+            let line_no = index.saturating_add(1);
+            if line_no > limits.max_lines {
+                return Some(Err(MetricsError::TooManyLines {
+                    limit: limits.max_lines,
+                }));
+            }
+            let mut labels = Vec::new();
+            match lex_line(line, line_no, limits, &mut labels) {
+                Ok(None) => None,
+                Ok(Some((name, value))) => Some(Ok(Sample {
+                    name,
+                    labels: labels.into_iter().map(|(k, v)| (k, unescape(v))).collect(),
+                    value,
+                })),
+                Err(e) => Some(Err(e)),
+            }
+        }))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Lexer
 
@@ -1042,6 +1099,45 @@ mod tests {
     const VLLM_OLD: &str = include_str!("../tests/fixtures/metrics/vllm-old.txt");
     const SGLANG: &str = include_str!("../tests/fixtures/metrics/sglang.txt");
     const TRTLLM: &str = include_str!("../tests/fixtures/metrics/trtllm.txt");
+
+    #[test]
+    fn samples_read_every_line_with_the_strict_lexer_and_its_limits() {
+        let limits = ParseLimits::default();
+        let all: Vec<_> = samples(VLLM, &limits).unwrap().collect();
+        assert!(all.iter().all(Result::is_ok));
+        let info = all
+            .iter()
+            .flatten()
+            .find(|s| s.name == "vllm:cache_config_info")
+            .expect("the fixture has cache_config_info");
+        assert!(info.label("block_size").is_some());
+        // a bad line is an error naming it, and reading goes on
+        let text = "a 1\nb{x=\"1\" 2\nc{x=\"q\\\"\"} 3\n";
+        let got: Vec<_> = samples(text, &limits).unwrap().collect();
+        assert_eq!(got.len(), 3);
+        assert!(matches!(got[1], Err(MetricsError::Syntax { line: 2, .. })));
+        let c = got[2].as_ref().unwrap();
+        assert_eq!((c.name, c.label("x"), c.value), ("c", Some("q\""), 3.0));
+        // the size and line limits hold
+        let small = ParseLimits {
+            max_bytes: 4,
+            ..limits
+        };
+        assert!(matches!(
+            samples(text, &small).err(),
+            Some(MetricsError::TooLarge { .. })
+        ));
+        let short = ParseLimits {
+            max_lines: 1,
+            ..limits
+        };
+        let cut: Vec<_> = samples(text, &short).unwrap().collect();
+        assert_eq!(cut.len(), 2);
+        assert!(matches!(
+            cut[1],
+            Err(MetricsError::TooManyLines { limit: 1 })
+        ));
+    }
 
     fn parse(text: &str, engine: EngineKind) -> Result<EngineMetrics, MetricsError> {
         parse_engine_metrics(text, engine, &ParseLimits::default())

@@ -3,29 +3,25 @@
 
 use std::collections::BTreeMap;
 
+use kvroute_picker::engine_metrics::{self, ParseLimits, Sample};
+
 /// Largest exposition read.
 pub const MAX_BYTES: usize = 8 << 20;
 
-/// `name{labels} value` lines, with the labels as a map.
-fn samples(text: &str) -> impl Iterator<Item = (&str, BTreeMap<&str, &str>, f64)> {
-    text.lines().filter_map(|line| {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            return None;
-        }
-        let (series, value) = line.rsplit_once(' ')?;
-        let value: f64 = value.parse().ok()?;
-        let (name, labels) = match series.split_once('{') {
-            Some((n, rest)) => (n, rest.strip_suffix('}')?),
-            None => (series, ""),
-        };
-        let mut map = BTreeMap::new();
-        for pair in labels.split(',').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=')?;
-            map.insert(k.trim(), v.trim().trim_matches('"'));
-        }
-        Some((name, map, value))
-    })
+/// The samples of an exposition, read by the picker's strict lexer (quoted and escaped label
+/// values, timestamps, exemplars); lines it rejects are skipped, and a text over
+/// [`MAX_BYTES`] reads as empty.
+fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
+    const LIMITS: ParseLimits = ParseLimits {
+        max_bytes: MAX_BYTES,
+        max_lines: 1 << 20,
+        max_labels_per_series: 128,
+        max_label_value_len: 16 << 10,
+    };
+    engine_metrics::samples(text, &LIMITS)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
 }
 
 /// Per-rank engine counters (vLLM names).
@@ -41,13 +37,11 @@ pub struct RankCounters {
 /// Counters by the `engine` label (the DP rank).
 pub fn engine_counters(text: &str) -> BTreeMap<u32, RankCounters> {
     let mut out: BTreeMap<u32, RankCounters> = BTreeMap::new();
-    for (name, labels, v) in samples(text) {
-        let rank = labels
-            .get("engine")
-            .and_then(|e| e.parse().ok())
-            .unwrap_or(0);
+    for s in samples(text) {
+        let rank = s.label("engine").and_then(|e| e.parse().ok()).unwrap_or(0);
         let c = out.entry(rank).or_default();
-        match name {
+        let v = s.value;
+        match s.name {
             "vllm:prompt_tokens_total" => c.prompt_tokens += v,
             "vllm:prefix_cache_queries_total" => c.prefix_queries += v,
             "vllm:prefix_cache_hits_total" => c.prefix_hits += v,
@@ -62,21 +56,16 @@ pub fn engine_counters(text: &str) -> BTreeMap<u32, RankCounters> {
 /// The sum of `name`'s samples whose labels include every `(key, value)` of `with`.
 pub fn counter_sum(text: &str, name: &str, with: &[(&str, &str)]) -> f64 {
     samples(text)
-        .filter(|(n, labels, _)| {
-            *n == name
-                && with
-                    .iter()
-                    .all(|(k, v)| labels.get(k).is_some_and(|x| x == v))
-        })
-        .map(|(_, _, v)| v)
+        .filter(|s| s.name == name && with.iter().all(|(k, v)| s.label(k) == Some(*v)))
+        .map(|s| s.value)
         .sum()
 }
 
 /// The distinct values of label `label` on `name`'s samples, sorted.
 pub fn label_values(text: &str, name: &str, label: &str) -> Vec<String> {
     let set: std::collections::BTreeSet<String> = samples(text)
-        .filter(|(n, _, _)| *n == name)
-        .filter_map(|(_, labels, _)| labels.get(label).map(|v| (*v).to_string()))
+        .filter(|s| s.name == name)
+        .filter_map(|s| s.label(label).map(str::to_string))
         .collect();
     set.into_iter().collect()
 }
@@ -85,12 +74,13 @@ pub fn label_values(text: &str, name: &str, label: &str) -> Vec<String> {
 pub fn histogram(text: &str, name: &str) -> Vec<(f64, f64)> {
     let bucket = format!("{name}_bucket");
     let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-    for (n, labels, v) in samples(text) {
-        if n != bucket {
+    for s in samples(text) {
+        if s.name != bucket {
             continue;
         }
-        let le = match labels.get("le") {
-            Some(&"+Inf") => f64::INFINITY,
+        let v = s.value;
+        let le = match s.label("le") {
+            Some("+Inf") => f64::INFINITY,
             Some(s) => match s.parse::<f64>() {
                 Ok(x) => x,
                 Err(_) => continue,
@@ -161,6 +151,23 @@ mod tests {
         assert_eq!(counter_sum(text, "f", &[]), 0.0);
         assert_eq!(label_values(text, "d", "policy"), vec!["a", "b"]);
         assert!(label_values(text, "e", "policy").is_empty());
+    }
+
+    #[test]
+    fn label_values_with_commas_escapes_and_timestamps_read_as_the_picker_reads_them() {
+        // a splitter on ',' and '=' got every one of these wrong
+        let text = "d{model=\"a,b=c\",reason=\"x\"} 2 1700000000000\n\
+                    d{model=\"say \\\"hi\\\"\",reason=\"x\"} 3\n\
+                    d{reason=\"x\"} 4 # {trace_id=\"t\"} 1.0\n\
+                    d{reason=\"x\" 5\n";
+        assert_eq!(counter_sum(text, "d", &[("model", "a,b=c")]), 2.0);
+        assert_eq!(counter_sum(text, "d", &[("model", "say \"hi\"")]), 3.0);
+        // the unterminated label set is skipped, the exemplar is not a value
+        assert_eq!(counter_sum(text, "d", &[("reason", "x")]), 9.0);
+        assert_eq!(
+            label_values(text, "d", "model"),
+            vec!["a,b=c".to_string(), "say \"hi\"".to_string()]
+        );
     }
 
     #[test]
