@@ -59,7 +59,8 @@ pub struct Metrics {
     pub event_batches: Counter,
     pub event_lag_seconds: Histogram,
     pub event_problems: Family<KindLabels, Counter>,
-    pub scrape_failures: Counter,
+    /// By `kind` (`ScrapeError::kind`).
+    pub scrape_failures: Family<KindLabels, Counter>,
     pub stale_endpoints: Gauge,
     pub endpoints: Gauge,
     pub index_blocks: Gauge,
@@ -145,10 +146,10 @@ impl Metrics {
             "Sequence gaps, resyncs, decode errors and orphan blocks in KV event streams",
             event_problems.clone(),
         );
-        let scrape_failures = Counter::default();
+        let scrape_failures = Family::<KindLabels, Counter>::default();
         registry.register(
             "scrape_failures",
-            "Failed engine metrics scrapes",
+            "Failed engine metrics scrapes, by kind (request, http_status, too_large, not_utf8, timeout, parse)",
             scrape_failures.clone(),
         );
         let stale_endpoints = Gauge::default();

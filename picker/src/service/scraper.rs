@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::core::PickerCore;
 use super::diagnostics::{BlockSizeSource, EngineActivity};
+use super::metrics::KindLabels;
 use super::settings::ScrapeSettings;
 use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
 use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
@@ -56,38 +57,74 @@ fn targets(core: &PickerCore, settings: &ScrapeSettings) -> Vec<Target> {
     by_server.into_values().collect()
 }
 
-async fn scrape(core: &PickerCore, t: &Target, timeout: Duration) -> Result<String, String> {
+/// Why a scrape produced no load sample; [`ScrapeError::kind`] labels
+/// `kvroute_picker_scrape_failures_total`.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    #[error("request failed: {0}")]
+    Request(#[source] reqwest::Error),
+    #[error("HTTP {0}")]
+    Status(reqwest::StatusCode),
+    #[error("scrape larger than {MAX_SCRAPE_BYTES} bytes")]
+    TooLarge,
+    #[error("scrape is not UTF-8")]
+    NotUtf8,
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("unreadable exposition: {0}")]
+    Parse(#[from] crate::engine_metrics::MetricsError),
+}
+
+impl ScrapeError {
+    /// Stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Request(_) => "request",
+            Self::Status(_) => "http_status",
+            Self::TooLarge => "too_large",
+            Self::NotUtf8 => "not_utf8",
+            Self::Timeout(_) => "timeout",
+            Self::Parse(_) => "parse",
+        }
+    }
+}
+
+/// GET one exposition, bounded in size and time.
+async fn scrape(
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Result<String, ScrapeError> {
     let fut = async {
-        let resp = core
-            .http
-            .get(&t.url)
+        let resp = http
+            .get(url)
             .header("accept", "text/plain; version=0.0.4")
             .send()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(ScrapeError::Request)?;
         if !resp.status().is_success() {
-            return Err(format!("HTTP {}", resp.status()));
+            return Err(ScrapeError::Status(resp.status()));
         }
         if resp
             .content_length()
             .is_some_and(|n| n as usize > MAX_SCRAPE_BYTES)
         {
-            return Err("scrape too large".into());
+            return Err(ScrapeError::TooLarge);
         }
         let mut body = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| e.to_string())?;
+            let chunk = chunk.map_err(ScrapeError::Request)?;
             if body.len() + chunk.len() > MAX_SCRAPE_BYTES {
-                return Err("scrape too large".into());
+                return Err(ScrapeError::TooLarge);
             }
             body.extend_from_slice(&chunk);
         }
-        String::from_utf8(body).map_err(|_| "scrape is not UTF-8".to_string())
+        String::from_utf8(body).map_err(|_| ScrapeError::NotUtf8)
     };
     tokio::time::timeout(timeout, fut)
         .await
-        .map_err(|_| format!("timed out after {timeout:?}"))?
+        .map_err(|_| ScrapeError::Timeout(timeout))?
 }
 
 /// Run until cancelled.
@@ -108,11 +145,11 @@ pub async fn run_scraper(
             _ = ticker.tick() => {}
         }
         let ts = targets(&core, &settings);
-        let results: Vec<(Target, Result<String, String>)> = futures::stream::iter(ts)
+        let results: Vec<(Target, Result<String, ScrapeError>)> = futures::stream::iter(ts)
             .map(|t| {
-                let core = &core;
+                let http = &core.http;
                 async move {
-                    let r = scrape(core, &t, settings.timeout).await;
+                    let r = scrape(http, &t.url, settings.timeout).await;
                     (t, r)
                 }
             })
@@ -125,9 +162,9 @@ pub async fn run_scraper(
         let mut latencies = Vec::new();
         {
             let mut loads = core.loads.write();
-            for (t, r) in &results {
-                let parsed = r.as_ref().map_err(Clone::clone).and_then(|text| {
-                    parse_engine_metrics(text, t.engine, &limits).map_err(|e| e.to_string())
+            for (t, r) in results {
+                let parsed = r.and_then(|text| {
+                    parse_engine_metrics(&text, t.engine, &limits).map_err(ScrapeError::from)
                 });
                 match parsed {
                     Ok(m) => {
@@ -169,7 +206,12 @@ pub async fn run_scraper(
                         }
                     }
                     Err(e) => {
-                        core.metrics.scrape_failures.inc();
+                        core.metrics
+                            .scrape_failures
+                            .get_or_create(&KindLabels {
+                                kind: e.kind().into(),
+                            })
+                            .inc();
                         tracing::debug!(url = %t.url, error = %e, "scrape failed");
                     }
                 }
@@ -251,5 +293,87 @@ pub async fn run_scraper(
         }
         // approximate entries past their TTL
         core.index.write().expire(now);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A one-shot HTTP server on 127.0.0.1:0 that answers every connection with `response`
+    /// (or, with `None`, accepts and never answers).
+    async fn serve(response: Option<Vec<u8>>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let response = response.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    match response {
+                        Some(r) => {
+                            let _ = conn.write_all(&r).await;
+                        }
+                        None => tokio::time::sleep(Duration::from_secs(30)).await,
+                    }
+                });
+            }
+        });
+        format!("http://{addr}/metrics")
+    }
+
+    fn reply(status: &str, body: &[u8]) -> Option<Vec<u8>> {
+        let mut r = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        r.extend_from_slice(body);
+        Some(r)
+    }
+
+    #[tokio::test]
+    async fn every_failure_has_its_own_kind() {
+        let http = reqwest::Client::new();
+        let t = Duration::from_secs(5);
+        let ok = serve(reply("200 OK", b"vllm:num_requests_running 1\n")).await;
+        assert_eq!(
+            scrape(&http, &ok, t).await.unwrap(),
+            "vllm:num_requests_running 1\n"
+        );
+        let kind = |r: Result<String, ScrapeError>| r.unwrap_err().kind();
+        let status = serve(reply("503 Service Unavailable", b"")).await;
+        assert_eq!(kind(scrape(&http, &status, t).await), "http_status");
+        let binary = serve(reply("200 OK", &[0xff, 0xfe, 0x00])).await;
+        assert_eq!(kind(scrape(&http, &binary, t).await), "not_utf8");
+        let mut huge = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
+            MAX_SCRAPE_BYTES + 1
+        )
+        .into_bytes();
+        huge.extend_from_slice(b"x");
+        let large = serve(Some(huge)).await;
+        assert_eq!(kind(scrape(&http, &large, t).await), "too_large");
+        let silent = serve(None).await;
+        assert_eq!(
+            kind(scrape(&http, &silent, Duration::from_millis(200)).await),
+            "timeout"
+        );
+        // a port nothing listens on: bind one, note it, close it
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}/metrics", l.local_addr().unwrap())
+        };
+        assert_eq!(kind(scrape(&http, &closed, t).await), "request");
+        let bad = crate::engine_metrics::parse_engine_metrics(
+            "x{ 1",
+            EngineKind::Vllm,
+            &ParseLimits::default(),
+        )
+        .unwrap_err();
+        assert_eq!(ScrapeError::from(bad).kind(), "parse");
     }
 }
