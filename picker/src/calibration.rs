@@ -686,7 +686,8 @@ fn estimate(reference: &Reference, s: &EndpointState) -> Option<LearnedCost> {
 pub const POOL_SHRINK_OBSERVATIONS: f64 = 32.0;
 /// An endpoint's values stay within this factor of its pool's.
 pub const POOL_MAX_RATIO: f64 = 2.0;
-/// An endpoint's values closer than this factor to its pool's are the pool's.
+/// An endpoint whose prefill prediction (at the pool's balance point) and decode scale are
+/// both closer than this factor to its pool's is priced with the pool's values.
 pub const POOL_SAME_RATIO: f64 = 1.1;
 
 /// The values the cost model prices each candidate with: the pool's fit (the observation-
@@ -719,16 +720,24 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
     }
     let (po, pp, pd) = (lo / w, lp / w, ld / w);
     let bound = POOL_MAX_RATIO.ln();
-    // within the estimator's noise of the pool's value is the pool's value: alike endpoints
-    // tie exactly, so the tie-break still spreads their requests
-    let same = POOL_SAME_RATIO.ln();
     let mix = |own: f64, pool: f64, a: f64| {
-        let v = (a * own.ln() + (1.0 - a) * pool).clamp(pool - bound, pool + bound);
-        if (v - pool).abs() < same {
-            pool.exp()
-        } else {
-            v.exp()
-        }
+        (a * own.ln() + (1.0 - a) * pool)
+            .clamp(pool - bound, pool + bound)
+            .exp()
+    };
+    // Within the estimator's noise of the pool is the pool: alike endpoints tie exactly, so
+    // the tie-break still spreads their requests. The two prefill constants are compared
+    // through what they predict where the pool's steps cost as much in overhead as in tokens
+    // (`overhead / ms per token` tokens), the direction the data determines: identical
+    // engines learn pairs like 83 ms + 0.061 ms/token and 57 ms + 0.075 (1.5x apart in each
+    // constant) that predict the same step within 10%.
+    let (pool_overhead, pool_per_token, pool_decode) = (po.exp(), pp.exp(), pd.exp());
+    let balance_tokens = pool_overhead / pool_per_token;
+    let same = |overhead: f64, per_token: f64, decode: f64| {
+        let own = overhead + per_token * balance_tokens;
+        let pool = 2.0 * pool_overhead;
+        (own / pool).ln().abs() < POOL_SAME_RATIO.ln()
+            && (decode / pool_decode).ln().abs() < POOL_SAME_RATIO.ln()
     };
     learned
         .iter()
@@ -741,10 +750,18 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
             {
                 let n = l.observations as f64;
                 let a = n / (n + POOL_SHRINK_OBSERVATIONS);
-                let decode_scale = mix(l.decode_scale, pd, a);
+                let (mut overhead_ms, mut prefill_ms_per_token, mut decode_scale) = (
+                    mix(l.overhead_ms, po, a),
+                    mix(l.prefill_ms_per_token, pp, a),
+                    mix(l.decode_scale, pd, a),
+                );
+                if same(overhead_ms, prefill_ms_per_token, decode_scale) {
+                    (overhead_ms, prefill_ms_per_token, decode_scale) =
+                        (pool_overhead, pool_per_token, pool_decode);
+                }
                 Some(LearnedCost {
-                    overhead_ms: mix(l.overhead_ms, po, a),
-                    prefill_ms_per_token: mix(l.prefill_ms_per_token, pp, a),
+                    overhead_ms,
+                    prefill_ms_per_token,
                     decode_step_ms: l.decode_step_ms / l.decode_scale * decode_scale,
                     decode_scale,
                     observations: l.observations,
@@ -752,10 +769,10 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
             }
             other => {
                 let base = other.or_else(|| learned.iter().flatten().next().copied())?;
-                let decode_scale = pd.exp();
+                let decode_scale = pool_decode;
                 Some(LearnedCost {
-                    overhead_ms: po.exp(),
-                    prefill_ms_per_token: pp.exp(),
+                    overhead_ms: pool_overhead,
+                    prefill_ms_per_token: pool_per_token,
                     decode_step_ms: base.decode_step_ms / base.decode_scale.max(f64::MIN_POSITIVE)
                         * decode_scale,
                     decode_scale,
@@ -1249,6 +1266,19 @@ mod tests {
             .map(|l| (l.overhead_ms, l.prefill_ms_per_token))
             .collect();
         assert!(v.windows(2).all(|w| w[0] == w[1]), "{v:?}");
+        // identical CPU engines' fits from one real-vLLM round (BENCHMARKS §7): each constant
+        // 1.2-1.5x apart, their prediction at the pool's balance point within 10%: the pool's
+        let p = pooled(&[Some(cost(83.5, 0.0610, 300)), Some(cost(56.8, 0.0750, 300))]);
+        let (a, b) = (p[0].expect("a"), p[1].expect("b"));
+        assert_eq!(
+            (a.overhead_ms, a.prefill_ms_per_token),
+            (b.overhead_ms, b.prefill_ms_per_token)
+        );
+        // a decode scale 1.5x apart is a real difference: both keep their own
+        let mut slow_decode = cost(70.0, 0.07, 300);
+        slow_decode.decode_scale = 1.5;
+        let p = pooled(&[Some(cost(70.0, 0.07, 300)), Some(slow_decode)]);
+        assert!(p[1].expect("b").decode_scale > p[0].expect("a").decode_scale * 1.3);
         // well-observed endpoints keep most of a real difference
         let p = pooled(&[Some(cost(50.0, 0.05, 2000)), Some(cost(50.0, 0.15, 2000))]);
         let (a, b) = (p[0].expect("a"), p[1].expect("b"));
