@@ -93,7 +93,7 @@ impl Metrics {
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
             "decisions",
-            "Routing decisions by policy, chosen endpoint and reason",
+            "Routing decisions by policy, chosen endpoint and reason (policy: the best score; session: the session's pinned endpoint, for a cache-placing policy where it scores as well as the best)",
             decisions.clone(),
         );
         let predicted_hit_tokens = Counter::default();
