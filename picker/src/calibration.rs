@@ -700,16 +700,16 @@ pub const POOL_SAME_RATIO: f64 = 1.1;
 /// configured (GPU) prior looks faster than every calibrated peer and takes all the traffic.
 /// An inherited entry reports 0 observations. No candidate learned anything: unchanged.
 pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
+    // what counts towards the pool and keeps values of its own
+    let usable = |l: &LearnedCost| {
+        l.observations > 0
+            && l.overhead_ms > 0.0
+            && l.prefill_ms_per_token > 0.0
+            && l.decode_scale > 0.0
+    };
     let (mut w, mut lo, mut lp, mut ld) = (0.0, 0.0, 0.0, 0.0);
-    for l in learned.iter().flatten() {
+    for l in learned.iter().flatten().filter(|l| usable(l)) {
         let n = l.observations as f64;
-        if n <= 0.0
-            || l.overhead_ms <= 0.0
-            || l.prefill_ms_per_token <= 0.0
-            || l.decode_scale <= 0.0
-        {
-            continue;
-        }
         w += n;
         lo += n * l.overhead_ms.ln();
         lp += n * l.prefill_ms_per_token.ln();
@@ -742,12 +742,7 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
     learned
         .iter()
         .map(|l| match l {
-            Some(l)
-                if l.observations > 0
-                    && l.overhead_ms > 0.0
-                    && l.prefill_ms_per_token > 0.0
-                    && l.decode_scale > 0.0 =>
-            {
+            Some(l) if usable(l) => {
                 let n = l.observations as f64;
                 let a = n / (n + POOL_SHRINK_OBSERVATIONS);
                 let (mut overhead_ms, mut prefill_ms_per_token, mut decode_scale) = (

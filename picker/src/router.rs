@@ -263,6 +263,9 @@ impl Router {
     ) -> Result<(Vec<&'e Endpoint>, bool), RouteError> {
         let mc = req.model_config;
         let threshold_ms = self.config.staleness_threshold.as_millis() as u64;
+        let is_stale = |e: &Endpoint| {
+            e.state == EndpointState::Stale || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
+        };
         let mut fresh: Vec<&Endpoint> = Vec::new();
         let mut stale: Vec<&Endpoint> = Vec::new();
         let mut ejected: Vec<&Endpoint> = Vec::new();
@@ -282,11 +285,7 @@ impl Router {
             }
             if ctx.ejected.binary_search(&e.id).is_ok() {
                 ejected.push(e);
-                continue;
-            }
-            if e.state == EndpointState::Stale
-                || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
-            {
+            } else if is_stale(e) {
                 stale.push(e);
             } else {
                 fresh.push(e);
@@ -297,9 +296,7 @@ impl Router {
         // are candidates as if they were not (Envoy's panic mode).
         if fresh.is_empty() && stale.is_empty() {
             for e in ejected {
-                if e.state == EndpointState::Stale
-                    || ctx.loads.is_stale(&e.id, ctx.now_ms, threshold_ms)
-                {
+                if is_stale(e) {
                     stale.push(e);
                 } else {
                     fresh.push(e);
