@@ -18,7 +18,8 @@
 //! Needs the venv of `scripts/real-engines/install-vllm.sh`; without it every test fails (never
 //! skips) and says so. Starting an engine takes about a minute, so one test starts the two
 //! engines once and runs every check against them, collecting failures so that one wrong
-//! figure does not hide the others; the failure message lists each failed check.
+//! figure does not hide the others; the failure message lists each failed check. A second,
+//! engine-free test checks that the live bench's chat words are one token each.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -169,6 +170,31 @@ fn tokenizer(model: &Path) -> PromptTokenizer {
     let cfg = std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap();
     PromptTokenizer::from_hf_files(Some(&json), Some(&cfg), PromptTokenizerOptions::default())
         .unwrap()
+}
+
+/// The live bench's chat mode turns each token id into one of these words and counts on each
+/// being one token after a space: when they were not (1.76 tokens a word), its "1k-token"
+/// prompts were 1.8k and the engines overloaded (e2e/BENCHMARKS.md §7).
+#[test]
+fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
+    let _venv = vllm_venv();
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    make_model(&model);
+    let tok = tokenizer(&model);
+    let len = |text: &str| tok.tokenize(PromptInput::Text(text)).unwrap().ids.len();
+    let base = len("the");
+    let longer: Vec<&str> = kvroute_e2e::bench::live::chat::WORDS
+        .iter()
+        .copied()
+        .filter(|w| len(&format!("the {w}")) != base + 1)
+        .collect();
+    assert!(longer.is_empty(), "not one token after a space: {longer:?}");
+    // and n ids after a word are n more tokens (a message's first word, with no space before
+    // it, may take one more)
+    let ids: Vec<u32> = (0..500).collect();
+    let text = kvroute_e2e::bench::live::chat::text_of(&ids);
+    assert_eq!(len(&format!("the {text}")) - base, 500);
 }
 
 async fn picker(model: &Path, engines: &[&Engine]) -> Running {

@@ -40,7 +40,9 @@ impl Message {
     }
 }
 
-const WORDS: &[&str] = &[
+/// The words token ids become (each one token, with its leading space, in the tiny model's
+/// tokenizer: checked in `tests/real_vllm.rs`).
+pub const WORDS: &[&str] = &[
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
     "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
     "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there", "been", "if",
