@@ -89,10 +89,12 @@ impl Engine {
         format!("http://127.0.0.1:{}{path}", self.http)
     }
 
+    /// What the log says about a failure: from its first error or traceback (vLLM reports an
+    /// engine core's root cause there and only "see root cause above" at the end), 40 lines,
+    /// then the last 20.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
+        failure_excerpt(&text)
     }
 
     pub async fn wait_healthy(&mut self) {
@@ -150,7 +152,53 @@ impl Drop for Engine {
     }
 }
 
+fn failure_excerpt(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines.len().saturating_sub(20);
+    let first = lines
+        .iter()
+        .position(|l| l.contains("ERROR") || l.starts_with("Traceback"))
+        .filter(|&i| i < tail);
+    match first {
+        Some(i) => {
+            let head_end = (i + 40).min(tail);
+            let mut out = lines[i..head_end].join("\n");
+            if head_end < tail {
+                out.push_str("\n[...]");
+            }
+            out.push('\n');
+            out.push_str(&lines[tail..].join("\n"));
+            out
+        }
+        None => lines[lines.len().saturating_sub(30)..].join("\n"),
+    }
+}
+
 /// Writes the tiny model into `dir` with the venv's python (it has `tokenizers`).
 pub fn make_model(dir: &Path) {
     crate::real_vllm::tiny_model(Some(dir)).unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::failure_excerpt;
+
+    #[test]
+    fn a_failures_excerpt_starts_at_its_root_cause() {
+        let mut log: Vec<String> = (0..100).map(|i| format!("INFO line {i}")).collect();
+        log[10] = "ERROR EngineCore failed: Address already in use".into();
+        let out = failure_excerpt(&log.join("\n"));
+        assert!(out.starts_with("ERROR EngineCore failed"), "{out}");
+        assert!(
+            out.contains("[...]") && out.ends_with("INFO line 99"),
+            "{out}"
+        );
+        // no error: the last 30 lines
+        let quiet: Vec<String> = (0..50).map(|i| format!("INFO {i}")).collect();
+        let out = failure_excerpt(&quiet.join("\n"));
+        assert!(
+            out.starts_with("INFO 20") && out.ends_with("INFO 49"),
+            "{out}"
+        );
+    }
 }
