@@ -106,7 +106,7 @@ async fn pick(p: &Running, tokens: &[u32]) -> Value {
 
 /// Blocks the picker's index attributes to the endpoint on `ip`.
 fn indexed_blocks(p: &Running, ip: &str) -> usize {
-    let index = p.core.index.read();
+    let index = p.state.index.read();
     index
         .endpoints()
         .find(|(_, id)| id.address.to_string() == ip)
@@ -202,7 +202,7 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
         serde_json::from_value(json!({"kind": "clear"})).unwrap();
     a.inject(0, clear).await.unwrap();
     complete(engine_url, &prompt(9, 64)).await;
-    let core = Arc::clone(&p.core);
+    let state = Arc::clone(&p.state);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let r = pick(&p, &hidden).await;
@@ -215,7 +215,7 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let metrics = core.metrics.encode();
+    let metrics = state.metrics.encode();
     assert!(
         !metrics.contains("kind=\"resync\""),
         "repaired by replay, not by a resync: {metrics}"
@@ -226,7 +226,7 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
 
 /// A counter of `kvroute_picker_kv_event_problems_total` by kind, from the picker's registry.
 fn problems(p: &Running, kind: &str) -> u64 {
-    p.core
+    p.state
         .metrics
         .encode()
         .lines()

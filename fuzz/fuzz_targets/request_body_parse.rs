@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
-use kvroute_picker::service::core::{ApiKind, ParsedRequest, Prompt, engine_body};
+use kvroute_picker::service::request::{ApiKind, ParsedRequest, Prompt, engine_body};
 use kvroute_picker::service::settings::Limits;
 use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
 use libfuzzer_sys::fuzz_target;

@@ -231,10 +231,10 @@ async fn an_engine_crash_mid_stream_fails_only_that_stream() {
     );
     let text = other.text().await.unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-    let id = picker.core.endpoints.load().endpoints()[0].id;
-    let core = picker.core.clone();
+    let id = picker.state.endpoints.load().endpoints()[0].id;
+    let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
-        core.inflight.get(&id).requests == 0
+        state.inflight.get(&id).requests == 0
     })
     .await;
     picker.shutdown().await;
@@ -264,8 +264,8 @@ limits: {{upstreamTimeout: 500ms}}
         b.addr.port()
     ))
     .await;
-    let core = picker.core.clone();
-    eventually(Duration::from_secs(5), || core.is_ready()).await;
+    let state = picker.state.clone();
+    eventually(Duration::from_secs(5), || state.is_ready()).await;
     a.state.hang.store(true, Ordering::SeqCst);
     a.state.metrics_hang.store(true, Ordering::SeqCst);
     let url = format!("http://{}/v1/completions", picker.addrs.http);
@@ -288,7 +288,7 @@ limits: {{upstreamTimeout: 500ms}}
     got.sort_unstable();
     assert_eq!(got, [200, 504]);
     // once stale, the wedged engine gets nothing and every request succeeds on b
-    let a_id = core
+    let a_id = state
         .endpoints
         .load()
         .endpoints()
@@ -297,7 +297,7 @@ limits: {{upstreamTimeout: 500ms}}
         .unwrap()
         .id;
     eventually(Duration::from_secs(5), || {
-        core.endpoints.load().get(&a_id).map(|e| e.state)
+        state.endpoints.load().get(&a_id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

@@ -121,7 +121,7 @@ async fn streamed_requests_teach_the_cost_model_and_pick_and_metrics_show_it() {
     // calibration off: the configured values for everyone, and no gauges
     let mut view = view_from_config(&config);
     view.routing.cost_model.calibrate = false;
-    picker.core.apply_pool(&view).unwrap();
+    picker.state.apply_pool(&view).unwrap();
     assert_eq!(explained(admin).await["learned"], Value::Null);
     let text = metrics_text(metrics).await;
     assert_eq!(sample(&text, &series("overhead_ms")), None, "{text}");
@@ -130,18 +130,18 @@ async fn streamed_requests_teach_the_cost_model_and_pick_and_metrics_show_it() {
 
     // on again, learning starts from the prior; an endpoint that leaves takes its gauges along
     view.routing.cost_model.calibrate = true;
-    picker.core.apply_pool(&view).unwrap();
+    picker.state.apply_pool(&view).unwrap();
     complete(http, 300, true).await;
     assert_eq!(explained(admin).await["learned"]["observations"], 1);
     assert!(sample(&metrics_text(metrics).await, &series("overhead_ms")).is_some());
     view.endpoints.clear();
-    picker.core.apply_pool(&view).unwrap();
+    picker.state.apply_pool(&view).unwrap();
     let text = metrics_text(metrics).await;
     let gauges = text
         .lines()
         .filter(|l| l.starts_with("kvroute_picker_cost_model") && l.contains(&endpoint));
     assert_eq!(gauges.count(), 0, "{text}");
-    assert!(picker.core.calibration.read().is_empty());
+    assert!(picker.state.calibration.read().is_empty());
     picker.shutdown().await;
 }
 
@@ -163,12 +163,13 @@ async fn engine_histograms_teach_the_prefill_rate_with_less_weight() {
         );
     };
     publish(0);
-    let core = picker.core.clone();
-    let id = core.endpoints.load().endpoints()[0].id;
+    let state = picker.state.clone();
+    let id = state.endpoints.load().endpoints()[0].id;
     // each poll the engine finishes another request; scrapes see the deltas
     eventually(Duration::from_secs(20), || {
         publish(requests.fetch_add(1, Ordering::SeqCst) + 1);
-        core.calibration
+        state
+            .calibration
             .read()
             .status(&id)
             .is_some_and(|s| s.observations.engine_prefill >= 3)
@@ -177,7 +178,7 @@ async fn engine_histograms_teach_the_prefill_rate_with_less_weight() {
     let learned = explained(picker.addrs.admin).await["learned"].clone();
     let per_token = learned["prefill_ms_per_token"].as_f64().unwrap();
     assert!(per_token > prior.prefill_linear_ms, "{learned}");
-    let status = core.calibration.read().status(&id).unwrap();
+    let status = state.calibration.read().status(&id).unwrap();
     assert_eq!(status.observations.picker_ttft, 0);
     assert!(
         status.engine_weight > 0.0 && status.picker_weight == 0.0,
@@ -202,11 +203,12 @@ async fn the_gateway_path_times_the_first_body_chunk_of_streamed_responses() {
 
     let engine = FakeEngine::start("127.0.0.1").await;
     let picker = start_picker(&yaml(engine.addr.port())).await;
-    let gateway = GatewayPicker::new(picker.core.clone());
-    let core = picker.core.clone();
-    let id = core.endpoints.load().endpoints()[0].id;
+    let gateway = GatewayPicker::new(picker.state.clone());
+    let state = picker.state.clone();
+    let id = state.endpoints.load().endpoints()[0].id;
     let observed = || {
-        core.calibration
+        state
+            .calibration
             .read()
             .status(&id)
             .map_or(0, |s| s.observations.picker_ttft)
@@ -240,7 +242,7 @@ async fn the_gateway_path_times_the_first_body_chunk_of_streamed_responses() {
         gateway.on_response_complete(request_id);
         assert_eq!(observed(), counted, "request {request_id}");
     }
-    let learned = core.calibration.read().learned(&id).expect("learned");
+    let learned = state.calibration.read().learned(&id).expect("learned");
     assert!(
         learned.overhead_ms > CostModelCalibration::default().prefill_constant_ms,
         "{learned:?}"

@@ -79,12 +79,12 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
         engine.addr.port()
     ))
     .await;
-    let core = picker.core.clone();
+    let state = picker.state.clone();
     let metrics_addr = picker.addrs.metrics;
     // wait until the subscriber is connected: valid batches start landing in the index
     let mut seq = 0u64;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while core.index.read().live_blocks() == 0 {
+    while state.index.read().live_blocks() == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "subscriber never connected"
@@ -138,7 +138,7 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // bounded: never more than the endpoint's budget (capacity x slack)
-    assert!(core.index.read().live_blocks() <= 128);
+    assert!(state.index.read().live_blocks() <= 128);
     // and the picker still routes
     let resp = client()
         .post(format!("http://{}/v1/completions", picker.addrs.http))

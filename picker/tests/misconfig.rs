@@ -127,7 +127,7 @@ scrape: {{interval: 50ms, timeout: 200ms}}
     ))
     .await;
     picker
-        .core
+        .state
         .diagnostics
         .lock()
         .set_kv_silence_after(Duration::from_millis(300));

@@ -98,7 +98,7 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
     );
     assert_eq!(bad_requests(), 3, "no traffic while ejected");
     assert!(
-        picker.core.metrics.retries.get() >= 3,
+        picker.state.metrics.retries.get() >= 3,
         "each failure was retried"
     );
     let metrics = metrics_text(picker.addrs.metrics).await;
@@ -123,8 +123,8 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
 
     // Once the ejection time is over it is tried again (and its failures still never reach
     // a client); three more failures eject it again, for twice as long.
-    let core = picker.core.clone();
-    let bad_id = core
+    let state = picker.state.clone();
+    let bad_id = state
         .endpoints
         .load()
         .endpoints()
@@ -133,12 +133,13 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
         .unwrap()
         .id;
     eventually(Duration::from_secs(10), || {
-        core.outlier_status(&bad_id)
+        state
+            .outlier_status(&bad_id)
             .is_some_and(|s| s.ejected_until_ms.is_none())
     })
     .await;
     let mut i = 200;
-    while core
+    while state
         .outlier_status(&bad_id)
         .is_some_and(|s| s.ejected_until_ms.is_none())
     {
@@ -147,7 +148,7 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
         i += 1;
     }
     assert_eq!(bad_requests(), 6, "probed again after the ejection time");
-    let status = core.outlier_status(&bad_id).unwrap();
+    let status = state.outlier_status(&bad_id).unwrap();
     assert_eq!(status.ejections, 2, "{status:?}");
     let metrics = metrics_text(picker.addrs.metrics).await;
     assert!(
@@ -162,7 +163,8 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
     // the engine recovers: once back, its successes keep it in rotation
     bad.state.fail_status.store(0, Ordering::SeqCst);
     eventually(Duration::from_secs(15), || {
-        core.outlier_status(&bad_id)
+        state
+            .outlier_status(&bad_id)
             .is_some_and(|s| s.ejected_until_ms.is_none())
     })
     .await;
@@ -174,7 +176,7 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
         bad_requests() > before,
         "a recovered engine takes traffic again"
     );
-    assert!(core.ejected_endpoints().is_empty());
+    assert!(state.ejected_endpoints().is_empty());
     let metrics = metrics_text(picker.addrs.metrics).await;
     assert!(
         metrics
@@ -213,8 +215,8 @@ limits:
         assert_eq!(complete(&url, i).await, 503);
     }
     assert_eq!(bad.state.requests.load(Ordering::SeqCst), 4);
-    assert!(picker.core.ejected_endpoints().is_empty());
-    assert_eq!(picker.core.metrics.retries.get(), 0);
+    assert!(picker.state.ejected_endpoints().is_empty());
+    assert_eq!(picker.state.metrics.retries.get(), 0);
     picker.shutdown().await;
 }
 
@@ -225,7 +227,7 @@ async fn statuses_reported_over_ext_proc_eject_the_endpoint() {
     let good = FakeEngine::start("127.0.0.1").await;
     let bad = FakeEngine::start("127.0.0.1").await;
     let picker = start_picker(&two_engines_yaml(good.addr.port(), bad.addr.port())).await;
-    let gateway = GatewayPicker::new(picker.core.clone());
+    let gateway = GatewayPicker::new(picker.state.clone());
     let bad_addr = std::net::SocketAddr::new("127.0.0.1".parse().unwrap(), bad.addr.port());
     let pick = |id: u64, subset: Option<Vec<std::net::SocketAddr>>| PickInput {
         request_id: id,
@@ -246,7 +248,7 @@ async fn statuses_reported_over_ext_proc_eject_the_endpoint() {
         gateway.on_response_status(id, 500);
         gateway.on_response_complete(id);
     }
-    let ejected = picker.core.ejected_endpoints();
+    let ejected = picker.state.ejected_endpoints();
     assert_eq!(ejected.len(), 1);
     assert_eq!(ejected[0].port, bad.addr.port());
     // now every pick avoids it

@@ -65,13 +65,14 @@ async fn streams_pass_through_byte_for_byte() {
     assert_eq!(String::from_utf8(got).unwrap(), sse_chunks().concat());
     assert!(pieces >= 3, "streamed in {pieces} pieces");
     // in-flight accounting went back to zero after completion
-    let core = picker.core.clone();
+    let state = picker.state.clone();
     eventually(Duration::from_secs(2), || {
-        core.endpoints
+        state
+            .endpoints
             .load()
             .endpoints()
             .iter()
-            .all(|e| core.inflight.get(&e.id).requests == 0)
+            .all(|e| state.inflight.get(&e.id).requests == 0)
     })
     .await;
     picker.shutdown().await;
@@ -148,7 +149,7 @@ routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
     }
     assert_eq!(engine.state.requests.load(Ordering::SeqCst), 6);
     assert!(
-        picker.core.metrics.retries.get() >= 2,
+        picker.state.metrics.retries.get() >= 2,
         "round robin hit the failing endpoint"
     );
     picker.shutdown().await;
@@ -301,13 +302,14 @@ async fn requests_over_the_inflight_bound_are_shed_with_429() {
     .await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     let first = tokio::spawn(post(url.clone(), json!({"model": "llama", "prompt": "a"})));
-    let core = picker.core.clone();
+    let state = picker.state.clone();
     eventually(Duration::from_secs(2), || {
-        core.endpoints
+        state
+            .endpoints
             .load()
             .endpoints()
             .iter()
-            .any(|e| core.inflight.get(&e.id).requests == 1)
+            .any(|e| state.inflight.get(&e.id).requests == 1)
     })
     .await;
     let resp = post(url, json!({"model": "llama", "prompt": "b"})).await;
@@ -348,8 +350,8 @@ scrape: {{interval: 50ms}}
     };
     write("CostModel");
     let picker = start_picker_file(path.clone()).await;
-    let core = picker.core.clone();
-    eventually(Duration::from_secs(3), || core.endpoints.load().len() == 2).await;
+    let state = picker.state.clone();
+    eventually(Duration::from_secs(3), || state.endpoints.load().len() == 2).await;
     let pick_url = format!("http://{}/v1/pick", picker.addrs.admin);
     let pick = |body: Value| {
         let url = pick_url.clone();
@@ -364,7 +366,7 @@ scrape: {{interval: 50ms}}
     // round robin after the reload: two picks of the same prompt go to different endpoints
     write("RoundRobin");
     eventually(Duration::from_secs(5), || {
-        core.router().policy_name() == "round-robin"
+        state.router().policy_name() == "round-robin"
     })
     .await;
     let x = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
@@ -375,8 +377,8 @@ scrape: {{interval: 50ms}}
     // a broken edit is rejected and the running config stays
     std::fs::write(&path, "modelConfigs: [").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(core.router().policy_name(), "round-robin");
-    assert_eq!(core.endpoints.load().len(), 2);
+    assert_eq!(state.router().policy_name(), "round-robin");
+    assert_eq!(state.endpoints.load().len(), 2);
     picker.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -401,23 +403,24 @@ scrape: {{interval: 50ms, timeout: 100ms}}
         b.addr.port()
     );
     let picker = start_picker(&yaml).await;
-    let core = picker.core.clone();
-    eventually(Duration::from_secs(3), || core.is_ready()).await;
+    let state = picker.state.clone();
+    eventually(Duration::from_secs(3), || state.is_ready()).await;
     // blocks the picker believes `a` holds (as if routed there)
     let slot_a = {
-        let mut index = core.index.write();
+        let mut index = state.index.write();
         let slot = index
             .endpoints()
             .find(|(_, id)| id.address == a.addr.ip())
             .map(|(slot, _)| slot)
             .expect("endpoint a is indexed");
-        index.record_routed(slot, &[11, 12, 13], core.now_ms());
+        index.record_routed(slot, &[11, 12, 13], state.now_ms());
         assert_eq!(index.endpoint_blocks(slot), 3);
         slot
     };
     a.state.metrics_broken.store(true, Ordering::SeqCst);
     eventually(Duration::from_secs(3), || {
-        core.endpoints
+        state
+            .endpoints
             .load()
             .endpoints()
             .iter()
@@ -426,7 +429,7 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     .await;
     // it may have restarted empty: nothing it held before is credited any more
     eventually(Duration::from_secs(3), || {
-        core.index.read().endpoint_blocks(slot_a) == 0
+        state.index.read().endpoint_blocks(slot_a) == 0
     })
     .await;
     let before = a.state.requests.load(Ordering::SeqCst);
@@ -445,7 +448,8 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     );
     a.state.metrics_broken.store(false, Ordering::SeqCst);
     eventually(Duration::from_secs(3), || {
-        core.endpoints
+        state
+            .endpoints
             .load()
             .endpoints()
             .iter()
@@ -480,8 +484,8 @@ async fn models_health_and_metrics() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "llama");
-    let core = picker.core.clone();
-    eventually(Duration::from_secs(3), || core.is_ready()).await;
+    let state = picker.state.clone();
+    eventually(Duration::from_secs(3), || state.is_ready()).await;
     let r = c
         .get(format!("http://{}/readyz", picker.addrs.metrics))
         .send()
@@ -633,7 +637,7 @@ impl kvroute_picker::service::source::EndpointSource for SilentSource {
 
     fn run(
         self: Box<Self>,
-        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::core::PoolView>>,
+        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::pool_view::PoolView>>,
         cancel: CancellationToken,
     ) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(async move {

@@ -149,11 +149,11 @@ async fn salted_cache_gives_prefix_credit_within_a_tenant_only() {
     let tmp = dir.join("secret.tmp");
     std::fs::write(&tmp, "a-brand-new-secret-value").unwrap();
     std::fs::rename(&tmp, &secret).unwrap();
-    assert!(picker.core.reload_tenancy_secret().unwrap());
+    assert!(picker.state.reload_tenancy_secret().unwrap());
     assert_eq!(send(&url, Some("a"), body.clone()).await.status(), 200);
     let rotated = engine.state.last_body.lock().clone().unwrap()["cache_salt"].clone();
     assert_ne!(rotated, salt_a);
-    assert!(!picker.core.reload_tenancy_secret().unwrap(), "unchanged");
+    assert!(!picker.state.reload_tenancy_secret().unwrap(), "unchanged");
     picker.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -223,7 +223,7 @@ async fn dedicated_endpoints_hold_when_the_tenants_endpoint_fails() {
     let picker = start_picker(&dedicated_yaml(dead, b.addr.port(), "FailOpen")).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     eventually(Duration::from_secs(5), || {
-        picker.core.endpoints.load().len() == 2
+        picker.state.endpoints.load().len() == 2
     })
     .await;
     for i in 0..5 {
@@ -262,11 +262,11 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
     let b = FakeEngine::start("127.0.0.2").await;
     let picker = start_picker(&dedicated_yaml(a.addr.port(), b.addr.port(), "FailOpen")).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
-    eventually(Duration::from_secs(5), || picker.core.is_ready()).await;
+    eventually(Duration::from_secs(5), || picker.state.is_ready()).await;
     // a's metrics break: it goes stale, and fail-open still keeps a on a's endpoint
     a.state.metrics_broken.store(true, Ordering::SeqCst);
     let id = picker
-        .core
+        .state
         .endpoints
         .load()
         .endpoints()
@@ -274,9 +274,9 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
         .find(|e| e.id.port == a.addr.port())
         .unwrap()
         .id;
-    let core = picker.core.clone();
+    let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
-        core.endpoints.load().get(&id).map(|e| e.state)
+        state.endpoints.load().get(&id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

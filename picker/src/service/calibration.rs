@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use super::core::PickerCore;
 use super::metrics::{EndpointLabels, SourceLabels};
+use super::state::PickerState;
 use crate::calibration::{Source, TtftBasis};
 use crate::endpoint::EndpointId;
 use crate::engine_metrics::PerfCounters;
 
-impl PickerCore {
+impl PickerState {
     /// Whether the cost model calibrates itself (`routing.costModel.calibrate`).
     pub fn calibrating(&self) -> bool {
         self.routing().cost_model.calibrate

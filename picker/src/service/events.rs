@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::core::PickerCore;
 use super::diagnostics::BlockSizeSource;
+use super::state::PickerState;
 use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
 use crate::feeds::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
@@ -28,9 +28,9 @@ struct SubscriptionKey {
     model: String,
 }
 
-fn desired(core: &PickerCore) -> HashMap<EndpointId, SubscriptionKey> {
-    let snap = core.endpoints.load();
-    let catalog = core.catalog();
+fn desired(picker: &PickerState) -> HashMap<EndpointId, SubscriptionKey> {
+    let snap = picker.endpoints.load();
+    let catalog = picker.catalog();
     let mut out = HashMap::new();
     for e in snap.endpoints() {
         let Some(entry) = catalog.get(&*e.model_config.name) else {
@@ -44,7 +44,7 @@ fn desired(core: &PickerCore) -> HashMap<EndpointId, SubscriptionKey> {
             std::net::IpAddr::V6(a) => format!("[{a}]"),
         };
         let rank = e.id.rank as u16;
-        let (events_port, replay_port) = match core.kv_ports_of(&e.id) {
+        let (events_port, replay_port) = match picker.kv_ports_of(&e.id) {
             Some(p) => (p.events, p.replay),
             None => (
                 ev.port.saturating_add(rank),
@@ -112,7 +112,7 @@ impl EventBudget {
 
 /// Apply one subscriber's events until it ends.
 async fn consume(
-    core: Arc<PickerCore>,
+    picker: Arc<PickerState>,
     key: SubscriptionKey,
     mut rx: mpsc::Receiver<SubscriberEvent>,
 ) {
@@ -120,7 +120,7 @@ async fn consume(
         hasher: BlockHasher::new(key.block_size),
         model: &key.model,
     };
-    let limits = &core.limits;
+    let limits = &picker.limits;
     let mut budget = EventBudget::new(
         limits.max_events_per_second,
         limits.event_burst,
@@ -133,13 +133,13 @@ async fn consume(
         match ev {
             SubscriberEvent::Batch { batch, .. } => {
                 if !std::mem::replace(&mut received, true) {
-                    core.report(core.diagnostics.lock().kv_batch(key.endpoint));
+                    picker.report(picker.diagnostics.lock().kv_batch(key.endpoint));
                 }
                 if !budget.take(batch.events.len(), Instant::now()) {
-                    core.metrics.event_problem("rate_limited");
+                    picker.metrics.event_problem("rate_limited");
                     if !std::mem::replace(&mut over_budget, true) {
                         tracing::warn!(endpoint = %key.endpoint, "KV event publisher over its rate limit: dropping batches, clearing the endpoint's blocks");
-                        let mut index = core.index.write();
+                        let mut index = picker.index.write();
                         if let Some(slot) = index.slot(&key.endpoint) {
                             index.clear_endpoint(slot);
                         }
@@ -148,24 +148,24 @@ async fn consume(
                 }
                 over_budget = false;
                 let stats = {
-                    let mut index = core.index.write();
+                    let mut index = picker.index.write();
                     let Some(slot) = index.slot(&key.endpoint) else {
                         continue;
                     };
                     apply_batch(&mut index, slot, keys, &batch)
                 };
-                core.metrics.event_batches.inc();
+                picker.metrics.event_batches.inc();
                 if stats.orphan_blocks > 0 {
-                    core.metrics.event_problem("orphan_blocks");
+                    picker.metrics.event_problem("orphan_blocks");
                 }
                 if stats.opaque_blocks > 0 {
-                    core.metrics.event_problem("opaque_blocks");
+                    picker.metrics.event_problem("opaque_blocks");
                 }
                 if stats.malformed_blocks > 0 {
-                    core.metrics.event_problem("malformed_blocks");
+                    picker.metrics.event_problem("malformed_blocks");
                 }
                 if let Some(engine) = stats.foreign_block_size {
-                    core.report(core.diagnostics.lock().block_size_seen(
+                    picker.report(picker.diagnostics.lock().block_size_seen(
                         key.endpoint,
                         key.block_size,
                         engine,
@@ -173,31 +173,31 @@ async fn consume(
                     ));
                 }
                 if stats.overflowed {
-                    core.metrics.event_problem("overflow");
+                    picker.metrics.event_problem("overflow");
                     tracing::warn!(endpoint = %key.endpoint, "endpoint exceeded its block budget; cleared");
                 }
                 let lag = crate::kv_events::unix_now() - batch.ts;
                 if (0.0..3600.0).contains(&lag) {
-                    core.metrics.event_lag_seconds.observe(lag);
+                    picker.metrics.event_lag_seconds.observe(lag);
                 }
             }
             SubscriberEvent::Resync { reason } => {
                 tracing::warn!(endpoint = %key.endpoint, ?reason, "KV events resync: clearing the endpoint's blocks");
-                core.metrics.event_problem("resync");
-                let mut index = core.index.write();
+                picker.metrics.event_problem("resync");
+                let mut index = picker.index.write();
                 if let Some(slot) = index.slot(&key.endpoint) {
                     index.clear_endpoint(slot);
                 }
             }
             SubscriberEvent::DecodeError { error, .. } => {
-                core.metrics.event_problem("decode_error");
+                picker.metrics.event_problem("decode_error");
                 tracing::debug!(endpoint = %key.endpoint, %error, "undecodable KV event message");
             }
             SubscriberEvent::Connected => {
                 tracing::debug!(endpoint = %key.endpoint, publisher = %key.publisher, "KV events connected");
             }
             SubscriberEvent::Disconnected { error } => {
-                core.metrics.event_problem("disconnect");
+                picker.metrics.event_problem("disconnect");
                 tracing::debug!(endpoint = %key.endpoint, %error, "KV events disconnected");
             }
         }
@@ -205,22 +205,22 @@ async fn consume(
 }
 
 /// Keep subscriptions in step with the endpoint set until cancelled.
-pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken) {
+pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationToken) {
     let mut running: HashMap<EndpointId, (SubscriptionKey, CancellationToken)> = HashMap::new();
     let mut seen_version = None;
     loop {
         let version = (
-            core.endpoints.load().version(),
-            Arc::as_ptr(&core.catalog()) as usize,
+            picker.endpoints.load().version(),
+            Arc::as_ptr(&picker.catalog()) as usize,
         );
         if seen_version != Some(version) {
             seen_version = Some(version);
-            let want = desired(&core);
+            let want = desired(&picker);
             running.retain(|id, (key, token)| {
                 let keep = want.get(id) == Some(key);
                 if !keep {
                     token.cancel();
-                    core.report(core.diagnostics.lock().kv_unsubscribed(id));
+                    picker.report(picker.diagnostics.lock().kv_unsubscribed(id));
                 }
                 keep
             });
@@ -230,7 +230,7 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                 }
                 // a new subscription starts from an empty view of its endpoint
                 {
-                    let mut index = core.index.write();
+                    let mut index = picker.index.write();
                     if let Some(slot) = index.slot(&id) {
                         index.clear_endpoint(slot);
                     }
@@ -239,7 +239,7 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                 // `zeromq` crate would abort on a frame announcing an absurd size
                 // (twice the payload bound: a merely oversized payload is skipped and counted
                 // by the subscriber; only absurd frames cost the connection)
-                let max_frame = (core.limits.max_event_payload_bytes as u64)
+                let max_frame = (picker.limits.max_event_payload_bytes as u64)
                     .saturating_mul(2)
                     .max(1 << 20);
                 let token = cancel.child_token();
@@ -264,17 +264,17 @@ pub async fn run_event_manager(core: Arc<PickerCore>, cancel: CancellationToken)
                 let mut cfg = SubscriberConfig::new(publisher);
                 cfg.replay = replay;
                 cfg.topic = key.topic.as_bytes().to_vec();
-                cfg.max_payload_bytes = core.limits.max_event_payload_bytes;
-                cfg.limits.max_events_per_batch = core.limits.max_events_per_batch;
+                cfg.max_payload_bytes = picker.limits.max_event_payload_bytes;
+                cfg.limits.max_events_per_batch = picker.limits.max_events_per_batch;
                 let (tx, rx) = cfg.channel();
-                core.report(core.diagnostics.lock().kv_subscribed(
+                picker.report(picker.diagnostics.lock().kv_subscribed(
                     id,
                     &key.publisher,
-                    core.now_ms(),
+                    picker.now_ms(),
                 ));
                 // the consumer ends when the subscriber (the sender) does
                 drop(spawn_subscriber(cfg, tx, token.clone()));
-                tokio::spawn(consume(core.clone(), key.clone(), rx));
+                tokio::spawn(consume(picker.clone(), key.clone(), rx));
                 running.insert(id, (key, token));
             }
         }

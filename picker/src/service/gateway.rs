@@ -8,9 +8,10 @@ use std::time::Instant;
 use axum::http::StatusCode;
 use parking_lot::Mutex;
 
-use super::core::{Admission, ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
+use super::request::{ApiKind, ParsedRequest};
+use super::state::{Admission, PickerState};
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
@@ -34,14 +35,14 @@ struct Pending {
 /// Adapts [`PickerCore`] to the ext_proc protocol. The gateway forwards the request itself, so
 /// in-flight accounting runs from the pick to the end of the response stream.
 pub struct GatewayPicker {
-    core: Arc<PickerCore>,
+    picker: Arc<PickerState>,
     pending: Mutex<HashMap<u64, Pending>>,
 }
 
 impl GatewayPicker {
-    pub fn new(core: Arc<PickerCore>) -> Self {
+    pub fn new(picker: Arc<PickerState>) -> Self {
         Self {
-            core,
+            picker,
             pending: Mutex::new(HashMap::new()),
         }
     }
@@ -67,17 +68,17 @@ impl EndpointPicker for GatewayPicker {
     /// model is a 400); a bodyless request (`GET /v1/models`) names no model and goes to the
     /// least-loaded endpoint the tenant may use.
     async fn pick(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
-        let core = &self.core;
+        let picker = &self.picker;
         let refuse = |e: ApiError| {
-            core.metrics.error(e.code);
+            picker.metrics.error(e.code);
             rejection(e)
         };
-        let admission = core.admit().ok_or_else(|| {
+        let admission = picker.admit().ok_or_else(|| {
             PickRejection::Shed("the picker has too many requests in flight".into())
         })?;
         let kind = ApiKind::from_path(&input.path);
         if kind == ApiKind::Other && input.body.is_empty() {
-            let id = core
+            let id = picker
                 .pick_bodyless(&input.headers, input.subset.as_deref())
                 .map_err(refuse)?;
             return Ok(PickOutput {
@@ -86,16 +87,16 @@ impl EndpointPicker for GatewayPicker {
             });
         }
         let parsed =
-            ParsedRequest::parse(kind, input.body.clone(), &core.limits).map_err(refuse)?;
-        let routed = core
+            ParsedRequest::parse(kind, input.body.clone(), &picker.limits).map_err(refuse)?;
+        let routed = picker
             .route(&parsed, &input.headers, input.subset.as_deref(), false)
             .await
             .map_err(refuse)?;
         let d = &routed.decision;
-        let (headers, body) = core
+        let (headers, body) = picker
             .upstream_parts(&routed, &parsed, d.endpoint)
             .map_err(refuse)?;
-        core.record_routed(&routed);
+        picker.record_routed(&routed);
         let mut endpoints: Vec<SocketAddr> = Vec::with_capacity(1 + d.fallbacks.len());
         for id in std::iter::once(&d.endpoint).chain(&d.fallbacks) {
             let a = SocketAddr::new(id.address, id.port);
@@ -105,7 +106,7 @@ impl EndpointPicker for GatewayPicker {
                 endpoints.push(a);
             }
         }
-        let guard = core.inflight.begin(
+        let guard = picker.inflight.begin(
             d.endpoint,
             u64::from(routed.prompt_tokens),
             u64::from(routed.prompt_tokens.saturating_sub(d.cached_tokens)),
@@ -147,8 +148,8 @@ impl EndpointPicker for GatewayPicker {
         drop(pending);
         // the gateway moves on to a fallback only when the chosen endpoint failed
         if !at(&primary) {
-            self.core.metrics.gateway_fallbacks.inc();
-            self.core.record_outcome(primary, Outcome::GatewayError);
+            self.picker.metrics.gateway_fallbacks.inc();
+            self.picker.record_outcome(primary, Outcome::GatewayError);
         }
     }
 
@@ -161,7 +162,7 @@ impl EndpointPicker for GatewayPicker {
             p.status = Some(status);
             p.served.unwrap_or(p.targets[0])
         };
-        self.core
+        self.picker
             .record_outcome(endpoint, Outcome::from_status(status));
     }
 
@@ -183,12 +184,12 @@ impl EndpointPicker for GatewayPicker {
             }
         };
         if let Some((endpoint, basis, ttft)) = observed {
-            self.core.observe_ttft(endpoint, basis, ttft);
+            self.picker.observe_ttft(endpoint, basis, ttft);
         }
     }
 
     fn on_body_timeout(&self) {
-        self.core.metrics.error("body_timeout");
+        self.picker.metrics.error("body_timeout");
     }
 
     fn on_response_complete(&self, request_id: u64) {

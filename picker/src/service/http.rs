@@ -16,8 +16,9 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
-use super::core::{ApiKind, ParsedRequest, PickerCore};
 use super::errors::ApiError;
+use super::request::{ApiKind, ParsedRequest};
+use super::state::PickerState;
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
@@ -26,7 +27,7 @@ use crate::outlier::Outcome;
 /// State shared by the HTTP handlers.
 #[derive(Clone, Debug)]
 pub struct AppState {
-    pub core: Arc<PickerCore>,
+    pub picker: Arc<PickerState>,
     /// Bearer token of the admin listener, when set.
     pub admin_token: Option<Arc<str>>,
 }
@@ -112,7 +113,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
-    if state.core.is_ready() {
+    if state.picker.is_ready() {
         "ready".into_response()
     } else {
         (
@@ -124,14 +125,14 @@ async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    state.core.refresh_outlier_gauges();
-    state.core.refresh_calibration_gauges();
+    state.picker.refresh_outlier_gauges();
+    state.picker.refresh_calibration_gauges();
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.core.metrics.encode(),
+        state.picker.metrics.encode(),
     )
         .into_response()
 }
@@ -140,9 +141,9 @@ async fn metrics(State(state): State<AppState>) -> Response {
 /// and while it is read its bytes count against `bodyBufferBytes`, shared by every body being
 /// read. Bodies in flight are then bounded in memory without holding an in-flight admission
 /// slot (which a stalled body must never get), and a stalled body holds only what it sent.
-async fn read_body(core: &PickerCore, body: Body) -> Result<Bytes, ApiError> {
-    let limit = core.limits.max_body_bytes;
-    let timeout = core.limits.body_read_timeout;
+async fn read_body(picker: &PickerState, body: Body) -> Result<Bytes, ApiError> {
+    let limit = picker.limits.max_body_bytes;
+    let timeout = picker.limits.body_read_timeout;
     let read = async {
         let mut body = body;
         let mut chunks: Vec<Bytes> = Vec::new();
@@ -164,7 +165,7 @@ async fn read_body(core: &PickerCore, body: Body) -> Result<Bytes, ApiError> {
             }
             let permit = u32::try_from(data.len())
                 .ok()
-                .and_then(|n| core.body_buffer.try_acquire_many(n).ok())
+                .and_then(|n| picker.body_buffer.try_acquire_many(n).ok())
                 .ok_or_else(|| {
                     ApiError::shed("the picker's request-body buffer is full; retry later")
                 })?;
@@ -198,7 +199,7 @@ async fn chat_completions(
 }
 
 async fn models(State(state): State<AppState>) -> Response {
-    let catalog = state.core.catalog();
+    let catalog = state.picker.catalog();
     let mut data = Vec::new();
     for entry in catalog.values() {
         data.push(json!({"id": entry.spec.model, "object": "model", "owned_by": "kvroute", "root": entry.spec.model}));
@@ -210,33 +211,33 @@ async fn models(State(state): State<AppState>) -> Response {
 }
 
 async fn proxy(state: AppState, kind: ApiKind, headers: HeaderMap, body: Body) -> Response {
-    let core = &state.core;
-    match proxy_inner(core, kind, headers, body).await {
+    let picker = &state.picker;
+    match proxy_inner(picker, kind, headers, body).await {
         Ok(r) => r,
         Err(e) => {
-            core.metrics.error(e.code);
+            picker.metrics.error(e.code);
             e.into_response()
         }
     }
 }
 
 async fn proxy_inner(
-    core: &Arc<PickerCore>,
+    picker: &Arc<PickerState>,
     kind: ApiKind,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let raw = read_body(core, body).await?;
+    let raw = read_body(picker, body).await?;
     // admitted only once the body is in: a client that stalls its body holds no slot
-    let admission = core
+    let admission = picker
         .admit()
         .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
-    let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
-    let routed = core.route(&parsed, &headers, None, false).await?;
+    let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
+    let routed = picker.route(&parsed, &headers, None, false).await?;
     let d = &routed.decision;
     // a body that cannot carry what the engine must see is refused before anything is recorded
-    let mut first_parts = Some(core.upstream_parts(&routed, &parsed, d.endpoint)?);
-    core.record_routed(&routed);
+    let mut first_parts = Some(picker.upstream_parts(&routed, &parsed, d.endpoint)?);
+    picker.record_routed(&routed);
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = std::iter::once(d.endpoint)
         .chain(d.fallbacks.first().copied())
@@ -245,17 +246,17 @@ async fn proxy_inner(
     for (attempt, &ep) in targets.iter().enumerate() {
         let (extra, body) = match first_parts.take() {
             Some(parts) => parts,
-            None => core.upstream_parts(&routed, &parsed, ep)?,
+            None => picker.upstream_parts(&routed, &parsed, ep)?,
         };
         let uncached = if ep == d.endpoint {
             routed.prompt_tokens.saturating_sub(d.cached_tokens)
         } else {
             routed.prompt_tokens
         };
-        let guard = core
+        let guard = picker
             .inflight
             .begin(ep, u64::from(routed.prompt_tokens), u64::from(uncached));
-        let mut req = core
+        let mut req = picker
             .http
             .post(format!(
                 "http://{}{}",
@@ -272,15 +273,15 @@ async fn proxy_inner(
             req = req.header(name, value);
         }
         let sent = Instant::now();
-        let result = tokio::time::timeout(core.limits.upstream_timeout, req.send()).await;
+        let result = tokio::time::timeout(picker.limits.upstream_timeout, req.send()).await;
         if let Some(outcome) = outcome_of(&result) {
-            core.record_outcome(ep, outcome);
+            picker.record_outcome(ep, outcome);
         }
         match result {
             Err(_) => {
                 return Err(ApiError::gateway_timeout(format!(
                     "endpoint {ep} sent no response within {:?}",
-                    core.limits.upstream_timeout
+                    picker.limits.upstream_timeout
                 )));
             }
             Ok(Err(e)) if e.is_timeout() => {
@@ -298,7 +299,7 @@ async fn proxy_inner(
                 last_err =
                     ApiError::bad_gateway(format!("endpoint {ep} failed before responding: {e}"));
                 if attempt + 1 < targets.len() {
-                    core.metrics.retries.inc();
+                    picker.metrics.retries.inc();
                     tracing::warn!(endpoint = %ep, error = %e, "endpoint failed before responding, retrying on the next fallback");
                 }
             }
@@ -308,7 +309,7 @@ async fn proxy_inner(
             // could observe (an engine keeps nothing from it but KV cache), so sending it again
             // cannot duplicate anything. The last target's 5xx goes to the client as it came.
             Ok(Ok(resp)) if resp.status().is_server_error() && attempt + 1 < targets.len() => {
-                core.metrics.retries.inc();
+                picker.metrics.retries.inc();
                 tracing::warn!(endpoint = %ep, status = resp.status().as_u16(), "endpoint answered a 5xx, retrying on the next fallback");
                 last_err =
                     ApiError::bad_gateway(format!("endpoint {ep} answered {}", resp.status()));
@@ -324,7 +325,7 @@ async fn proxy_inner(
                     sent,
                     basis,
                 };
-                return Ok(stream_back(core.clone(), resp, guard, timing, admission));
+                return Ok(stream_back(picker.clone(), resp, guard, timing, admission));
             }
         }
     }
@@ -356,11 +357,11 @@ struct Timing {
 /// the end (or the client going away, which drops the stream and so the upstream connection)
 /// marks completion.
 fn stream_back(
-    core: Arc<PickerCore>,
+    picker: Arc<PickerState>,
     resp: reqwest::Response,
     guard: InflightGuard,
     mut timing: Timing,
-    admission: super::core::Admission,
+    admission: super::state::Admission,
 ) -> Response {
     let status = resp.status();
     if !status.is_success() {
@@ -372,20 +373,20 @@ fn stream_back(
             builder = builder.header(name, value);
         }
     }
-    let idle = core.limits.idle_timeout;
+    let idle = picker.limits.idle_timeout;
     struct Relay {
         upstream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
         guard: InflightGuard,
         first: bool,
-        core: Arc<PickerCore>,
+        picker: Arc<PickerState>,
         timing: Timing,
-        _admission: super::core::Admission,
+        _admission: super::state::Admission,
     }
     let relay = Relay {
         upstream: resp.bytes_stream().boxed(),
         guard,
         first: true,
-        core,
+        picker,
         timing,
         _admission: admission,
     };
@@ -395,23 +396,23 @@ fn stream_back(
                 if std::mem::take(&mut r.first) {
                     r.guard.first_token();
                     let ttft = r.timing.sent.elapsed();
-                    r.core
+                    r.picker
                         .metrics
                         .upstream_ttft_seconds
                         .observe(ttft.as_secs_f64());
                     if let Some(basis) = r.timing.basis.take() {
-                        r.core.observe_ttft(r.timing.endpoint, basis, ttft);
+                        r.picker.observe_ttft(r.timing.endpoint, basis, ttft);
                     }
                 }
                 Some((Ok::<Bytes, std::io::Error>(chunk), r))
             }
             Ok(Some(Err(e))) => {
-                r.core.metrics.error("upstream_stream_error");
+                r.picker.metrics.error("upstream_stream_error");
                 Some((Err(std::io::Error::other(e)), r))
             }
             Ok(None) => None,
             Err(_) => {
-                r.core.metrics.error("upstream_idle_timeout");
+                r.picker.metrics.error("upstream_idle_timeout");
                 Some((
                     Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
@@ -436,9 +437,9 @@ fn stream_back(
 }
 
 async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let core = &state.core;
+    let picker = &state.picker;
     let result: Result<Value, ApiError> = async {
-        let raw = read_body(core, body).await?;
+        let raw = read_body(picker, body).await?;
         // a chat when it has `messages` (checked without building a JSON tree)
         #[derive(serde::Deserialize)]
         struct Probe {
@@ -449,10 +450,10 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             Ok(Probe { messages: Some(_) }) => ApiKind::ChatCompletions,
             _ => ApiKind::Completions,
         };
-        let parsed = ParsedRequest::parse(kind, raw, &core.limits)?;
-        let routed = core.route(&parsed, &headers, None, true).await?;
+        let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
+        let routed = picker.route(&parsed, &headers, None, true).await?;
         let d = &routed.decision;
-        let (extra, _) = core.upstream_parts(&routed, &parsed, d.endpoint)?;
+        let (extra, _) = picker.upstream_parts(&routed, &parsed, d.endpoint)?;
         Ok(json!({
             "endpoint": d.endpoint.host_port(),
             "rank": d.endpoint.rank,
@@ -474,17 +475,17 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
     match result {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => {
-            core.metrics.error(e.code);
+            picker.metrics.error(e.code);
             e.into_response()
         }
     }
 }
 
 async fn debug_endpoints(State(state): State<AppState>) -> Response {
-    let core = &state.core;
-    let snap = core.endpoints.load();
-    let index = core.index.read();
-    let loads = core.loads.read();
+    let picker = &state.picker;
+    let snap = picker.endpoints.load();
+    let index = picker.index.read();
+    let loads = picker.loads.read();
     let list: Vec<Value> = snap
         .endpoints()
         .iter()
@@ -497,19 +498,19 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "state": e.state,
                 "labels": e.labels,
                 "load": loads.get(&e.id),
-                "inflight": core.inflight.get(&e.id),
+                "inflight": picker.inflight.get(&e.id),
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
-                "diagnostics": core.diagnostics.lock().get(&e.id),
-                "outlier": core.outlier_status(&e.id),
-                "calibration": core.calibration.read().status(&e.id),
+                "diagnostics": picker.diagnostics.lock().get(&e.id),
+                "outlier": picker.outlier_status(&e.id),
+                "calibration": picker.calibration.read().status(&e.id),
             })
         })
         .collect();
     axum::Json(json!({
         "version": snap.version(),
-        "now_ms": core.now_ms(),
-        "routing": *core.routing(),
+        "now_ms": picker.now_ms(),
+        "routing": *picker.routing(),
         "endpoints": list,
     }))
     .into_response()

@@ -24,7 +24,7 @@ use kvroute_crds::inference_pool::{InferencePool, InferencePoolSpec};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::core::{EndpointView, PoolView};
+use super::pool_view::{EndpointView, PoolView};
 use super::source::EndpointSource;
 use crate::endpoint::EndpointId;
 

@@ -28,8 +28,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
-use super::core::PickerCore;
 use super::errors::ApiError;
+use super::state::PickerState;
 
 /// Connection-level bounds of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -47,7 +47,7 @@ pub async fn serve_bounded(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
-    core: Option<Arc<PickerCore>>,
+    picker: Option<Arc<PickerState>>,
     cancel: CancellationToken,
     drain: Duration,
 ) {
@@ -83,7 +83,7 @@ pub async fn serve_bounded(
         let _ = stream.set_nodelay(true);
         let permit = slots.clone().try_acquire_owned();
         let Ok(permit) = permit else {
-            if let Some(c) = &core {
+            if let Some(c) = &picker {
                 c.metrics.error("too_many_connections");
             }
             tracing::debug!(%peer, "connection refused: too many connections");
@@ -115,10 +115,10 @@ pub async fn serve_bounded(
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
-        let core = core.clone();
+        let picker = picker.clone();
         tokio::spawn(async move {
             if !first_bytes_within(&stream, limits.header_read_timeout).await {
-                if let Some(c) = &core {
+                if let Some(c) = &picker {
                     c.metrics.error("silent_connection");
                 }
                 tracing::debug!(%peer, "connection closed: it sent nothing");
@@ -210,7 +210,7 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
 pub fn bounded_incoming(
     listener: TcpListener,
     limits: ConnLimits,
-    core: Option<Arc<PickerCore>>,
+    picker: Option<Arc<PickerState>>,
     cancel: CancellationToken,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<Bounded<TcpStream>>> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -229,7 +229,7 @@ pub fn bounded_incoming(
                 },
             };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
-                if let Some(c) = &core {
+                if let Some(c) = &picker {
                     c.metrics.error("too_many_connections");
                 }
                 tracing::debug!(%peer, "connection refused: too many connections");
@@ -237,10 +237,10 @@ pub fn bounded_incoming(
             };
             let _ = stream.set_nodelay(true);
             let tx = tx.clone();
-            let core = core.clone();
+            let picker = picker.clone();
             tokio::spawn(async move {
                 if !first_bytes_within(&stream, limits.header_read_timeout).await {
-                    if let Some(c) = &core {
+                    if let Some(c) = &picker {
                         c.metrics.error("silent_connection");
                     }
                     tracing::debug!(%peer, "connection closed: it sent nothing");

@@ -1,7 +1,6 @@
 //! The picker service: listeners, feeds and the endpoint source around the routing core.
 
 pub mod calibration;
-pub mod core;
 pub mod diagnostics;
 pub mod errors;
 pub mod events;
@@ -12,9 +11,13 @@ pub mod kube_source;
 pub mod listener;
 pub mod metrics;
 pub mod passive_health;
+pub mod pool_view;
+pub mod request;
 pub mod scraper;
 pub mod settings;
 pub mod source;
+pub mod state;
+pub mod tenancy;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,10 +28,11 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use self::core::{PickerCore, PoolView};
 use self::http::{AppState, admin_app, inference_app, metrics_app};
+use self::pool_view::PoolView;
 use self::settings::PickerConfig;
 use self::source::EndpointSource;
+use self::state::PickerState;
 
 /// How often the tenancy salt secret file is re-read: a rotated Kubernetes Secret reaches
 /// the mounted file within about a minute, and salts follow within this.
@@ -50,7 +54,7 @@ pub struct BoundAddrs {
 #[derive(Debug)]
 pub struct Running {
     pub addrs: BoundAddrs,
-    pub core: Arc<PickerCore>,
+    pub state: Arc<PickerState>,
     pub cancel: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -143,7 +147,7 @@ pub async fn start(
         )),
         None => None,
     };
-    let core = Arc::new(PickerCore::new(
+    let picker = Arc::new(PickerState::new(
         config.limits.clone(),
         config.index.clone(),
     )?);
@@ -167,7 +171,7 @@ pub async fn start(
         ext_proc: ext_l.as_ref().map(addr).transpose()?,
     };
     let state = AppState {
-        core: core.clone(),
+        picker: picker.clone(),
         admin_token,
     };
     let mut tasks = JoinSet::new();
@@ -189,13 +193,13 @@ pub async fn start(
             l,
             app,
             limits,
-            Some(core.clone()),
+            Some(picker.clone()),
             cancel.clone(),
             http::DRAIN_DEADLINE,
         ));
     }
     if let Some(listener) = ext_l {
-        let picker = Arc::new(gateway::GatewayPicker::new(core.clone()));
+        let gateway_picker = Arc::new(gateway::GatewayPicker::new(picker.clone()));
         let limits = ext_proc::ExtProcLimits {
             max_body_bytes: config.limits.max_body_bytes,
             // streams still collecting a body are not admitted yet: room beyond the in-flight
@@ -213,11 +217,11 @@ pub async fn start(
         let (health, health_server) = ext_proc::health_service(false).await;
         let grpc_cancel = cancel.clone();
         let incoming =
-            listener::bounded_incoming(listener, conn_limits, Some(core.clone()), cancel.clone());
+            listener::bounded_incoming(listener, conn_limits, Some(picker.clone()), cancel.clone());
         tasks.spawn(async move {
             let r = server
                 .add_service(health_server)
-                .add_service(ext_proc::ext_proc_server(picker, limits))
+                .add_service(ext_proc::ext_proc_server(gateway_picker, limits))
                 .serve_with_incoming_shutdown(incoming, grpc_cancel.cancelled())
                 .await;
             if let Err(e) = r {
@@ -225,12 +229,12 @@ pub async fn start(
             }
         });
         // readiness follows the picker's: endpoints known and metrics loaded
-        let ready_core = core.clone();
+        let ready_picker = picker.clone();
         let ready_cancel = cancel.clone();
         tasks.spawn(async move {
             let mut last = None;
             loop {
-                let ready = ready_core.is_ready();
+                let ready = ready_picker.is_ready();
                 if last != Some(ready) {
                     health.set_ready(ready).await;
                     last = Some(ready);
@@ -247,18 +251,18 @@ pub async fn start(
     let (tx, mut rx) = watch::channel::<Option<PoolView>>(None);
     tracing::info!(source = source.name(), "starting endpoint source");
     tasks.spawn(source.run(tx, cancel.clone()));
-    let applier_core = core.clone();
+    let applier_picker = picker.clone();
     let applier_cancel = cancel.clone();
     tasks.spawn(async move {
         loop {
             let view = rx.borrow_and_update().clone();
             if let Some(view) = view {
-                match applier_core.apply_pool(&view) {
+                match applier_picker.apply_pool(&view) {
                     Ok(change) => tracing::info!(
                         added = change.added.len(),
                         removed = change.removed.len(),
                         routing_changed = change.routing_changed,
-                        endpoints = applier_core.endpoints.load().len(),
+                        endpoints = applier_picker.endpoints.load().len(),
                         "pool applied"
                     ),
                     Err(e) => {
@@ -275,7 +279,7 @@ pub async fn start(
     // Requests that arrive before the first view can only be refused (503 `not_ready`): wait
     // for it, up to a bound (a source that cannot load, such as an unreachable API server,
     // leaves the picker running and not ready, as `/readyz` reports).
-    let mut loaded = core.pool_loaded.subscribe();
+    let mut loaded = picker.pool_loaded.subscribe();
     if tokio::time::timeout(FIRST_VIEW_WAIT, loaded.wait_for(|loaded| *loaded))
         .await
         .is_err()
@@ -285,9 +289,9 @@ pub async fn start(
             "no pool view applied yet; serving, not ready, until one is"
         );
     }
-    tasks.spawn(events::run_event_manager(core.clone(), cancel.clone()));
+    tasks.spawn(events::run_event_manager(picker.clone(), cancel.clone()));
     // a rotated salt secret takes effect without a restart
-    let reload_core = core.clone();
+    let reload_picker = picker.clone();
     let reload_cancel = cancel.clone();
     tasks.spawn(async move {
         loop {
@@ -295,7 +299,7 @@ pub async fn start(
                 () = reload_cancel.cancelled() => return,
                 () = tokio::time::sleep(SECRET_RELOAD_INTERVAL) => {}
             }
-            match reload_core.reload_tenancy_secret() {
+            match reload_picker.reload_tenancy_secret() {
                 Ok(true) => tracing::info!("tenancy salt secret rotated"),
                 Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot re-read the tenancy salt secret; keeping the current one"),
@@ -303,13 +307,13 @@ pub async fn start(
         }
     });
     tasks.spawn(scraper::run_scraper(
-        core.clone(),
+        picker.clone(),
         config.scrape.clone(),
         cancel.clone(),
     ));
     Ok(Running {
         addrs,
-        core,
+        state: picker,
         cancel,
         tasks,
     })

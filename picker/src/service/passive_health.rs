@@ -2,12 +2,12 @@
 //! ([`crate::outlier`]); its ejections reach the router's candidate filter, the metrics and
 //! `/debug/endpoints`. The proxy and the ext_proc path both report here.
 
-use super::core::PickerCore;
 use super::metrics::{EjectionLabels, EndpointLabels};
+use super::state::PickerState;
 use crate::endpoint::EndpointId;
 use crate::outlier::{Outcome, OutlierStatus};
 
-impl PickerCore {
+impl PickerState {
     /// One request's result on `endpoint`.
     pub fn record_outcome(&self, endpoint: EndpointId, outcome: Outcome) {
         let now = self.now_ms();

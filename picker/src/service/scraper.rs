@@ -9,10 +9,10 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::core::PickerCore;
 use super::diagnostics::{BlockSizeSource, EngineActivity};
 use super::metrics::KindLabels;
 use super::settings::ScrapeSettings;
+use super::state::PickerState;
 use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
 use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
 use crate::load::EndpointLoad;
@@ -31,8 +31,8 @@ struct Target {
     endpoints: Vec<EndpointId>,
 }
 
-fn targets(core: &PickerCore, settings: &ScrapeSettings) -> Vec<Target> {
-    let snap = core.endpoints.load();
+fn targets(picker: &PickerState, settings: &ScrapeSettings) -> Vec<Target> {
+    let snap = picker.endpoints.load();
     let mut by_server: BTreeMap<(String, u16), Target> = BTreeMap::new();
     for e in snap.endpoints() {
         let path = settings
@@ -129,7 +129,7 @@ async fn scrape(
 
 /// Run until cancelled.
 pub async fn run_scraper(
-    core: Arc<PickerCore>,
+    picker: Arc<PickerState>,
     settings: ScrapeSettings,
     cancel: CancellationToken,
 ) {
@@ -144,10 +144,10 @@ pub async fn run_scraper(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let ts = targets(&core, &settings);
+        let ts = targets(&picker, &settings);
         let results: Vec<(Target, Result<String, ScrapeError>)> = futures::stream::iter(ts)
             .map(|t| {
-                let http = &core.http;
+                let http = &picker.http;
                 async move {
                     let r = scrape(http, &t.url, settings.timeout).await;
                     (t, r)
@@ -156,12 +156,12 @@ pub async fn run_scraper(
             .buffer_unordered(MAX_CONCURRENT_SCRAPES)
             .collect()
             .await;
-        let now = core.now_ms();
+        let now = picker.now_ms();
         let mut capacity_updates = Vec::new();
         let mut findings = Vec::new();
         let mut latencies = Vec::new();
         {
-            let mut loads = core.loads.write();
+            let mut loads = picker.loads.write();
             for (t, r) in results {
                 let parsed = r.and_then(|text| {
                     parse_engine_metrics(&text, t.engine, &limits).map_err(ScrapeError::from)
@@ -174,7 +174,7 @@ pub async fn run_scraper(
                                 continue;
                             };
                             {
-                                let mut diagnostics = core.diagnostics.lock();
+                                let mut diagnostics = picker.diagnostics.lock();
                                 // SGLang reports no page size (its `block_size` is 1 token)
                                 if matches!(t.engine, EngineKind::Vllm | EngineKind::Trtllm)
                                     && let Some(engine) = sample.block_size
@@ -206,7 +206,8 @@ pub async fn run_scraper(
                         }
                     }
                     Err(e) => {
-                        core.metrics
+                        picker
+                            .metrics
                             .scrape_failures
                             .get_or_create(&KindLabels {
                                 kind: e.kind().into(),
@@ -218,19 +219,19 @@ pub async fn run_scraper(
             }
         }
         for finding in findings {
-            core.report(finding);
+            picker.report(finding);
         }
-        core.observe_engines(&latencies);
+        picker.observe_engines(&latencies);
         // learned KV capacities bound the index per endpoint
         if !capacity_updates.is_empty() {
-            let mut index = core.index.write();
+            let mut index = picker.index.write();
             for (id, cap) in capacity_updates {
                 if let Some(slot) = index.slot(&id)
                     && let Some(mode) = index.mode(slot)
                 {
                     let budget = match mode {
                         crate::index::IndexMode::Precise => {
-                            cap.saturating_mul(core.index_settings.precise_slack.max(1))
+                            cap.saturating_mul(picker.index_settings.precise_slack.max(1))
                         }
                         crate::index::IndexMode::Approximate { .. } => cap,
                     };
@@ -239,8 +240,8 @@ pub async fn run_scraper(
             }
         }
         // staleness: marked and recovered automatically
-        let threshold = core.routing().staleness_threshold.as_millis() as u64;
-        let snap = core.endpoints.load();
+        let threshold = picker.routing().staleness_threshold.as_millis() as u64;
+        let snap = picker.endpoints.load();
         let mut patches = Vec::new();
         let mut stale = 0;
         for e in snap.endpoints() {
@@ -262,11 +263,11 @@ pub async fn run_scraper(
             }
         }
         if !patches.is_empty() {
-            core.endpoints.patch(&patches);
+            picker.endpoints.patch(&patches);
             // A stale endpoint's cache can no longer be trusted: it may have restarted empty
             // (sequence numbers restart too, so the event feed cannot tell), or events were
             // lost while it was unreachable. Forget its blocks; its feed repopulates them.
-            let mut index = core.index.write();
+            let mut index = picker.index.write();
             for p in &patches {
                 if let EndpointPatch::SetState(id, EndpointState::Stale) = p
                     && let Some(slot) = index.slot(id)
@@ -276,23 +277,27 @@ pub async fn run_scraper(
                 }
             }
         }
-        core.metrics.stale_endpoints.set(stale as i64);
-        core.metrics
+        picker.metrics.stale_endpoints.set(stale as i64);
+        picker
+            .metrics
             .index_blocks
-            .set(core.index.read().live_blocks() as i64);
+            .set(picker.index.read().live_blocks() as i64);
         if !snap.is_empty() {
-            core.first_metrics.store(true, Ordering::Relaxed);
+            picker.first_metrics.store(true, Ordering::Relaxed);
         }
         // forget endpoints that left the set
         last_ok.retain(|id, _| snap.get(id).is_some());
         first_seen.retain(|id, _| snap.get(id).is_some());
         budgets.retain(|id, _| snap.get(id).is_some());
-        let gone = core.diagnostics.lock().retain(|id| snap.get(id).is_some());
+        let gone = picker
+            .diagnostics
+            .lock()
+            .retain(|id| snap.get(id).is_some());
         for finding in gone {
-            core.report(Some(finding));
+            picker.report(Some(finding));
         }
         // approximate entries past their TTL
-        core.index.write().expire(now);
+        picker.index.write().expire(now);
     }
 }
 

@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::core::{EndpointView, KvPorts, PoolView};
+use super::pool_view::{EndpointView, KvPorts, PoolView};
 use super::settings::PickerConfig;
 use crate::endpoint::EndpointId;
 
@@ -230,8 +230,8 @@ impl EndpointSource for StaticSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::service::core::PickerCore;
     use crate::service::settings::{IndexSettings, Limits};
+    use crate::service::state::PickerState;
 
     const TWO: &str = r#"
 modelConfigs:
@@ -268,18 +268,18 @@ endpoints:
 
     #[test]
     fn a_pool_view_with_a_duplicate_is_rejected_and_the_previous_one_stays() {
-        let core = PickerCore::new(Limits::default(), IndexSettings::default()).expect("core");
+        let picker = PickerState::new(Limits::default(), IndexSettings::default()).expect("picker");
         let config = PickerConfig::from_yaml(TWO).expect("valid");
         let good = view_from_config(&config);
-        core.apply_pool(&good).expect("applied");
-        let before = core.endpoints.load();
+        picker.apply_pool(&good).expect("applied");
+        let before = picker.endpoints.load();
         // what a Kubernetes source yields when two model configs' slices list one pod
         let mut bad = good.clone();
         let mut twin = bad.endpoints[0].clone();
         twin.model_config = "b".into();
         twin.labels.insert("tenant".into(), "globex".into());
         bad.endpoints.push(twin);
-        let e = core.apply_pool(&bad).expect_err("duplicate");
+        let e = picker.apply_pool(&bad).expect_err("duplicate");
         assert!(
             e.contains("127.0.0.2:8000#0")
                 && e.contains("\"a\"")
@@ -292,14 +292,15 @@ endpoints:
         let mut twin = bad.endpoints[1].clone();
         twin.labels.insert("tenant".into(), "globex".into());
         bad.endpoints.push(twin);
-        let e = core.apply_pool(&bad).expect_err("duplicate");
+        let e = picker.apply_pool(&bad).expect_err("duplicate");
         assert!(
             e.contains("127.0.0.3:8000#0") && e.contains("listed twice"),
             "{e}"
         );
-        assert_eq!(core.endpoints.load().endpoints(), before.endpoints());
+        assert_eq!(picker.endpoints.load().endpoints(), before.endpoints());
         assert_eq!(
-            core.labels_of(&before.endpoints()[0].id)
+            picker
+                .labels_of(&before.endpoints()[0].id)
                 .get("tenant")
                 .map(String::as_str),
             Some("acme")

@@ -9,583 +9,33 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use hmac::{Hmac, Mac};
 use http::HeaderMap;
 use parking_lot::RwLock;
 use serde_json::Value;
-use sha2::Sha256;
 use tokio::sync::Semaphore;
 
 use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
 use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
+use super::pool_view::{KvPorts, ModelEntry, PoolChange, PoolView};
+use super::request::{ApiKind, ParsedRequest, Prompt, engine_body};
 use super::settings::{IndexSettings, Limits};
+use super::tenancy::Tenancy;
 use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
-    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, ModelConfig, RankSelection,
+    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, RankSelection,
 };
 use crate::index::{IndexConfig, IndexMode, KvIndex};
 use crate::inflight::InflightTracker;
 use crate::load::LoadView;
-use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
+use crate::pool::Isolation;
 use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, subset_allows};
-use crate::tokenize::{
-    PromptInput, PromptTokenizer, PromptTokenizerOptions, TokenKind, TokenizeError, TokenizeLimits,
-};
-
-/// One model configuration, ready to serve: its tokenizer and hasher built once.
-pub struct ModelEntry {
-    pub spec: ModelConfigSpec,
-    pub config: Arc<ModelConfig>,
-    pub tokenizer: Arc<PromptTokenizer>,
-}
-
-impl std::fmt::Debug for ModelEntry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelEntry")
-            .field("spec", &self.spec)
-            .finish()
-    }
-}
-
-impl ModelEntry {
-    pub fn precise(&self) -> bool {
-        self.spec.kv_events.is_some()
-    }
-
-    fn build(spec: &ModelConfigSpec, limits: &Limits) -> Result<Self, String> {
-        let tok_limits = TokenizeLimits {
-            max_prompt_bytes: limits.max_body_bytes,
-            max_tokens: limits.max_prompt_tokens,
-            max_messages: limits.max_messages,
-            ..TokenizeLimits::default()
-        };
-        let options = PromptTokenizerOptions {
-            limits: tok_limits,
-            piece_cache_tokens: limits.tokenizer_cache_tokens,
-            ..PromptTokenizerOptions::default()
-        };
-        let read = |p: &str| {
-            std::fs::read(p)
-                .map_err(|e| format!("modelConfigs {:?}: cannot read {p}: {e}", spec.name))
-        };
-        let (json, cfg) = match &spec.tokenizer {
-            Some(t) => (
-                t.path.as_deref().map(read).transpose()?,
-                t.config_path
-                    .as_deref()
-                    .map(|p| read(p).map(|b| String::from_utf8_lossy(&b).into_owned()))
-                    .transpose()?,
-            ),
-            None => (None, None),
-        };
-        let tokenizer = PromptTokenizer::from_hf_files(json.as_deref(), cfg.as_deref(), options)
-            .map_err(|e| format!("modelConfigs {:?}: {e}", spec.name))?;
-        if tokenizer.has_tokenizer()
-            && let Err(why) = tokenizer.piece_cache()
-        {
-            tracing::info!(model_config = %spec.name, "tokenizer piece cache off: {why}");
-        }
-        Ok(Self {
-            spec: spec.clone(),
-            config: Arc::new(ModelConfig::from(spec)),
-            tokenizer: Arc::new(tokenizer),
-        })
-    }
-}
-
-/// Which API a request came in on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ApiKind {
-    Completions,
-    ChatCompletions,
-    /// Any other API whose JSON body names a `model` (`/v1/responses`, `/v1/messages`,
-    /// `/v1/embeddings`, a path spelled differently, ...), as the gateway forwards it: routed by
-    /// model, tenant and load, its prompt not read. Only the ext_proc listener takes these; the
-    /// proxy serves the two OpenAI paths above.
-    Other,
-}
-
-impl ApiKind {
-    /// The engine path of an OpenAI API; `None` for [`ApiKind::Other`], whose path the gateway
-    /// keeps.
-    pub fn path(self) -> Option<&'static str> {
-        match self {
-            Self::Completions => Some("/v1/completions"),
-            Self::ChatCompletions => Some("/v1/chat/completions"),
-            Self::Other => None,
-        }
-    }
-
-    /// The API of a request path (query ignored); exact spellings only, so that whatever the
-    /// engine would not serve as completions is not read as completions either.
-    pub fn from_path(path: &str) -> Self {
-        match path.split('?').next().unwrap_or(path) {
-            "/v1/completions" => Self::Completions,
-            "/v1/chat/completions" => Self::ChatCompletions,
-            _ => Self::Other,
-        }
-    }
-}
-
-/// A completion prompt as OpenAI accepts it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Prompt {
-    Text(String),
-    /// Token ids (of the first prompt when a batch was sent).
-    Ids(Vec<u32>),
-}
-
-impl<'de> serde::Deserialize<'de> for Prompt {
-    /// Reads a string, a list of strings, a list of token ids or a list of token-id lists,
-    /// keeping only the first prompt of a batch (they usually share the prefix that matters).
-    /// Token ids go straight into `u32`s: no intermediate JSON tree for 100k-token prompts.
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        use serde::de::{Error, IgnoredAny, SeqAccess, Visitor};
-
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum First {
-            Text(String),
-            Id(u32),
-            Ids(Vec<u32>),
-        }
-
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Prompt;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string, a list of strings or a list of token ids")
-            }
-
-            fn visit_str<E: Error>(self, v: &str) -> Result<Prompt, E> {
-                Ok(Prompt::Text(v.to_owned()))
-            }
-
-            fn visit_string<E: Error>(self, v: String) -> Result<Prompt, E> {
-                Ok(Prompt::Text(v))
-            }
-
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
-                let first: Option<First> = seq.next_element()?;
-                let out = match first {
-                    None => return Err(A::Error::custom("`prompt` must not be empty")),
-                    Some(First::Text(t)) => Prompt::Text(t),
-                    Some(First::Ids(ids)) => Prompt::Ids(ids),
-                    Some(First::Id(id)) => {
-                        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(1024) + 1);
-                        ids.push(id);
-                        while let Some(t) = seq.next_element::<u32>()? {
-                            ids.push(t);
-                        }
-                        return Ok(Prompt::Ids(ids));
-                    }
-                };
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(out)
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// The fields the picker reads from a completions or chat body; everything else is forwarded
-/// untouched.
-#[derive(serde::Deserialize)]
-struct Head {
-    #[serde(default)]
-    model: Option<Value>,
-    #[serde(default)]
-    prompt: Option<Prompt>,
-    #[serde(default)]
-    stream: Option<Value>,
-    #[serde(default)]
-    messages: Option<Value>,
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    add_generation_prompt: Option<Value>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Value>,
-    #[serde(default)]
-    cache_salt: Option<Value>,
-}
-
-/// The fields the picker reads from the body of any other API ([`ApiKind::Other`]).
-#[derive(serde::Deserialize)]
-struct OtherHead {
-    #[serde(default)]
-    model: Option<Value>,
-    #[serde(default)]
-    stream: Option<Value>,
-    #[serde(default)]
-    cache_salt: Option<Value>,
-}
-
-/// The chat fields the template needs.
-#[derive(Debug, Clone)]
-pub struct ChatFields {
-    pub messages: Value,
-    pub tools: Option<Value>,
-    pub add_generation_prompt: bool,
-    pub kwargs: Option<Value>,
-}
+use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
 const BLOCKING_TOKENIZE_BYTES: usize = 32 * 1024;
-
-/// A request body parsed once.
-#[derive(Debug, Clone)]
-pub struct ParsedRequest {
-    pub kind: ApiKind,
-    pub raw: Bytes,
-    pub model: String,
-    pub stream: bool,
-    pub prompt: Option<Prompt>,
-    pub chat: Option<ChatFields>,
-    /// The client's own `cache_salt` (vLLM): the engine salts the prefix with it, so the
-    /// picker hashes with it too (unless tenancy replaces it).
-    pub cache_salt: Option<String>,
-}
-
-impl ParsedRequest {
-    pub fn parse(kind: ApiKind, raw: Bytes, limits: &Limits) -> Result<Self, ApiError> {
-        if raw.len() > limits.max_body_bytes {
-            return Err(ApiError::too_large(limits.max_body_bytes));
-        }
-        if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return Err(ApiError::bad_request(
-                "invalid_json",
-                "request body must be a JSON object",
-            ));
-        }
-        let invalid = |e: serde_json::Error| {
-            let code = if e.is_data() {
-                "invalid_field"
-            } else {
-                "invalid_json"
-            };
-            ApiError::bad_request(code, format!("invalid request body: {e}"))
-        };
-        if kind == ApiKind::Other {
-            let head: OtherHead = serde_json::from_slice(&raw).map_err(invalid)?;
-            let (model, stream, cache_salt) =
-                Self::common_fields(head.model, head.stream, head.cache_salt)?;
-            return Ok(Self {
-                kind,
-                raw,
-                model,
-                stream,
-                prompt: None,
-                chat: None,
-                cache_salt,
-            });
-        }
-        let head: Head = serde_json::from_slice(&raw).map_err(invalid)?;
-        let (model, stream, cache_salt) =
-            Self::common_fields(head.model, head.stream, head.cache_salt)?;
-        let (prompt, chat) = match kind {
-            ApiKind::Completions => match head.prompt {
-                None => {
-                    return Err(ApiError::bad_request(
-                        "missing_field",
-                        "missing required field `prompt`",
-                    ));
-                }
-                Some(Prompt::Ids(ids)) if ids.len() > limits.max_prompt_tokens => {
-                    return Err(ApiError::bad_request(
-                        "prompt_too_long",
-                        format!(
-                            "the prompt has {} tokens, more than the limit of {}",
-                            ids.len(),
-                            limits.max_prompt_tokens
-                        ),
-                    ));
-                }
-                Some(p) => (Some(p), None),
-            },
-            // read by `OtherHead` above
-            ApiKind::Other => (None, None),
-            ApiKind::ChatCompletions => {
-                let messages = match head.messages {
-                    None => {
-                        return Err(ApiError::bad_request(
-                            "missing_field",
-                            "missing required field `messages`",
-                        ));
-                    }
-                    Some(Value::Array(m)) if m.is_empty() => {
-                        return Err(ApiError::bad_request(
-                            "invalid_field",
-                            "`messages` must not be empty",
-                        ));
-                    }
-                    Some(Value::Array(m)) if m.len() > limits.max_messages => {
-                        return Err(ApiError::bad_request(
-                            "too_many_messages",
-                            format!(
-                                "`messages` has {} entries, more than the limit of {}",
-                                m.len(),
-                                limits.max_messages
-                            ),
-                        ));
-                    }
-                    Some(m @ Value::Array(_)) => m,
-                    Some(_) => {
-                        return Err(ApiError::bad_request(
-                            "invalid_field",
-                            "`messages` must be an array",
-                        ));
-                    }
-                };
-                let chat = ChatFields {
-                    messages,
-                    tools: head.tools.filter(|t| !t.is_null()),
-                    add_generation_prompt: head
-                        .add_generation_prompt
-                        .as_ref()
-                        .and_then(Value::as_bool)
-                        .unwrap_or(true),
-                    kwargs: head.chat_template_kwargs.filter(Value::is_object),
-                };
-                (None, Some(chat))
-            }
-        };
-        Ok(Self {
-            kind,
-            raw,
-            model,
-            stream,
-            prompt,
-            chat,
-            cache_salt,
-        })
-    }
-
-    /// `model`, `stream` and `cache_salt`, which every API reads alike.
-    fn common_fields(
-        model: Option<Value>,
-        stream: Option<Value>,
-        cache_salt: Option<Value>,
-    ) -> Result<(String, bool, Option<String>), ApiError> {
-        let model = match model {
-            Some(Value::String(m)) if !m.is_empty() => m,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    "`model` must be a non-empty string",
-                ));
-            }
-            None => {
-                return Err(ApiError::bad_request(
-                    "missing_field",
-                    "missing required field `model`",
-                ));
-            }
-        };
-        let stream = match stream {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => b,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    "`stream` must be a boolean",
-                ));
-            }
-        };
-        let cache_salt = match cache_salt {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Some(s),
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_field",
-                    format!(
-                        "`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
-                    ),
-                ));
-            }
-        };
-        Ok((model, stream, cache_salt))
-    }
-}
-
-/// Longest client `cache_salt` accepted.
-pub const MAX_CACHE_SALT_BYTES: usize = 1024;
-
-/// Longest tenant name accepted in the tenant header.
-pub const MAX_TENANT_BYTES: usize = 253;
-
-/// Tenancy at run time: the spec plus the salt secret.
-#[derive(Default)]
-pub struct Tenancy {
-    pub spec: TenancySpec,
-    secret: Vec<u8>,
-}
-
-impl std::fmt::Debug for Tenancy {
-    /// Never prints the secret.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tenancy")
-            .field("spec", &self.spec)
-            .field("secret_len", &self.secret.len())
-            .finish()
-    }
-}
-
-impl Tenancy {
-    pub fn new(spec: TenancySpec) -> Result<Self, String> {
-        let secret = match &spec.salt_secret_file {
-            Some(p) => Self::read_secret(p)?,
-            None => Vec::new(),
-        };
-        Ok(Self { spec, secret })
-    }
-
-    fn read_secret(p: &str) -> Result<Vec<u8>, String> {
-        let s = std::fs::read(p).map_err(|e| format!("tenancy.saltSecretFile {p}: {e}"))?;
-        let trimmed = s.trim_ascii().to_vec();
-        if trimmed.len() < 16 {
-            return Err(format!(
-                "tenancy.saltSecretFile {p}: the secret must be at least 16 bytes"
-            ));
-        }
-        Ok(trimmed)
-    }
-
-    /// Re-read the secret file; `Some` with the new tenancy when its content changed (a
-    /// rotated Kubernetes Secret is swapped in place under the mount).
-    pub fn reloaded(&self) -> Result<Option<Self>, String> {
-        let Some(p) = &self.spec.salt_secret_file else {
-            return Ok(None);
-        };
-        let secret = Self::read_secret(p)?;
-        if secret == self.secret {
-            return Ok(None);
-        }
-        Ok(Some(Self {
-            spec: self.spec.clone(),
-            secret,
-        }))
-    }
-
-    /// The tenant of a request: its header, else the default, else an error when isolation
-    /// needs one. A header sent more than once, or whose value is not a plain tenant name, is
-    /// an error rather than a guess: a gateway that appends headers (Envoy's default) would
-    /// otherwise let a client-supplied first value choose the tenant.
-    pub fn tenant_of(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-        let from_header = match self.spec.header.as_deref() {
-            Some(name) => {
-                let mut values = headers.get_all(name).iter();
-                match (values.next(), values.next()) {
-                    (None, _) => None,
-                    (Some(_), Some(_)) => {
-                        return Err(ApiError::bad_request(
-                            "invalid_tenant",
-                            format!("the tenant header `{name}` must be sent once"),
-                        ));
-                    }
-                    (Some(v), None) => {
-                        let v = v
-                            .to_str()
-                            .ok()
-                            .map(str::trim)
-                            .filter(|v| v.len() <= MAX_TENANT_BYTES && !v.contains(','))
-                            .ok_or_else(|| {
-                                ApiError::bad_request(
-                                    "invalid_tenant",
-                                    format!(
-                                        "the tenant header `{name}` must be visible ASCII without \
-                                         commas, at most {MAX_TENANT_BYTES} bytes"
-                                    ),
-                                )
-                            })?;
-                        (!v.is_empty()).then(|| v.to_owned())
-                    }
-                }
-            }
-            None => None,
-        };
-        match (from_header, &self.spec.default_tenant) {
-            (Some(t), _) => Ok(Some(t)),
-            (None, Some(d)) => Ok(Some(d.clone())),
-            (None, None) if self.spec.isolation == Isolation::None => Ok(None),
-            (None, None) => Err(ApiError::bad_request(
-                "missing_tenant",
-                format!(
-                    "missing tenant header `{}`",
-                    self.spec.header.as_deref().unwrap_or_default()
-                ),
-            )),
-        }
-    }
-
-    /// The keyed salt of a tenant (`SaltedCache`): HMAC-SHA256(secret, tenant), hex. Stable
-    /// across restarts and replicas that share the secret; unguessable without it.
-    pub fn salt(&self, tenant: Option<&str>) -> Option<String> {
-        if self.spec.isolation != Isolation::SaltedCache {
-            return None;
-        }
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).ok()?;
-        mac.update(tenant.unwrap_or_default().as_bytes());
-        let tag = mac.finalize().into_bytes();
-        Some(tag.iter().take(16).map(|b| format!("{b:02x}")).collect())
-    }
-
-    /// Whether `tenant` may use `endpoint` (`DedicatedEndpoints`).
-    pub fn allows(&self, tenant: Option<&str>, endpoint: &Endpoint) -> bool {
-        if self.spec.isolation != Isolation::DedicatedEndpoints {
-            return true;
-        }
-        let Some(t) = tenant else { return false };
-        self.spec.tenants.iter().any(|ts| {
-            ts.name == t
-                && ts
-                    .pod_selector
-                    .iter()
-                    .all(|(k, v)| endpoint.labels.get(k) == Some(v))
-        })
-    }
-}
-
-/// An endpoint as a source reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EndpointView {
-    pub id: EndpointId,
-    pub model_config: String,
-    pub labels: BTreeMap<String, String>,
-    /// `false` while the pod terminates: it finishes what it has but takes nothing new.
-    pub serving: bool,
-    /// Per-endpoint KV event publisher and replay ports (of this endpoint's rank), when they
-    /// differ from the model config's `port + rank` convention.
-    pub kv_ports: Option<KvPorts>,
-}
-
-/// Where one endpoint publishes KV events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvPorts {
-    pub events: u16,
-    pub replay: Option<u16>,
-}
-
-/// Everything a source (config file or Kubernetes) says about the pool.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PoolView {
-    pub model_configs: Vec<ModelConfigSpec>,
-    pub routing: RoutingConfig,
-    pub tenancy: TenancySpec,
-    pub endpoints: Vec<EndpointView>,
-}
-
-/// What changed when a view was applied.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PoolChange {
-    pub added: Vec<EndpointId>,
-    pub removed: Vec<EndpointId>,
-    pub routing_changed: bool,
-}
 
 /// Headers the picker sets on the request it forwards (name, value).
 pub type UpstreamHeaders = Vec<(&'static str, String)>;
@@ -611,7 +61,7 @@ pub struct Routed {
 }
 
 /// The shared state of one picker.
-pub struct PickerCore {
+pub struct PickerState {
     pub endpoints: EndpointSet,
     catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
     router: ArcSwap<Router>,
@@ -643,15 +93,15 @@ pub struct PickerCore {
     pub(super) outliers: parking_lot::Mutex<crate::outlier::OutlierDetector>,
 }
 
-impl std::fmt::Debug for PickerCore {
+impl std::fmt::Debug for PickerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PickerCore")
+        f.debug_struct("PickerState")
             .field("endpoints", &self.endpoints.load().len())
             .finish()
     }
 }
 
-impl PickerCore {
+impl PickerState {
     pub fn new(limits: Limits, index_settings: IndexSettings) -> Result<Self, String> {
         let http = reqwest::Client::builder()
             .connect_timeout(limits.connect_timeout)
@@ -1249,7 +699,9 @@ impl PickerCore {
             self.metrics.error("shed");
             return None;
         }
-        Some(Admission { core: self.clone() })
+        Some(Admission {
+            picker: self.clone(),
+        })
     }
 
     /// KV event ports of an endpoint that overrides its model config's.
@@ -1265,59 +717,13 @@ impl PickerCore {
 /// Holds one slot of the global in-flight bound.
 #[derive(Debug)]
 pub struct Admission {
-    core: Arc<PickerCore>,
+    picker: Arc<PickerState>,
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.core.inflight_total.fetch_sub(1, Ordering::AcqRel);
+        self.picker.inflight_total.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// The body to forward: the client's, rewritten only when a field must be injected (the
-/// tenant's salt, replacing the client's own; SGLang's `data_parallel_rank`). A body that must
-/// carry the tenant's salt is always rewritten, so what the engine reads is a tree this process
-/// built; one that cannot be rewritten is refused, never forwarded as it came: the engine would
-/// see the client's own `cache_salt` (or none) while the index credits the tenant's.
-pub fn engine_body(
-    req: &ParsedRequest,
-    tenant_salt: Option<&str>,
-    data_parallel_rank: Option<u32>,
-) -> Result<Bytes, ApiError> {
-    let mut inject: Vec<(&str, Value)> = Vec::new();
-    if let Some(rank) = data_parallel_rank {
-        inject.push(("data_parallel_rank", Value::from(rank)));
-    }
-    if let Some(salt) = tenant_salt {
-        inject.push(("cache_salt", Value::from(salt)));
-    }
-    if inject.is_empty() {
-        return Ok(req.raw.clone());
-    }
-    inject_fields(&req.raw, inject)
-}
-
-/// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
-/// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
-/// lone surrogate, nesting past its limit) is a 400 naming the reason.
-fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, ApiError> {
-    let unrewritable = |why: String| {
-        ApiError::bad_request(
-            "invalid_json",
-            format!("the request body cannot be rewritten for the engine: {why}"),
-        )
-    };
-    let mut body = match serde_json::from_slice::<Value>(raw) {
-        Ok(Value::Object(body)) => body,
-        Ok(_) => return Err(unrewritable("it is not a JSON object".into())),
-        Err(e) => return Err(unrewritable(e.to_string())),
-    };
-    for (k, v) in fields {
-        body.insert(k.to_owned(), v);
-    }
-    serde_json::to_vec(&Value::Object(body))
-        .map(Bytes::from)
-        .map_err(|e| unrewritable(e.to_string()))
 }
 
 fn tokenize_error(e: TokenizeError) -> ApiError {
@@ -1329,118 +735,4 @@ fn tokenize_error(e: TokenizeError) -> ApiError {
         _ => "tokenization_failed",
     };
     ApiError::bad_request(code, e.to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse(kind: ApiKind, body: &str) -> Result<ParsedRequest, ApiError> {
-        ParsedRequest::parse(kind, Bytes::from(body.to_owned()), &Limits::default())
-    }
-
-    #[test]
-    fn prompts_in_every_openai_shape() {
-        let p = |b: &str| parse(ApiKind::Completions, b).expect("valid").prompt;
-        assert_eq!(
-            p(r#"{"model":"m","prompt":"hi"}"#),
-            Some(Prompt::Text("hi".into()))
-        );
-        assert_eq!(
-            p(r#"{"model":"m","prompt":["a","b"]}"#),
-            Some(Prompt::Text("a".into()))
-        );
-        assert_eq!(
-            p(r#"{"model":"m","prompt":[1,2,3]}"#),
-            Some(Prompt::Ids(vec![1, 2, 3]))
-        );
-        assert_eq!(
-            p(r#"{"model":"m","prompt":[[4,5],[6]]}"#),
-            Some(Prompt::Ids(vec![4, 5]))
-        );
-    }
-
-    #[test]
-    fn bad_bodies_are_400s_naming_the_problem() {
-        for (body, code) in [
-            ("[1,2]", "invalid_json"),
-            ("{\"model\":\"m\",\"prompt\":", "invalid_json"),
-            (r#"{"model":"m","prompt":[-1]}"#, "invalid_field"),
-            (r#"{"model":"m","prompt":[1,"x"]}"#, "invalid_field"),
-            (r#"{"model":"m","prompt":{}}"#, "invalid_field"),
-            (r#"{"model":"m","prompt":[]}"#, "invalid_field"),
-            (r#"{"model":"m"}"#, "missing_field"),
-            (r#"{"prompt":"x"}"#, "missing_field"),
-            (r#"{"model":7,"prompt":"x"}"#, "invalid_field"),
-            (
-                r#"{"model":"m","prompt":"x","stream":"yes"}"#,
-                "invalid_field",
-            ),
-        ] {
-            let e = parse(ApiKind::Completions, body).expect_err(body);
-            assert_eq!(
-                (e.status.as_u16(), e.code),
-                (400, code),
-                "{body}: {}",
-                e.message
-            );
-        }
-        for (body, code) in [
-            (r#"{"model":"m"}"#, "missing_field"),
-            (r#"{"model":"m","messages":[]}"#, "invalid_field"),
-            (r#"{"model":"m","messages":"hi"}"#, "invalid_field"),
-        ] {
-            let e = parse(ApiKind::ChatCompletions, body).expect_err(body);
-            assert_eq!((e.status.as_u16(), e.code), (400, code), "{body}");
-        }
-    }
-
-    #[test]
-    fn chat_fields_are_kept_for_the_template() {
-        let r = parse(
-            ApiKind::ChatCompletions,
-            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false,"tools":null,"stream":true}"#,
-        )
-        .expect("valid");
-        let chat = r.chat.expect("chat");
-        assert!(!chat.add_generation_prompt && chat.tools.is_none() && r.stream);
-    }
-
-    #[test]
-    fn salts_are_keyed_stable_and_distinct() {
-        let dir = std::env::temp_dir().join(format!("kvroute-salt-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let secret = dir.join("secret");
-        std::fs::write(&secret, "0123456789abcdef-secret").expect("write");
-        let spec = TenancySpec {
-            isolation: Isolation::SaltedCache,
-            header: Some("x-tenant".into()),
-            salt_secret_file: Some(secret.display().to_string()),
-            ..TenancySpec::default()
-        };
-        let t = Tenancy::new(spec.clone()).expect("tenancy");
-        let again = Tenancy::new(spec.clone()).expect("tenancy");
-        let (a, b) = (t.salt(Some("acme")), t.salt(Some("globex")));
-        assert!(a.is_some() && a != b);
-        assert_eq!(
-            a,
-            again.salt(Some("acme")),
-            "stable across restarts and replicas"
-        );
-        std::fs::write(&secret, "another-secret-of-16+").expect("write");
-        let rotated = Tenancy::new(spec).expect("tenancy");
-        assert_ne!(
-            a,
-            rotated.salt(Some("acme")),
-            "changes when the secret rotates"
-        );
-        let mut h = HeaderMap::new();
-        assert_eq!(
-            t.tenant_of(&h).expect_err("required").code,
-            "missing_tenant"
-        );
-        h.insert("x-tenant", "acme".parse().expect("header"));
-        assert_eq!(t.tenant_of(&h).expect("tenant").as_deref(), Some("acme"));
-        let _ = std::fs::remove_dir_all(dir);
-    }
 }
