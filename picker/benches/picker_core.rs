@@ -13,7 +13,10 @@ use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex, PrefixMatch};
 use kvroute_picker::inflight::InflightTracker;
 use kvroute_picker::load::{EndpointLoad, LoadView};
-use kvroute_picker::router::{RouteContext, RouteRequest, Router};
+use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
+use kvroute_picker::router::{RouteContext, Router};
+use kvroute_picker::service::settings::Limits;
+use kvroute_picker::tokenize::TokenKind;
 
 const BLOCK: u32 = 16;
 
@@ -113,7 +116,8 @@ fn bench_hashing(c: &mut Criterion) {
     g.finish();
 }
 
-/// Hash + match + features + score + choice for one request, as the service runs it.
+/// Plan (hash, salt, bounds) + match + features + score + choice + in-flight cap for one
+/// request, as the service runs it.
 fn bench_decision(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     g.measurement_time(Duration::from_secs(3)).sample_size(20);
@@ -146,16 +150,25 @@ fn bench_decision(c: &mut Criterion) {
                 strategy,
                 ..RoutingConfig::default()
             });
-            let h = BlockHasher::new(BLOCK);
-            let root = ChainRoot::new("model", None, None);
             let snap = set.load();
+            let cap = Limits::default().max_inflight_per_endpoint;
             g.bench_function(
                 BenchmarkId::new(format!("8k_{}", strategy.as_str()), format!("{n}ep")),
                 |b| {
-                    let mut keys = Vec::with_capacity(prompt.len() / BLOCK as usize);
                     b.iter(|| {
-                        keys.clear();
-                        h.keys_into(root, black_box(&prompt), &mut keys);
+                        let plan = RequestPlan::new(PlanInput {
+                            config: &mc,
+                            lora: None,
+                            tokens: black_box(&prompt),
+                            token_kind: TokenKind::Tokens,
+                            char_chunk_tokens: BLOCK,
+                            tenant_salt: None,
+                            client_salt: None,
+                            session: None,
+                            request_bytes: b"{}",
+                            max_prompt_tokens: usize::MAX,
+                        })
+                        .expect("plan");
                         let ctx = RouteContext {
                             endpoints: &snap,
                             index: &ix,
@@ -165,18 +178,10 @@ fn bench_decision(c: &mut Criterion) {
                             ejected: &[],
                             calibration: None,
                         };
-                        let req = RouteRequest {
-                            model_config: &mc,
-                            keys: &keys,
-                            prompt_tokens: prompt.len() as u32,
-                            session: None,
-                            tenant: None,
-                            subset: None,
-                            allow: None,
-                            fallback_hash: 0,
-                            explain: false,
-                        };
-                        black_box(router.decide(&ctx, &req).map(|d| d.endpoint))
+                        let req = plan.route_request(&mc, Scope::default(), false);
+                        black_box(router.decide(&ctx, &req).ok().and_then(|d| {
+                            d.within_inflight_cap(&inflight, cap).map(|d| d.endpoint)
+                        }))
                     })
                 },
             );

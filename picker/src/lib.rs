@@ -20,6 +20,7 @@ pub mod ingest;
 pub mod kv_events;
 pub mod load;
 pub mod outlier;
+pub mod plan;
 pub mod policy;
 /// Pool specification types (shared with the `InferencePool` resource).
 pub mod pool {

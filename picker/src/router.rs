@@ -82,6 +82,26 @@ pub struct Decision {
     pub candidates: Vec<CandidateExplain>,
 }
 
+impl Decision {
+    /// The decision with every endpoint that has `cap` requests in flight passed over: the
+    /// chosen one when it has room, else the first fallback that does (the chosen one becomes
+    /// the first fallback); `None` when none has room and the request must be shed.
+    #[must_use]
+    pub fn within_inflight_cap(mut self, inflight: &InflightTracker, cap: u64) -> Option<Self> {
+        if inflight.get(&self.endpoint).requests < cap {
+            return Some(self);
+        }
+        let pos = self
+            .fallbacks
+            .iter()
+            .position(|f| inflight.get(f).requests < cap)?;
+        let next = self.fallbacks.remove(pos);
+        self.fallbacks.insert(0, self.endpoint);
+        self.endpoint = next;
+        Some(self)
+    }
+}
+
 /// Whether a gateway's candidate subset admits `endpoint`: the one rule every entrance uses.
 /// An `ip:port` entry admits exactly that endpoint (a gateway whose cluster lists hosts, as
 /// with `override_host`, cannot reach a port it did not name); a bare IP (port 0) admits every

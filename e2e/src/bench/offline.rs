@@ -21,14 +21,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
+use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSnapshot, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex, Slot};
 use kvroute_picker::inflight::{InflightGuard, InflightTracker};
 use kvroute_picker::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
 use kvroute_picker::load::{EndpointLoad, LoadView};
-use kvroute_picker::router::{RouteContext, RouteRequest, Router};
+use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
+use kvroute_picker::router::{RouteContext, Router};
+use kvroute_picker::service::settings::Limits;
+use kvroute_picker::tokenize::TokenKind;
 use rustc_hash::FxHashMap;
 
 use super::ceiling::Ceilings;
@@ -81,7 +84,8 @@ struct Sim<'a> {
     loads: LoadView,
     tracker: InflightTracker,
     hasher: BlockHasher,
-    root: ChainRoot,
+    /// The service's bounds on a request (prompt length, in-flight per endpoint).
+    limits: Limits,
     queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     inflight: FxHashMap<u64, InFlight>,
@@ -151,7 +155,7 @@ impl<'a> Sim<'a> {
             loads: LoadView::new(),
             tracker: InflightTracker::new(),
             hasher: BlockHasher::new(block),
-            root: ChainRoot::new(MODEL, None, None),
+            limits: Limits::default(),
             queue: BinaryHeap::new(),
             seq: 0,
             inflight: FxHashMap::default(),
@@ -192,8 +196,20 @@ impl<'a> Sim<'a> {
             .session_header
             .then(|| format!("s{}", issue.session));
         let started = self.opts.time_decisions.then(Instant::now);
-        let keys = self.hasher.keys(self.root, &tokens);
-        let decision = {
+        // the request as the service would plan it: no tenant or client salt, no adapter
+        let plan = RequestPlan::new(PlanInput {
+            config: &self.model_config,
+            lora: None,
+            tokens: &tokens,
+            token_kind: TokenKind::Tokens,
+            char_chunk_tokens: self.model_config.block_size,
+            tenant_salt: None,
+            client_salt: None,
+            session: session.as_deref(),
+            request_bytes: &issue.id.to_le_bytes(),
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+        });
+        let decision = plan.map_err(|e| e.to_string()).and_then(|plan| {
             let ctx = RouteContext {
                 endpoints: &self.snapshot,
                 index: &self.index,
@@ -204,29 +220,28 @@ impl<'a> Sim<'a> {
                 // the simulator's engines follow the configured step model: nothing to learn
                 calibration: None,
             };
-            let req = RouteRequest {
-                model_config: &self.model_config,
-                keys: &keys,
-                prompt_tokens: tokens.len() as u32,
-                session: session.as_deref(),
-                tenant: None,
-                subset: None,
-                allow: None,
-                fallback_hash: issue.id,
-                explain: false,
-            };
-            self.router.decide(&ctx, &req)
-        };
+            let req = plan.route_request(&self.model_config, Scope::default(), false);
+            let d = self.router.decide(&ctx, &req).map_err(|e| e.to_string())?;
+            let cap = self.limits.max_inflight_per_endpoint;
+            let d = d.within_inflight_cap(&self.tracker, cap).ok_or_else(|| {
+                format!("shed: every eligible endpoint has {cap} requests in flight")
+            })?;
+            Ok((d, plan))
+        });
         if let Some(s) = started {
             self.decision_ns.push(s.elapsed().as_nanos() as u64);
         }
-        let d = match decision {
+        let (d, plan) = match decision {
             Ok(d) => d,
             Err(e) => {
                 self.fail(issue, t, format!("routing: {e}"));
                 return false;
             }
         };
+        // what the service records for a forwarded request (a no-op on a precise index)
+        if let Some(slot) = self.index.slot(&d.endpoint) {
+            self.index.record_routed(slot, &plan.keys, t as u64);
+        }
         let Some(&e) = self.by_id.get(&d.endpoint) else {
             self.fail(
                 issue,

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
 use super::request::{ApiKind, ParsedRequest};
-use super::state::{Admission, PickerState};
+use super::state::{Admission, PickerState, Purpose};
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
@@ -32,7 +32,7 @@ struct Pending {
     basis: Option<TtftBasis>,
 }
 
-/// Adapts [`PickerCore`] to the ext_proc protocol. The gateway forwards the request itself, so
+/// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
 /// in-flight accounting runs from the pick to the end of the response stream.
 pub struct GatewayPicker {
     picker: Arc<PickerState>,
@@ -89,16 +89,17 @@ impl EndpointPicker for GatewayPicker {
         let parsed =
             ParsedRequest::parse(kind, input.body.clone(), &picker.limits).map_err(refuse)?;
         let routed = picker
-            .route(&parsed, &input.headers, input.subset.as_deref(), false)
+            .decide(
+                &parsed,
+                &input.headers,
+                input.subset.as_deref(),
+                Purpose::Forward,
+            )
             .await
             .map_err(refuse)?;
         let d = &routed.decision;
-        let (headers, body) = picker
-            .upstream_parts(&routed, &parsed, d.endpoint)
-            .map_err(refuse)?;
-        picker.record_routed(&routed);
         let mut endpoints: Vec<SocketAddr> = Vec::with_capacity(1 + d.fallbacks.len());
-        for id in std::iter::once(&d.endpoint).chain(&d.fallbacks) {
+        for id in routed.targets() {
             let a = SocketAddr::new(id.address, id.port);
             // ranks sharing a port collapse into one address; the rank header goes with the
             // first, the chosen one
@@ -108,17 +109,15 @@ impl EndpointPicker for GatewayPicker {
         }
         let guard = picker.inflight.begin(
             d.endpoint,
-            u64::from(routed.prompt_tokens),
-            u64::from(routed.prompt_tokens.saturating_sub(d.cached_tokens)),
+            u64::from(routed.plan.prompt_tokens),
+            u64::from(routed.uncached_on(d.endpoint)),
         );
         self.pending.lock().insert(
             input.request_id,
             Pending {
                 guard,
                 _admission: admission,
-                targets: std::iter::once(d.endpoint)
-                    .chain(d.fallbacks.iter().copied())
-                    .collect(),
+                targets: routed.targets().collect(),
                 served: None,
                 status: None,
                 picked: Instant::now(),
@@ -127,11 +126,13 @@ impl EndpointPicker for GatewayPicker {
         );
         Ok(PickOutput {
             endpoints,
-            set_headers: headers
-                .into_iter()
-                .map(|(k, v)| (k.to_owned(), v))
+            set_headers: routed
+                .upstream
+                .headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
                 .collect(),
-            new_body: (body != parsed.raw).then_some(body),
+            new_body: (routed.upstream.body != parsed.raw).then(|| routed.upstream.body.clone()),
         })
     }
 

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use super::errors::ApiError;
 use super::request::{ApiKind, ParsedRequest};
-use super::state::PickerState;
+use super::state::{PickerState, Purpose};
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
@@ -233,29 +233,24 @@ async fn proxy_inner(
         .admit()
         .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
     let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
-    let routed = picker.route(&parsed, &headers, None, false).await?;
+    let routed = picker
+        .decide(&parsed, &headers, None, Purpose::Forward)
+        .await?;
     let d = &routed.decision;
-    // a body that cannot carry what the engine must see is refused before anything is recorded
-    let mut first_parts = Some(picker.upstream_parts(&routed, &parsed, d.endpoint)?);
-    picker.record_routed(&routed);
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
-    let targets: Vec<EndpointId> = std::iter::once(d.endpoint)
-        .chain(d.fallbacks.first().copied())
-        .collect();
+    let targets: Vec<EndpointId> = routed.targets().take(2).collect();
     let mut last_err = ApiError::bad_gateway("no upstream attempted");
     for (attempt, &ep) in targets.iter().enumerate() {
-        let (extra, body) = match first_parts.take() {
-            Some(parts) => parts,
-            None => picker.upstream_parts(&routed, &parsed, ep)?,
-        };
-        let uncached = if ep == d.endpoint {
-            routed.prompt_tokens.saturating_sub(d.cached_tokens)
+        let upstream = if ep == d.endpoint {
+            routed.upstream.clone()
         } else {
-            routed.prompt_tokens
+            routed.upstream_for(&parsed, ep)?
         };
-        let guard = picker
-            .inflight
-            .begin(ep, u64::from(routed.prompt_tokens), u64::from(uncached));
+        let guard = picker.inflight.begin(
+            ep,
+            u64::from(routed.plan.prompt_tokens),
+            u64::from(routed.uncached_on(ep)),
+        );
         let mut req = picker
             .http
             .post(format!(
@@ -263,13 +258,13 @@ async fn proxy_inner(
                 ep.host_port(),
                 kind.path().unwrap_or_default()
             ))
-            .body(body);
+            .body(upstream.body);
         for (name, value) in &headers {
             if !hop_by_hop(name) && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank") {
                 req = req.header(name, value);
             }
         }
-        for (name, value) in extra {
+        for (name, value) in upstream.headers {
             req = req.header(name, value);
         }
         let sent = Instant::now();
@@ -451,9 +446,10 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             _ => ApiKind::Completions,
         };
         let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
-        let routed = picker.route(&parsed, &headers, None, true).await?;
+        let routed = picker
+            .decide(&parsed, &headers, None, Purpose::Explain)
+            .await?;
         let d = &routed.decision;
-        let (extra, _) = picker.upstream_parts(&routed, &parsed, d.endpoint)?;
         Ok(json!({
             "endpoint": d.endpoint.host_port(),
             "rank": d.endpoint.rank,
@@ -461,13 +457,13 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             "model_config": &*d.model_config,
             "policy": d.policy,
             "reason": d.reason,
-            "prompt_tokens": routed.prompt_tokens,
-            "prompt_blocks": routed.keys.len(),
+            "prompt_tokens": routed.plan.prompt_tokens,
+            "prompt_blocks": routed.plan.keys.len(),
             "matched_blocks": d.matched_blocks,
             "cached_tokens": d.cached_tokens,
             "failed_open": d.failed_open,
             "tenant": routed.tenant,
-            "headers": extra.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
+            "headers": routed.upstream.headers.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
             "candidates": d.candidates,
         }))
     }

@@ -21,7 +21,6 @@ use super::pool_view::{KvPorts, ModelEntry, PoolChange, PoolView};
 use super::request::{ApiKind, ParsedRequest, Prompt, engine_body};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
-use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
@@ -30,8 +29,9 @@ use crate::endpoint::{
 use crate::index::{IndexConfig, IndexMode, KvIndex};
 use crate::inflight::InflightTracker;
 use crate::load::LoadView;
+use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
-use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, subset_allows};
+use crate::router::{Decision, RouteContext, RouteError, Router, subset_allows};
 use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
@@ -45,19 +45,79 @@ pub type UpstreamHeaders = Vec<(&'static str, String)>;
 pub struct Routed {
     pub decision: Decision,
     pub entry: Arc<ModelEntry>,
-    pub keys: Vec<BlockKey>,
-    pub prompt_tokens: u32,
+    /// What the router was given: keys, salt, session, prompt size.
+    pub plan: RequestPlan,
     pub tenant: Option<String>,
-    /// The salt the keys were hashed with: the tenant's (`SaltedCache`), else the client's.
-    pub salt: Option<String>,
-    /// Whether `salt` is the tenant's, which every forwarded body must carry.
-    pub tenant_salted: bool,
     pub lora: Option<String>,
-    pub token_kind: TokenKind,
     /// What the cost model's TTFT estimate for the chosen endpoint rested on, while
     /// calibration is on (`None` as well when the in-flight cap moved the request elsewhere):
     /// a streamed response's first chunk is measured against it.
     pub ttft_basis: Option<TtftBasis>,
+    /// The request for the chosen endpoint, built when it was decided (a body that cannot
+    /// carry what the engine must see is refused then, before anything is recorded).
+    pub upstream: Upstream,
+}
+
+/// What the picker forwards to one endpoint beyond the client's request: extra headers and
+/// the body ([`engine_body`]).
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub headers: UpstreamHeaders,
+    pub body: Bytes,
+}
+
+/// What the caller of [`PickerState::decide`] does with the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The request is forwarded (by the proxy, or by the gateway): the decision is recorded
+    /// (metrics; the approximate index learns the prompt's blocks).
+    Forward,
+    /// The pick API: explained per candidate, recorded nowhere.
+    Explain,
+}
+
+impl Routed {
+    /// The chosen endpoint, then the fallbacks, in the order to try them.
+    pub fn targets(&self) -> impl Iterator<Item = EndpointId> + '_ {
+        std::iter::once(self.decision.endpoint).chain(self.decision.fallbacks.iter().copied())
+    }
+
+    /// Prompt tokens `endpoint` must prefill: the uncached rest on the chosen endpoint (what
+    /// the router credited), the whole prompt on a fallback.
+    pub fn uncached_on(&self, endpoint: EndpointId) -> u32 {
+        if endpoint == self.decision.endpoint {
+            self.plan
+                .prompt_tokens
+                .saturating_sub(self.decision.cached_tokens)
+        } else {
+            self.plan.prompt_tokens
+        }
+    }
+
+    /// The request to send to `endpoint`: the data-parallel rank (a header, or SGLang's body
+    /// field) and the tenant's salt, which every forwarded body must carry.
+    pub fn upstream_for(
+        &self,
+        req: &ParsedRequest,
+        endpoint: EndpointId,
+    ) -> Result<Upstream, ApiError> {
+        let mc = &self.entry.config;
+        let mut headers = Vec::new();
+        let mut body_rank = None;
+        if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
+            match mc.engine {
+                EngineKind::Sglang => body_rank = Some(endpoint.rank),
+                _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
+            }
+        }
+        let tenant_salt = (self.plan.tenant_salted)
+            .then_some(self.plan.salt.as_deref())
+            .flatten();
+        Ok(Upstream {
+            headers,
+            body: engine_body(req, tenant_salt, body_rank)?,
+        })
+    }
 }
 
 /// The shared state of one picker.
@@ -380,8 +440,29 @@ impl PickerState {
             })
     }
 
+    /// The one front door for decisions, shared by the proxy, the pick API and the ext_proc
+    /// picker: tenant and model checks, tokenizing, the request plan, the router (within the
+    /// gateway's `subset`, matched by [`subset_allows`]), the in-flight cap, the upstream
+    /// request for the chosen endpoint, and, for a request that is forwarded, the record of
+    /// the decision.
+    pub async fn decide(
+        &self,
+        req: &ParsedRequest,
+        headers: &HeaderMap,
+        subset: Option<&[SocketAddr]>,
+        purpose: Purpose,
+    ) -> Result<Routed, ApiError> {
+        let routed = self
+            .route(req, headers, subset, purpose == Purpose::Explain)
+            .await?;
+        if purpose == Purpose::Forward {
+            self.record_routed(&routed);
+        }
+        Ok(routed)
+    }
+
     /// Tokenize, hash and decide. `explain` fills per-candidate details (pick API).
-    pub async fn route(
+    async fn route(
         &self,
         req: &ParsedRequest,
         headers: &HeaderMap,
@@ -411,11 +492,6 @@ impl PickerState {
             .ok_or_else(|| self.no_such_model(&req.model))?;
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
-        // the tenant's salt replaces the client's own; either way the engine and the index
-        // see the same salt as this request's keys
-        let tenant_salt = tenancy.salt(tenant.as_deref());
-        let tenant_salted = tenant_salt.is_some();
-        let salt = tenant_salt.or_else(|| req.cache_salt.clone());
 
         // another API's prompt is not read: it is routed by model, tenant and load alone
         let (ids, kind) = if req.kind == ApiKind::Other {
@@ -423,34 +499,29 @@ impl PickerState {
         } else {
             self.tokens(&entry, req, &snapshot).await?
         };
-        if ids.len() > self.limits.max_prompt_tokens {
-            return Err(ApiError::bad_request(
-                "prompt_too_long",
-                format!(
-                    "the prompt has {} tokens, more than the limit of {}",
-                    ids.len(),
-                    self.limits.max_prompt_tokens
-                ),
-            ));
-        }
-        let hasher = match kind {
-            TokenKind::Tokens => BlockHasher::new(entry.config.block_size),
-            TokenKind::CharChunks => BlockHasher::new(entry.tokenizer.char_chunk_tokens() as u32),
-        };
-        let root = ChainRoot::new(&entry.config.model, lora.as_deref(), salt.as_deref());
-        let keys = hasher.keys(root, &ids);
-        let prompt_tokens = match kind {
-            TokenKind::Tokens => ids.len(),
-            // about four characters per token, for load accounting only
-            TokenKind::CharChunks => ids.len().div_ceil(4),
-        } as u32;
         let routing = self.routing.load();
-        let session = headers
-            .get(routing.session_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            .filter(|s| !s.is_empty() && s.len() <= 256);
-        let fallback_hash = xxhash_rust::xxh3::xxh3_64(&req.raw[..req.raw.len().min(4096)]);
+        let plan = RequestPlan::new(PlanInput {
+            config: &config,
+            lora: lora.as_deref(),
+            tokens: &ids,
+            token_kind: kind,
+            char_chunk_tokens: entry.tokenizer.char_chunk_tokens() as u32,
+            tenant_salt: tenancy.salt(tenant.as_deref()),
+            client_salt: req.cache_salt.as_deref(),
+            session: headers
+                .get(routing.session_header.as_str())
+                .and_then(|v| v.to_str().ok()),
+            request_bytes: &req.raw,
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+        })
+        .map_err(|e| ApiError::bad_request("prompt_too_long", e.to_string()))?;
         let allow_fn = |e: &Endpoint| tenancy.allows(tenant.as_deref(), e);
+        let scope = Scope {
+            tenant: tenant.as_deref(),
+            subset,
+            allow: (tenancy.spec.isolation == Isolation::DedicatedEndpoints)
+                .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
+        };
         let ejected = self.ejected_endpoints();
         let calibrating = routing.cost_model.calibrate;
         let decision = {
@@ -466,22 +537,9 @@ impl PickerState {
                 ejected: &ejected,
                 calibration: calibrating.then_some(&*calibration),
             };
-            let rr = RouteRequest {
-                model_config: &config,
-                keys: &keys,
-                prompt_tokens,
-                session,
-                tenant: tenant.as_deref(),
-                subset,
-                allow: if tenancy.spec.isolation == Isolation::DedicatedEndpoints {
-                    Some(&allow_fn)
-                } else {
-                    None
-                },
-                fallback_hash,
-                explain,
-            };
-            self.router.load().decide(&ctx, &rr)
+            self.router
+                .load()
+                .decide(&ctx, &plan.route_request(&config, scope, explain))
         };
         let decision = decision.map_err(|e| {
             self.metrics.error(e.kind());
@@ -497,45 +555,34 @@ impl PickerState {
         })?;
         // shed when the chosen endpoint and every fallback are full
         let chosen = decision.endpoint;
-        let decision = self.apply_inflight_cap(decision)?;
+        let cap = self.limits.max_inflight_per_endpoint;
+        let decision = decision
+            .within_inflight_cap(&self.inflight, cap)
+            .ok_or_else(|| {
+                self.metrics.error("shed");
+                ApiError::shed(format!(
+                    "every eligible endpoint has {cap} requests in flight"
+                ))
+            })?;
         let ttft_basis = (calibrating && decision.endpoint == chosen)
             .then(|| crate::policy::ttft_basis(&routing.cost_model, &decision.features));
+        let mut routed = Routed {
+            decision,
+            entry,
+            plan,
+            tenant,
+            lora,
+            ttft_basis,
+            upstream: Upstream {
+                headers: Vec::new(),
+                body: Bytes::new(),
+            },
+        };
+        routed.upstream = routed.upstream_for(req, routed.decision.endpoint)?;
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        Ok(Routed {
-            decision,
-            entry,
-            keys,
-            prompt_tokens,
-            tenant,
-            salt,
-            tenant_salted,
-            lora,
-            token_kind: kind,
-            ttft_basis,
-        })
-    }
-
-    fn apply_inflight_cap(&self, mut d: Decision) -> Result<Decision, ApiError> {
-        let cap = self.limits.max_inflight_per_endpoint;
-        if self.inflight.get(&d.endpoint).requests < cap {
-            return Ok(d);
-        }
-        let Some(pos) = d
-            .fallbacks
-            .iter()
-            .position(|f| self.inflight.get(f).requests < cap)
-        else {
-            self.metrics.error("shed");
-            return Err(ApiError::shed(format!(
-                "every eligible endpoint has {cap} requests in flight"
-            )));
-        };
-        let next = d.fallbacks.remove(pos);
-        d.fallbacks.insert(0, d.endpoint);
-        d.endpoint = next;
-        Ok(d)
+        Ok(routed)
     }
 
     /// Token ids of a request: from the engine's render endpoint when configured (exact
@@ -647,7 +694,7 @@ impl PickerState {
 
     /// Bookkeeping once a decision is final: metrics, and the approximate index learns that
     /// the prompt's blocks now live on the chosen endpoint.
-    pub fn record_routed(&self, routed: &Routed) {
+    fn record_routed(&self, routed: &Routed) {
         let d = &routed.decision;
         self.metrics
             .decisions
@@ -659,36 +706,16 @@ impl PickerState {
             .inc();
         self.metrics
             .prompt_tokens
-            .inc_by(u64::from(routed.prompt_tokens));
+            .inc_by(u64::from(routed.plan.prompt_tokens));
         self.metrics
             .predicted_hit_tokens
             .inc_by(u64::from(d.cached_tokens));
         if !routed.entry.precise() {
             let mut index = self.index.write();
             if let Some(slot) = index.slot(&d.endpoint) {
-                index.record_routed(slot, &routed.keys, self.now_ms());
+                index.record_routed(slot, &routed.plan.keys, self.now_ms());
             }
         }
-    }
-
-    /// The request to send to `endpoint`: extra headers and the body ([`engine_body`]).
-    pub fn upstream_parts(
-        &self,
-        routed: &Routed,
-        req: &ParsedRequest,
-        endpoint: EndpointId,
-    ) -> Result<(UpstreamHeaders, Bytes), ApiError> {
-        let mc = &routed.entry.config;
-        let mut headers = Vec::new();
-        let mut body_rank = None;
-        if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
-            match mc.engine {
-                EngineKind::Sglang => body_rank = Some(endpoint.rank),
-                _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
-            }
-        }
-        let tenant_salt = routed.salt.as_deref().filter(|_| routed.tenant_salted);
-        Ok((headers, engine_body(req, tenant_salt, body_rank)?))
     }
 
     /// Count a request against the global in-flight bound; `None` when it is full.
@@ -735,4 +762,131 @@ fn tokenize_error(e: TokenizeError) -> ApiError {
         _ => "tokenization_failed",
     };
     ApiError::bad_request(code, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::settings::PickerConfig;
+    use crate::service::source::view_from_config;
+
+    const POOL: &str = r#"
+modelConfigs:
+  - {name: a, model: m, port: 8000}
+endpoints:
+  - {address: 127.0.0.2, modelConfig: a}
+  - {address: 127.0.0.3, modelConfig: a}
+"#;
+
+    fn picker(limits: Limits) -> PickerState {
+        let picker = PickerState::new(limits, IndexSettings::default()).expect("picker");
+        let config = PickerConfig::from_yaml(POOL).expect("valid");
+        picker
+            .apply_pool(&view_from_config(&config))
+            .expect("applied");
+        picker
+    }
+
+    fn completion(text: &str) -> ParsedRequest {
+        let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
+        ParsedRequest::parse(ApiKind::Completions, Bytes::from(body), &Limits::default())
+            .expect("valid")
+    }
+
+    fn addr(ip: &str, port: u16) -> SocketAddr {
+        SocketAddr::new(ip.parse().expect("ip"), port)
+    }
+
+    #[tokio::test]
+    async fn a_forwarded_decision_is_recorded_and_an_explained_one_is_not() {
+        let picker = picker(Limits::default());
+        let req = completion(&"the same long prompt ".repeat(100));
+        let h = HeaderMap::new();
+        let first = picker
+            .decide(&req, &h, None, Purpose::Explain)
+            .await
+            .expect("decided");
+        assert!(!first.decision.candidates.is_empty(), "explained");
+        // nothing was recorded: the same request still finds no cached prefix
+        let again = picker
+            .decide(&req, &h, None, Purpose::Forward)
+            .await
+            .expect("decided");
+        assert_eq!(again.decision.cached_tokens, 0);
+        assert!(again.decision.candidates.is_empty());
+        // a forwarded one teaches the approximate index where the prefix went
+        let third = picker
+            .decide(&req, &h, None, Purpose::Explain)
+            .await
+            .expect("decided");
+        assert_eq!(third.decision.endpoint, again.decision.endpoint);
+        assert!(third.decision.cached_tokens > 0);
+        assert_eq!(third.uncached_on(third.decision.endpoint), {
+            third.plan.prompt_tokens - third.decision.cached_tokens
+        });
+        let other = third.targets().nth(1).expect("a fallback");
+        assert_eq!(third.uncached_on(other), third.plan.prompt_tokens);
+    }
+
+    #[tokio::test]
+    async fn the_gateways_subset_is_matched_by_address_and_port() {
+        let picker = picker(Limits::default());
+        let req = completion("hello");
+        let h = HeaderMap::new();
+        for subset in [
+            vec![addr("127.0.0.3", 8000)],
+            // a bare address admits its every port
+            vec![addr("127.0.0.3", 0)],
+        ] {
+            let d = picker
+                .decide(&req, &h, Some(&subset), Purpose::Forward)
+                .await
+                .expect("decided");
+            assert_eq!(d.decision.endpoint.address.to_string(), "127.0.0.3");
+            assert!(d.decision.fallbacks.is_empty(), "outside the subset");
+        }
+        // the right address on another port is not the endpoint
+        let e = picker
+            .decide(&req, &h, Some(&[addr("127.0.0.3", 9000)]), Purpose::Forward)
+            .await
+            .expect_err("no endpoint");
+        assert_eq!((e.status.as_u16(), e.code), (503, "no_eligible_endpoint"));
+        // the bodyless path follows the same rule
+        let id = picker
+            .pick_bodyless(&h, Some(&[addr("127.0.0.2", 8000)]))
+            .expect("picked");
+        assert_eq!(id.address.to_string(), "127.0.0.2");
+        assert!(
+            picker
+                .pick_bodyless(&h, Some(&[addr("127.0.0.2", 9000)]))
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_full_endpoint_passes_its_request_to_a_fallback_and_a_full_pool_sheds() {
+        let picker = picker(Limits {
+            max_inflight_per_endpoint: 1,
+            ..Limits::default()
+        });
+        let req = completion("hello");
+        let h = HeaderMap::new();
+        let first = picker
+            .decide(&req, &h, None, Purpose::Forward)
+            .await
+            .expect("decided");
+        let _a = picker.inflight.begin(first.decision.endpoint, 1, 1);
+        let second = picker
+            .decide(&req, &h, None, Purpose::Forward)
+            .await
+            .expect("decided");
+        assert_ne!(second.decision.endpoint, first.decision.endpoint);
+        assert_eq!(second.decision.fallbacks, vec![first.decision.endpoint]);
+        let _b = picker.inflight.begin(second.decision.endpoint, 1, 1);
+        let e = picker
+            .decide(&req, &h, None, Purpose::Forward)
+            .await
+            .expect_err("shed");
+        assert_eq!(e.status.as_u16(), 429);
+    }
 }
