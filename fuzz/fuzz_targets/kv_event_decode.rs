@@ -5,7 +5,7 @@
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::endpoint::EndpointId;
 use kvroute_picker::index::{IndexConfig, IndexMode, KvIndex};
-use kvroute_picker::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{
     DecodeLimits, EventEncoding, decode_event_batch, encode_event_batch,
 };

@@ -13,10 +13,8 @@ pub mod config {
 }
 pub mod endpoint;
 pub mod engine_metrics;
-pub mod feeds;
 pub mod index;
 pub mod inflight;
-pub mod ingest;
 pub mod kv_events;
 pub mod load;
 pub mod outlier;

@@ -10,7 +10,7 @@ use kvroute_picker::config::{RoutingConfig, Strategy};
 use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex};
 use kvroute_picker::inflight::InflightTracker;
-use kvroute_picker::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{
     DecodeLimits, EventBatch, EventEncoding, KvEvent, decode_message, encode_event_batch, seq_frame,
 };

@@ -1,4 +1,4 @@
-//! Interop tests of the KV-event subscriber (`feeds::kv_subscriber`, built on the pure-Rust
+//! Interop tests of the KV-event subscriber (`service::feeds::kv_subscriber`, built on the pure-Rust
 //! `zeromq` crate) against libzmq, through a pyzmq publisher that behaves like vLLM's
 //! (`tests/fixtures/zmq/kv_publisher.py`), and against a `zeromq` PUB socket.
 //!
@@ -10,12 +10,12 @@ use std::net::TcpListener;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvroute_picker::feeds::kv_subscriber::{
-    MessageError, ResyncReason, SubscriberConfig, SubscriberEvent, SubscriberStats,
-    spawn_subscriber,
-};
 use kvroute_picker::kv_events::{
     DecodeError, EventBatch, EventEncoding, KvEvent, encode_event_batch, seq_frame,
+};
+use kvroute_picker::service::feeds::kv_subscriber::{
+    MessageError, ResyncReason, SubscriberConfig, SubscriberEvent, SubscriberStats,
+    spawn_subscriber,
 };
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};

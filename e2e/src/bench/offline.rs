@@ -25,7 +25,7 @@ use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSnapshot, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex, Slot};
 use kvroute_picker::inflight::{InflightGuard, InflightTracker};
-use kvroute_picker::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
 use kvroute_picker::load::{EndpointLoad, LoadView};
 use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};

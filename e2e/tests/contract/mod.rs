@@ -19,7 +19,7 @@ use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
 use kvroute_picker::endpoint::{EndpointId, EngineKind};
 use kvroute_picker::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
 use kvroute_picker::index::{IndexMode, KvIndex, Slot};
-use kvroute_picker::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{
     DecodeLimits, EventBatch, KvEvent, decode_message, decode_replay_message, is_replay_end,
     seq_frame,

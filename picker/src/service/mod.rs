@@ -3,8 +3,8 @@
 pub mod calibration;
 pub mod diagnostics;
 pub mod errors;
-pub mod events;
 pub mod ext_proc;
+pub mod feeds;
 pub mod gateway;
 pub mod http;
 pub mod kube_source;
@@ -13,7 +13,6 @@ pub mod metrics;
 pub mod passive_health;
 pub mod pool_view;
 pub mod request;
-pub mod scraper;
 pub mod settings;
 pub mod source;
 pub mod state;
@@ -289,7 +288,10 @@ pub async fn start(
             "no pool view applied yet; serving, not ready, until one is"
         );
     }
-    tasks.spawn(events::run_event_manager(picker.clone(), cancel.clone()));
+    tasks.spawn(feeds::subscriptions::run_event_manager(
+        picker.clone(),
+        cancel.clone(),
+    ));
     // a rotated salt secret takes effect without a restart
     let reload_picker = picker.clone();
     let reload_cancel = cancel.clone();
@@ -306,7 +308,7 @@ pub async fn start(
             }
         }
     });
-    tasks.spawn(scraper::run_scraper(
+    tasks.spawn(feeds::scraper::run_scraper(
         picker.clone(),
         config.scrape.clone(),
         cancel.clone(),

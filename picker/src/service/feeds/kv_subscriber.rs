@@ -67,7 +67,7 @@
 //!   the allocation fail and aborts the process. [`SubscriberConfig::max_payload_bytes`]
 //!   only bounds what is decoded. The picker service therefore never points this subscriber
 //!   at an engine directly: it connects through a frame-checking relay on loopback
-//!   ([`crate::feeds::zmtp_guard`]) that cuts any connection announcing a frame above the
+//!   ([`crate::service::feeds::zmtp_guard`]) that cuts any connection announcing a frame above the
 //!   limit. Use the relay too when embedding this subscriber elsewhere.
 
 use std::fmt;

@@ -9,13 +9,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::diagnostics::{BlockSizeSource, EngineActivity};
-use super::metrics::KindLabels;
-use super::settings::ScrapeSettings;
-use super::state::PickerState;
 use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
 use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
 use crate::load::EndpointLoad;
+use crate::service::diagnostics::{BlockSizeSource, EngineActivity};
+use crate::service::metrics::KindLabels;
+use crate::service::settings::ScrapeSettings;
+use crate::service::state::PickerState;
 
 /// Concurrent scrapes at most.
 const MAX_CONCURRENT_SCRAPES: usize = 64;

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::diagnostics::BlockSizeSource;
-use super::state::PickerState;
+use super::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
+use super::zmtp_guard::spawn_guard;
 use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
-use crate::feeds::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
-use crate::feeds::zmtp_guard::spawn_guard;
-use crate::ingest::{IngestKeys, apply_batch};
+use crate::kv_events::ingest::{IngestKeys, apply_batch};
+use crate::service::diagnostics::BlockSizeSource;
+use crate::service::state::PickerState;
 
 /// What a subscription is for; a change in any part means a new subscription.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

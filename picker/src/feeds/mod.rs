@@ -1,2 +1,0 @@
-pub mod kv_subscriber;
-pub mod zmtp_guard;

@@ -1,0 +1,301 @@
+//! The encoder: every engine wire shape the decoder reads, for the tests, the fuzz targets
+//! and the simulator (the picker itself only decodes).
+
+use rmp::encode::ByteBuf;
+
+use super::{EventBatch, ExtraKey, KvEvent, TAG_CLEARED, TAG_REMOVED, TAG_STORED};
+
+/// Which engine wire shape [`encode_event_batch`] produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventEncoding {
+    /// Everything positional, as vLLM before #42892 (and SGLang) publish:
+    /// `[ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name],
+    /// ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]], rank]`. Every field is
+    /// written (nil when unset) because msgspec writes all fields of array-like structs; the
+    /// rank is left out when `None`.
+    Array,
+    /// vLLM v0.26: positional batch `[ts, events, rank]`, each event a map whose first key is
+    /// `"type"`, then the fields in declaration order (nil when unset).
+    MapEvents,
+    /// vLLM main: the batch too is a map `{"ts", "events", "data_parallel_rank"}` (rank
+    /// omitted when `None`), events as in [`EventEncoding::MapEvents`].
+    Map,
+}
+
+/// Encodes a batch exactly as the engine's msgspec encoder would (smallest integer forms,
+/// `ts` as float64), for the engine simulator and for tests. `skipped_unknown` is not encoded.
+/// Lists longer than `u32::MAX` elements (not representable in msgpack) are cut at that length.
+#[must_use]
+pub fn encode_event_batch(batch: &EventBatch, encoding: EventEncoding) -> Vec<u8> {
+    let mut w = Writer::with_capacity(estimate_size(batch));
+    let map_events = encoding != EventEncoding::Array;
+    match encoding {
+        EventEncoding::Array | EventEncoding::MapEvents => {
+            w.array_len(if batch.data_parallel_rank.is_some() {
+                3
+            } else {
+                2
+            });
+            w.f64(batch.ts);
+            w.events(&batch.events, map_events);
+            if let Some(rank) = batch.data_parallel_rank {
+                w.uint(u64::from(rank));
+            }
+        }
+        EventEncoding::Map => {
+            w.map_len(if batch.data_parallel_rank.is_some() {
+                3
+            } else {
+                2
+            });
+            w.str("ts");
+            w.f64(batch.ts);
+            w.str("events");
+            w.events(&batch.events, map_events);
+            if let Some(rank) = batch.data_parallel_rank {
+                w.str("data_parallel_rank");
+                w.uint(u64::from(rank));
+            }
+        }
+    }
+    w.finish()
+}
+
+fn estimate_size(batch: &EventBatch) -> usize {
+    batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                ..
+            } => 96 + 9 * block_hashes.len() + 5 * token_ids.len(),
+            KvEvent::BlockRemoved { block_hashes, .. } => 48 + 9 * block_hashes.len(),
+            KvEvent::AllBlocksCleared => 24,
+        })
+        .sum::<usize>()
+        + 48
+}
+
+/// Thin wrapper over `rmp::encode` writing into an infallible buffer.
+struct Writer {
+    buf: ByteBuf,
+}
+
+/// `rmp` reports errors of the sink; a `ByteBuf` cannot fail, so its error type is
+/// uninhabited and these destructurings are irrefutable.
+impl Writer {
+    fn with_capacity(cap: usize) -> Self {
+        Self {
+            buf: ByteBuf::with_capacity(cap),
+        }
+    }
+
+    fn finish(self) -> Vec<u8> {
+        self.buf.into_vec()
+    }
+
+    fn array_len(&mut self, len: u32) {
+        let Ok(_) = rmp::encode::write_array_len(&mut self.buf, len);
+    }
+
+    fn map_len(&mut self, len: u32) {
+        let Ok(_) = rmp::encode::write_map_len(&mut self.buf, len);
+    }
+
+    fn f64(&mut self, v: f64) {
+        let Ok(()) = rmp::encode::write_f64(&mut self.buf, v);
+    }
+
+    fn uint(&mut self, v: u64) {
+        let Ok(_) = rmp::encode::write_uint(&mut self.buf, v);
+    }
+
+    fn sint(&mut self, v: i64) {
+        let Ok(_) = rmp::encode::write_sint(&mut self.buf, v);
+    }
+
+    fn nil(&mut self) {
+        let Ok(()) = rmp::encode::write_nil(&mut self.buf);
+    }
+
+    fn str(&mut self, s: &str) {
+        let Ok(()) = rmp::encode::write_str(&mut self.buf, s);
+    }
+
+    fn opt_str(&mut self, s: Option<&str>) {
+        match s {
+            Some(s) => self.str(s),
+            None => self.nil(),
+        }
+    }
+
+    fn opt_uint(&mut self, v: Option<u64>) {
+        match v {
+            Some(v) => self.uint(v),
+            None => self.nil(),
+        }
+    }
+
+    fn opt_sint(&mut self, v: Option<i64>) {
+        match v {
+            Some(v) => self.sint(v),
+            None => self.nil(),
+        }
+    }
+
+    /// Extra keys as vLLM writes them: a list (one entry per block) of nil or tuples.
+    fn extra_keys(&mut self, keys: &[Option<Vec<ExtraKey>>]) {
+        let len = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        self.array_len(len);
+        for block in keys.iter().take(len as usize) {
+            match block {
+                None => self.nil(),
+                Some(items) => {
+                    let n = u32::try_from(items.len()).unwrap_or(u32::MAX);
+                    self.array_len(n);
+                    for k in items.iter().take(n as usize) {
+                        match k {
+                            ExtraKey::Str(v) => self.str(v),
+                            ExtraKey::Int(v) => self.sint(*v),
+                            ExtraKey::Other(raw) => self.buf.as_mut_vec().extend_from_slice(raw),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the length prefix and at most `u32::MAX` elements, keeping the output valid.
+    fn list<T: Copy>(&mut self, items: &[T], mut each: impl FnMut(&mut Self, T)) {
+        let len = u32::try_from(items.len()).unwrap_or(u32::MAX);
+        self.array_len(len);
+        for &item in items.iter().take(len as usize) {
+            each(self, item);
+        }
+    }
+
+    fn events(&mut self, events: &[KvEvent], as_maps: bool) {
+        let len = u32::try_from(events.len()).unwrap_or(u32::MAX);
+        self.array_len(len);
+        for event in events.iter().take(len as usize) {
+            if as_maps {
+                self.map_event(event);
+            } else {
+                self.array_event(event);
+            }
+        }
+    }
+
+    fn array_event(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys,
+                cache_salt,
+            } => {
+                self.array_len(if extra_keys.is_empty() { 8 } else { 9 });
+                self.str(TAG_STORED);
+                self.list(block_hashes, |w, h| w.uint(h));
+                self.opt_uint(*parent_block_hash);
+                self.list(token_ids, |w, t| w.uint(u64::from(t)));
+                self.uint(u64::from(*block_size));
+                self.opt_sint(*lora_id);
+                self.opt_str(medium.as_deref());
+                // SGLang's `BlockStoredWithMetadata` puts `{cache_salt}` in the `lora_name` slot
+                match (lora_name, cache_salt) {
+                    (None, Some(salt)) => {
+                        self.map_len(1);
+                        self.str("cache_salt");
+                        self.str(salt);
+                    }
+                    _ => self.opt_str(lora_name.as_deref()),
+                }
+                if !extra_keys.is_empty() {
+                    self.extra_keys(extra_keys);
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                self.array_len(3);
+                self.str(TAG_REMOVED);
+                self.list(block_hashes, |w, h| w.uint(h));
+                self.opt_str(medium.as_deref());
+            }
+            KvEvent::AllBlocksCleared => {
+                self.array_len(1);
+                self.str(TAG_CLEARED);
+            }
+        }
+    }
+
+    fn map_event(&mut self, event: &KvEvent) {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys,
+                cache_salt,
+            } => {
+                self.map_len(
+                    8 + u32::from(!extra_keys.is_empty()) + u32::from(cache_salt.is_some()),
+                );
+                self.str("type");
+                self.str(TAG_STORED);
+                self.str("block_hashes");
+                self.list(block_hashes, |w, h| w.uint(h));
+                self.str("parent_block_hash");
+                self.opt_uint(*parent_block_hash);
+                self.str("token_ids");
+                self.list(token_ids, |w, t| w.uint(u64::from(t)));
+                self.str("block_size");
+                self.uint(u64::from(*block_size));
+                self.str("lora_id");
+                self.opt_sint(*lora_id);
+                self.str("medium");
+                self.opt_str(medium.as_deref());
+                self.str("lora_name");
+                self.opt_str(lora_name.as_deref());
+                if !extra_keys.is_empty() {
+                    self.str("extra_keys");
+                    self.extra_keys(extra_keys);
+                }
+                if let Some(salt) = cache_salt {
+                    self.str("cache_salt");
+                    self.str(salt);
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                self.map_len(3);
+                self.str("type");
+                self.str(TAG_REMOVED);
+                self.str("block_hashes");
+                self.list(block_hashes, |w, h| w.uint(h));
+                self.str("medium");
+                self.opt_str(medium.as_deref());
+            }
+            KvEvent::AllBlocksCleared => {
+                self.map_len(1);
+                self.str("type");
+                self.str(TAG_CLEARED);
+            }
+        }
+    }
+}
