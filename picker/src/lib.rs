@@ -27,5 +27,4 @@ pub mod pool {
 pub mod router;
 pub mod service;
 pub mod session;
-pub mod token_cache;
 pub mod tokenize;

@@ -358,7 +358,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const TOKENIZER_JSON: &[u8] = include_bytes!("../tests/fixtures/tokenizer/tokenizer.json");
+    const TOKENIZER_JSON: &[u8] = include_bytes!("../../tests/fixtures/tokenizer/tokenizer.json");
 
     fn fixture() -> Tokenizer {
         Tokenizer::from_bytes(TOKENIZER_JSON).unwrap()
