@@ -7,7 +7,7 @@
 
 use std::sync::LazyLock;
 
-use kvroute_picker::token_cache::PieceEncoder;
+use kvroute_picker::tokenize::piece_cache::PieceEncoder;
 use libfuzzer_sys::fuzz_target;
 use tokenizers::Tokenizer;
 

@@ -8,9 +8,9 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
-use kvroute_picker::service::request::{ApiKind, ParsedRequest, Prompt, engine_body};
+use kvroute_picker::service::request::{ApiKind, ParsedRequest, engine_body};
 use kvroute_picker::service::settings::Limits;
-use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
+use kvroute_picker::tokenize::{PromptTokenizer, PromptTokenizerOptions};
 use libfuzzer_sys::fuzz_target;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 
@@ -53,16 +53,8 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(v["cache_salt"], TENANT_SALT, "the tenant's salt is forwarded");
             assert_eq!(top_level_count(&body, "cache_salt"), 1, "exactly one salt");
         }
-        let input = match (&req.prompt, &req.chat) {
-            (Some(Prompt::Ids(ids)), _) => PromptInput::TokenIds(ids),
-            (Some(Prompt::Text(t)), _) => PromptInput::Text(t),
-            (None, Some(chat)) => PromptInput::Chat {
-                messages: &chat.messages,
-                tools: chat.tools.as_ref(),
-                add_generation_prompt: chat.add_generation_prompt,
-                extra: chat.kwargs.as_ref(),
-            },
-            (None, None) => continue,
+        let Some(input) = req.prompt_input() else {
+            continue;
         };
         let _ = tok.tokenize(input);
     }

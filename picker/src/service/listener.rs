@@ -68,17 +68,8 @@ pub async fn serve_bounded(
         .keep_alive_timeout(H2_KEEPALIVE);
     let builder = Arc::new(builder);
     loop {
-        let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
-            () = cancel.cancelled() => break,
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((stream, peer)) = accept(&listener, &cancel).await else {
+            break;
         };
         let _ = stream.set_nodelay(true);
         let permit = slots.clone().try_acquire_owned();
@@ -117,11 +108,7 @@ pub async fn serve_bounded(
         let watcher = graceful.watcher();
         let picker = picker.clone();
         tokio::spawn(async move {
-            if !first_bytes_within(&stream, limits.header_read_timeout).await {
-                if let Some(c) = &picker {
-                    c.metrics.error("silent_connection");
-                }
-                tracing::debug!(%peer, "connection closed: it sent nothing");
+            if !speaks_within(&stream, limits.header_read_timeout, picker.as_deref(), peer).await {
                 return;
             }
             let conn = builder
@@ -140,6 +127,26 @@ pub async fn serve_bounded(
 /// Ping interval and answer timeout on HTTP/2 connections.
 const H2_KEEPALIVE: Duration = Duration::from_secs(20);
 
+/// The next connection; `None` once cancelled. A failed accept (EMFILE and friends) backs off
+/// instead of spinning.
+async fn accept(
+    listener: &TcpListener,
+    cancel: &CancellationToken,
+) -> Option<(TcpStream, SocketAddr)> {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            r = listener.accept() => match r {
+                Ok(s) => return Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
 /// Whether the peer sends its first bytes within `timeout` (false also when it closes first).
 async fn first_bytes_within(stream: &TcpStream, timeout: Duration) -> bool {
     let mut probe = [0u8; 1];
@@ -147,6 +154,23 @@ async fn first_bytes_within(stream: &TcpStream, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, stream.peek(&mut probe)).await,
         Ok(Ok(n)) if n > 0
     )
+}
+
+/// [`first_bytes_within`], and a connection that stays silent counted and logged as closed.
+async fn speaks_within(
+    stream: &TcpStream,
+    timeout: Duration,
+    picker: Option<&PickerState>,
+    peer: SocketAddr,
+) -> bool {
+    if first_bytes_within(stream, timeout).await {
+        return true;
+    }
+    if let Some(p) = picker {
+        p.metrics.error("silent_connection");
+    }
+    tracing::debug!(%peer, "connection closed: it sent nothing");
+    false
 }
 
 /// A connection holding one of its listener's connection slots until it is dropped.
@@ -217,16 +241,8 @@ pub fn bounded_incoming(
     let (tx, rx) = mpsc::channel(limits.max_connections.clamp(1, 1024));
     tokio::spawn(async move {
         loop {
-            let (stream, peer) = tokio::select! {
-                () = cancel.cancelled() => return,
-                r = listener.accept() => match r {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+            let Some((stream, peer)) = accept(&listener, &cancel).await else {
+                return;
             };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
                 if let Some(c) = &picker {
@@ -239,11 +255,9 @@ pub fn bounded_incoming(
             let tx = tx.clone();
             let picker = picker.clone();
             tokio::spawn(async move {
-                if !first_bytes_within(&stream, limits.header_read_timeout).await {
-                    if let Some(c) = &picker {
-                        c.metrics.error("silent_connection");
-                    }
-                    tracing::debug!(%peer, "connection closed: it sent nothing");
+                if !speaks_within(&stream, limits.header_read_timeout, picker.as_deref(), peer)
+                    .await
+                {
                     return;
                 }
                 let _ = tx

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use super::errors::ApiError;
 use super::settings::Limits;
+use crate::tokenize::PromptInput;
 
 /// Which API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +161,22 @@ pub struct ParsedRequest {
 }
 
 impl ParsedRequest {
+    /// The prompt as the tokenizer takes it: token ids, text, or a chat for the template;
+    /// `None` when the body has neither `prompt` nor `messages` (another API's body).
+    pub fn prompt_input(&self) -> Option<PromptInput<'_>> {
+        Some(match (&self.prompt, &self.chat) {
+            (Some(Prompt::Ids(ids)), _) => PromptInput::TokenIds(ids),
+            (Some(Prompt::Text(t)), _) => PromptInput::Text(t),
+            (None, Some(chat)) => PromptInput::Chat {
+                messages: &chat.messages,
+                tools: chat.tools.as_ref(),
+                add_generation_prompt: chat.add_generation_prompt,
+                extra: chat.kwargs.as_ref(),
+            },
+            (None, None) => return None,
+        })
+    }
+
     pub fn parse(kind: ApiKind, raw: Bytes, limits: &Limits) -> Result<Self, ApiError> {
         if raw.len() > limits.max_body_bytes {
             return Err(ApiError::too_large(limits.max_body_bytes));

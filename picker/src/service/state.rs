@@ -18,7 +18,7 @@ use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
 use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::pool_view::{KvPorts, ModelEntry, PoolChange, PoolView};
-use super::request::{ApiKind, ParsedRequest, Prompt, engine_body};
+use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
 use crate::calibration::{Calibration, TtftBasis};
@@ -605,28 +605,17 @@ impl PickerState {
             self.metrics.error("render_fallback");
         }
         let tok = entry.tokenizer.clone();
-        let input = match (&req.prompt, &req.chat) {
-            (Some(Prompt::Ids(ids)), _) => {
-                let out = tok
-                    .tokenize(PromptInput::TokenIds(ids))
-                    .map_err(tokenize_error)?;
-                // token ids are the engine's own tokens whatever the tokenizer setup
-                return Ok((out.ids, TokenKind::Tokens));
-            }
-            (Some(Prompt::Text(t)), _) => PromptInput::Text(t),
-            (None, Some(chat)) => PromptInput::Chat {
-                messages: &chat.messages,
-                tools: chat.tools.as_ref(),
-                add_generation_prompt: chat.add_generation_prompt,
-                extra: chat.kwargs.as_ref(),
-            },
-            (None, None) => {
-                return Err(ApiError::bad_request(
-                    "missing_field",
-                    "missing required field `prompt` or `messages`",
-                ));
-            }
-        };
+        let input = req.prompt_input().ok_or_else(|| {
+            ApiError::bad_request(
+                "missing_field",
+                "missing required field `prompt` or `messages`",
+            )
+        })?;
+        if let PromptInput::TokenIds(_) = input {
+            let out = tok.tokenize(input).map_err(tokenize_error)?;
+            // token ids are the engine's own tokens whatever the tokenizer setup
+            return Ok((out.ids, TokenKind::Tokens));
+        }
         // Encoding what the piece cache does not hold costs about 1 µs per token: a long prompt
         // keeps the tokenizer busy for milliseconds. On the multi-threaded runtime the worker
         // first hands its other tasks to another thread, so they do not wait behind it.
