@@ -558,15 +558,15 @@ struct Block {
 }
 
 /// A block's place: segment id in the high half, offset in the low half.
-type Place = u64;
+type ChainPos = u64;
 
 #[inline]
-fn place_of(seg: usize, off: usize) -> Place {
+fn place_of(seg: usize, off: usize) -> ChainPos {
     ((seg as u64) << 32) | off as u64
 }
 
 #[inline]
-fn split(p: Place) -> (usize, usize) {
+fn split(p: ChainPos) -> (usize, usize) {
     ((p >> 32) as usize, (p & 0xffff_ffff) as usize)
 }
 
@@ -575,21 +575,21 @@ fn split(p: Place) -> (usize, usize) {
 struct Chains {
     segs: Vec<Vec<Block>>,
     free_segs: Vec<u32>,
-    /// Place of every held block, by key.
+    /// Chain position of every held block, by key.
     by_key: Table,
     arena: Arena,
 }
 
 impl Chains {
     #[inline]
-    fn block(&self, p: Place) -> &Block {
+    fn block(&self, p: ChainPos) -> &Block {
         let (s, o) = split(p);
         &self.segs[s][o]
     }
 
     /// The held block right after `p` in its segment, if its key is `key`.
     #[inline]
-    fn next_in_segment(&self, p: Place, key: BlockKey) -> Option<Place> {
+    fn next_in_segment(&self, p: ChainPos, key: BlockKey) -> Option<ChainPos> {
         let (s, o) = split(p);
         match self.segs[s].get(o + 1) {
             Some(b) if b.key == key && b.holders != NOBODY => Some(place_of(s, o + 1)),
@@ -597,9 +597,9 @@ impl Chains {
         }
     }
 
-    /// Place of the held block `key`, looking right after `prev` first.
+    /// Chain position of the held block `key`, looking right after `prev` first.
     #[inline]
-    fn find(&self, prev: Place, key: BlockKey) -> Option<Place> {
+    fn find(&self, prev: ChainPos, key: BlockKey) -> Option<ChainPos> {
         self.next_in_segment(prev, key)
             .or_else(|| self.by_key.get(key))
     }
@@ -607,7 +607,7 @@ impl Chains {
     /// Where block `key`, stored right after the block at `prev` (if known), goes: its current
     /// place when held, else a placeholder of it right after `prev`, else the tail of `prev`'s
     /// segment, else a new segment (sized for `run` blocks, the rest of the store).
-    fn place(&mut self, prev: Option<Place>, key: BlockKey, run: usize) -> Place {
+    fn place(&mut self, prev: Option<ChainPos>, key: BlockKey, run: usize) -> ChainPos {
         if let Some(p) = prev
             && let Some(at) = self.next_in_segment(p, key)
         {
@@ -653,7 +653,7 @@ impl Chains {
 
     /// Add `slot` to the holders of the block at `p` (registering its key when it was unheld).
     #[inline]
-    fn hold(&mut self, p: Place, slot: Slot) {
+    fn hold(&mut self, p: ChainPos, slot: Slot) {
         let (s, o) = split(p);
         let b = &mut self.segs[s][o];
         if b.holders == NOBODY {
@@ -686,7 +686,7 @@ impl Chains {
 
     /// Remove one holding of `slot` from the block at `p`; an unheld block leaves the key
     /// table, and unheld blocks at a segment's tail are cut off.
-    fn release(&mut self, p: Place, slot: Slot) {
+    fn release(&mut self, p: ChainPos, slot: Slot) {
         let (s, o) = split(p);
         let seg = &mut self.segs[s];
         let b = &mut seg[o];
@@ -714,7 +714,7 @@ impl Chains {
     }
 
     /// How many leading keys of `rest` `slot` holds, continuing the chain after `from`.
-    fn follow(&self, slot: Slot, from: Place, rest: &[BlockKey]) -> usize {
+    fn follow(&self, slot: Slot, from: ChainPos, rest: &[BlockKey]) -> usize {
         let (mut s, mut o) = split(from);
         let mut n = 0;
         while n < rest.len() {
@@ -776,7 +776,7 @@ const AHEAD: usize = 32;
 #[derive(Debug, Clone, Copy)]
 struct Touched {
     at_ms: u64,
-    place: Place,
+    place: ChainPos,
 }
 
 #[derive(Debug)]

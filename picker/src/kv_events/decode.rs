@@ -44,7 +44,7 @@ const DEPTH_FIELD: u32 = 4;
 /// One msgpack value header. Scalars are complete (strings and binaries borrow the payload);
 /// containers carry their element count, and their elements follow in the input.
 #[derive(Debug, Clone, Copy)]
-enum Head<'a> {
+enum ValueHead<'a> {
     Nil,
     Bool,
     /// A non-negative integer (positive fixint or uint8..uint64).
@@ -59,18 +59,18 @@ enum Head<'a> {
     Ext,
 }
 
-impl Head<'_> {
+impl ValueHead<'_> {
     fn kind(&self) -> &'static str {
         match self {
-            Head::Nil => "nil",
-            Head::Bool => "bool",
-            Head::Uint(_) | Head::Int(_) => "integer",
-            Head::Float(_) => "float",
-            Head::Str(_) => "string",
-            Head::Bin(_) => "binary",
-            Head::Array(_) => "array",
-            Head::Map(_) => "map",
-            Head::Ext => "ext",
+            ValueHead::Nil => "nil",
+            ValueHead::Bool => "bool",
+            ValueHead::Uint(_) | ValueHead::Int(_) => "integer",
+            ValueHead::Float(_) => "float",
+            ValueHead::Str(_) => "string",
+            ValueHead::Bin(_) => "binary",
+            ValueHead::Array(_) => "array",
+            ValueHead::Map(_) => "map",
+            ValueHead::Ext => "ext",
         }
     }
 }
@@ -216,58 +216,66 @@ impl<'a> Reader<'a> {
 
     /// Reads one value header; string/binary/ext payloads are consumed, container elements
     /// are not.
-    fn head(&mut self, what: &'static str) -> Result<Head<'a>> {
+    fn head(&mut self, what: &'static str) -> Result<ValueHead<'a>> {
         let offset = self.pos;
         let byte = self.fixed::<1>(what, offset)?[0];
         let usize_of = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
         Ok(match Marker::from_u8(byte) {
-            Marker::FixPos(v) => Head::Uint(u64::from(v)),
-            Marker::FixNeg(v) => Head::Int(i64::from(v)),
-            Marker::Null => Head::Nil,
-            Marker::True | Marker::False => Head::Bool,
-            Marker::U8 => Head::Uint(u64::from(u8::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::U16 => Head::Uint(u64::from(u16::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::U32 => Head::Uint(u64::from(u32::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::U64 => Head::Uint(u64::from_be_bytes(self.fixed(what, offset)?)),
-            Marker::I8 => Head::Int(i64::from(i8::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::I16 => Head::Int(i64::from(i16::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::I32 => Head::Int(i64::from(i32::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::I64 => Head::Int(i64::from_be_bytes(self.fixed(what, offset)?)),
-            Marker::F32 => Head::Float(f64::from(f32::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::F64 => Head::Float(f64::from_be_bytes(self.fixed(what, offset)?)),
-            Marker::FixStr(n) => Head::Str(self.take(usize::from(n), what, offset)?),
+            Marker::FixPos(v) => ValueHead::Uint(u64::from(v)),
+            Marker::FixNeg(v) => ValueHead::Int(i64::from(v)),
+            Marker::Null => ValueHead::Nil,
+            Marker::True | Marker::False => ValueHead::Bool,
+            Marker::U8 => ValueHead::Uint(u64::from(u8::from_be_bytes(self.fixed(what, offset)?))),
+            Marker::U16 => {
+                ValueHead::Uint(u64::from(u16::from_be_bytes(self.fixed(what, offset)?)))
+            }
+            Marker::U32 => {
+                ValueHead::Uint(u64::from(u32::from_be_bytes(self.fixed(what, offset)?)))
+            }
+            Marker::U64 => ValueHead::Uint(u64::from_be_bytes(self.fixed(what, offset)?)),
+            Marker::I8 => ValueHead::Int(i64::from(i8::from_be_bytes(self.fixed(what, offset)?))),
+            Marker::I16 => ValueHead::Int(i64::from(i16::from_be_bytes(self.fixed(what, offset)?))),
+            Marker::I32 => ValueHead::Int(i64::from(i32::from_be_bytes(self.fixed(what, offset)?))),
+            Marker::I64 => ValueHead::Int(i64::from_be_bytes(self.fixed(what, offset)?)),
+            Marker::F32 => {
+                ValueHead::Float(f64::from(f32::from_be_bytes(self.fixed(what, offset)?)))
+            }
+            Marker::F64 => ValueHead::Float(f64::from_be_bytes(self.fixed(what, offset)?)),
+            Marker::FixStr(n) => ValueHead::Str(self.take(usize::from(n), what, offset)?),
             Marker::Str8 => {
                 let n = self.len8(what, offset)?;
-                Head::Str(self.take(n, what, offset)?)
+                ValueHead::Str(self.take(n, what, offset)?)
             }
             Marker::Str16 => {
                 let n = self.len16(what, offset)?;
-                Head::Str(self.take(n, what, offset)?)
+                ValueHead::Str(self.take(n, what, offset)?)
             }
             Marker::Str32 => {
                 let n = self.len32(what, offset)?;
-                Head::Str(self.take(usize_of(n), what, offset)?)
+                ValueHead::Str(self.take(usize_of(n), what, offset)?)
             }
             Marker::Bin8 => {
                 let n = self.len8(what, offset)?;
-                Head::Bin(self.take(n, what, offset)?)
+                ValueHead::Bin(self.take(n, what, offset)?)
             }
             Marker::Bin16 => {
                 let n = self.len16(what, offset)?;
-                Head::Bin(self.take(n, what, offset)?)
+                ValueHead::Bin(self.take(n, what, offset)?)
             }
             Marker::Bin32 => {
                 let n = self.len32(what, offset)?;
-                Head::Bin(self.take(usize_of(n), what, offset)?)
+                ValueHead::Bin(self.take(usize_of(n), what, offset)?)
             }
-            Marker::FixArray(n) => Head::Array(u32::from(n)),
+            Marker::FixArray(n) => ValueHead::Array(u32::from(n)),
             Marker::Array16 => {
-                Head::Array(u32::from(u16::from_be_bytes(self.fixed(what, offset)?)))
+                ValueHead::Array(u32::from(u16::from_be_bytes(self.fixed(what, offset)?)))
             }
-            Marker::Array32 => Head::Array(self.len32(what, offset)?),
-            Marker::FixMap(n) => Head::Map(u32::from(n)),
-            Marker::Map16 => Head::Map(u32::from(u16::from_be_bytes(self.fixed(what, offset)?))),
-            Marker::Map32 => Head::Map(self.len32(what, offset)?),
+            Marker::Array32 => ValueHead::Array(self.len32(what, offset)?),
+            Marker::FixMap(n) => ValueHead::Map(u32::from(n)),
+            Marker::Map16 => {
+                ValueHead::Map(u32::from(u16::from_be_bytes(self.fixed(what, offset)?)))
+            }
+            Marker::Map32 => ValueHead::Map(self.len32(what, offset)?),
             Marker::FixExt1 => self.ext(1, what, offset)?,
             Marker::FixExt2 => self.ext(2, what, offset)?,
             Marker::FixExt4 => self.ext(4, what, offset)?,
@@ -292,15 +300,15 @@ impl<'a> Reader<'a> {
     }
 
     /// Consumes an ext value's type byte and `len` data bytes.
-    fn ext(&mut self, len: usize, what: &'static str, offset: usize) -> Result<Head<'a>> {
+    fn ext(&mut self, len: usize, what: &'static str, offset: usize) -> Result<ValueHead<'a>> {
         self.take(len.saturating_add(1), what, offset)?;
-        Ok(Head::Ext)
+        Ok(ValueHead::Ext)
     }
 
     fn unexpected(
         what: &'static str,
         expected: &'static str,
-        found: Head<'_>,
+        found: ValueHead<'_>,
         offset: usize,
     ) -> DecodeError {
         DecodeError::UnexpectedType {
@@ -322,8 +330,8 @@ impl<'a> Reader<'a> {
             let offset = self.pos;
             let head = self.head("skipped value")?;
             let children = match head {
-                Head::Array(n) => Some(u64::from(n)),
-                Head::Map(n) => Some(2 * u64::from(n)),
+                ValueHead::Array(n) => Some(u64::from(n)),
+                ValueHead::Map(n) => Some(2 * u64::from(n)),
                 _ => None,
             };
             if let Some(children) = children {
@@ -371,10 +379,10 @@ impl<'a> Reader<'a> {
     fn f64(&mut self, what: &'static str) -> Result<f64> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Float(v) => Ok(v),
+            ValueHead::Float(v) => Ok(v),
             // Integral timestamps: an encoder may write 1718000000.0 as an integer.
-            Head::Uint(v) => Ok(v as f64),
-            Head::Int(v) => Ok(v as f64),
+            ValueHead::Uint(v) => Ok(v as f64),
+            ValueHead::Int(v) => Ok(v as f64),
             other => Err(Self::unexpected(what, "float", other, offset)),
         }
     }
@@ -382,8 +390,8 @@ impl<'a> Reader<'a> {
     fn u64(&mut self, what: &'static str) -> Result<u64> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Uint(v) => Ok(v),
-            Head::Int(v) => u64::try_from(v).map_err(|_| DecodeError::IntegerOutOfRange {
+            ValueHead::Uint(v) => Ok(v),
+            ValueHead::Int(v) => u64::try_from(v).map_err(|_| DecodeError::IntegerOutOfRange {
                 what,
                 value: i128::from(v),
                 offset,
@@ -418,9 +426,9 @@ impl<'a> Reader<'a> {
     fn opt_i64(&mut self, what: &'static str) -> Result<Option<i64>> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Nil => Ok(None),
-            Head::Int(v) => Ok(Some(v)),
-            Head::Uint(v) => {
+            ValueHead::Nil => Ok(None),
+            ValueHead::Int(v) => Ok(Some(v)),
+            ValueHead::Uint(v) => {
                 i64::try_from(v)
                     .map(Some)
                     .map_err(|_| DecodeError::IntegerOutOfRange {
@@ -436,7 +444,7 @@ impl<'a> Reader<'a> {
     fn str_bytes(&mut self, what: &'static str) -> Result<&'a [u8]> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Str(s) => Ok(s),
+            ValueHead::Str(s) => Ok(s),
             other => Err(Self::unexpected(what, "string", other, offset)),
         }
     }
@@ -444,8 +452,8 @@ impl<'a> Reader<'a> {
     fn opt_string(&mut self, what: &'static str) -> Result<Option<String>> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Nil => Ok(None),
-            Head::Str(s) => std::str::from_utf8(s)
+            ValueHead::Nil => Ok(None),
+            ValueHead::Str(s) => std::str::from_utf8(s)
                 .map(|s| Some(s.to_owned()))
                 .map_err(|_| DecodeError::InvalidUtf8 { what, offset }),
             other => Err(Self::unexpected(what, "string or nil", other, offset)),
@@ -462,7 +470,7 @@ impl<'a> Reader<'a> {
             ) => Ok((self.opt_string("lora_name")?, None)),
             Some(Marker::FixMap(_) | Marker::Map16 | Marker::Map32) => {
                 let offset = self.pos;
-                let Head::Map(n) = self.head("metadata")? else {
+                let ValueHead::Map(n) = self.head("metadata")? else {
                     return Ok((None, None));
                 };
                 self.enter(DEPTH_FIELD, offset)?;
@@ -499,8 +507,8 @@ impl<'a> Reader<'a> {
         for _ in 0..n {
             let offset = self.pos;
             match self.head("extra_keys")? {
-                Head::Nil => out.push(None),
-                Head::Array(k) => {
+                ValueHead::Nil => out.push(None),
+                ValueHead::Array(k) => {
                     self.enter(DEPTH_FIELD + 1, offset)?;
                     let len = usize::try_from(k).unwrap_or(usize::MAX);
                     if len > MAX_EXTRA_KEYS_PER_BLOCK {
@@ -541,8 +549,8 @@ impl<'a> Reader<'a> {
                 }
             }
             _ => match self.head("extra key")? {
-                Head::Int(v) => ExtraKey::Int(v),
-                Head::Uint(v) if i64::try_from(v).is_ok() => ExtraKey::Int(v as i64),
+                ValueHead::Int(v) => ExtraKey::Int(v),
+                ValueHead::Uint(v) if i64::try_from(v).is_ok() => ExtraKey::Int(v as i64),
                 _ => {
                     // rewind and skip the whole value (it may be a container)
                     self.pos = start;
@@ -557,11 +565,11 @@ impl<'a> Reader<'a> {
     fn hash(&mut self, what: &'static str) -> Result<u64> {
         let offset = self.pos;
         match self.head(what)? {
-            Head::Uint(v) => Ok(v),
+            ValueHead::Uint(v) => Ok(v),
             // Two's complement reinterpretation: SGLang and some engines emit signed 64-bit
             // hashes; the bit pattern is the identity, the sign is an artifact.
-            Head::Int(v) => Ok(v as u64),
-            Head::Bin(b) => Ok(hash_from_bytes(b)),
+            ValueHead::Int(v) => Ok(v as u64),
+            ValueHead::Bin(b) => Ok(hash_from_bytes(b)),
             other => Err(Self::unexpected(what, "integer or binary", other, offset)),
         }
     }
@@ -580,7 +588,7 @@ impl<'a> Reader<'a> {
     fn list_header(&mut self, what: &'static str, limit: usize) -> Result<(u32, usize)> {
         let offset = self.pos;
         let n = match self.head(what)? {
-            Head::Array(n) => n,
+            ValueHead::Array(n) => n,
             other => return Err(Self::unexpected(what, "array", other, offset)),
         };
         self.enter(DEPTH_FIELD, offset)?;
@@ -618,7 +626,7 @@ impl<'a> Reader<'a> {
     fn batch(&mut self) -> Result<EventBatch> {
         let offset = self.pos;
         match self.head("batch")? {
-            Head::Array(n) => {
+            ValueHead::Array(n) => {
                 self.enter(DEPTH_BATCH, offset)?;
                 if n < 1 {
                     return Err(DecodeError::MissingField {
@@ -647,7 +655,7 @@ impl<'a> Reader<'a> {
                     skipped_unknown,
                 })
             }
-            Head::Map(n) => {
+            ValueHead::Map(n) => {
                 self.enter(DEPTH_BATCH, offset)?;
                 let mut ts = None;
                 let mut events = None;
@@ -702,7 +710,7 @@ impl<'a> Reader<'a> {
     fn events(&mut self) -> Result<(Vec<KvEvent>, u32)> {
         let offset = self.pos;
         let n = match self.head("events")? {
-            Head::Array(n) => n,
+            ValueHead::Array(n) => n,
             other => return Err(Self::unexpected("events", "array", other, offset)),
         };
         self.enter(DEPTH_EVENTS, offset)?;
@@ -730,11 +738,11 @@ impl<'a> Reader<'a> {
     fn event(&mut self) -> Result<Option<KvEvent>> {
         let offset = self.pos;
         match self.head("event")? {
-            Head::Array(n) => {
+            ValueHead::Array(n) => {
                 self.enter(DEPTH_EVENT, offset)?;
                 self.array_event(n, offset)
             }
-            Head::Map(n) => {
+            ValueHead::Map(n) => {
                 self.enter(DEPTH_EVENT, offset)?;
                 self.map_event(n, offset)
             }

@@ -308,7 +308,7 @@ async fn refuse_over_capacity(
 }
 
 /// Whether the stream goes on after a message.
-enum Flow {
+enum StreamNext {
     Continue,
     /// An immediate response was sent, or the proxy went away: end the stream cleanly.
     Stop,
@@ -469,13 +469,13 @@ impl<P: EndpointPicker> StreamTask<P> {
                 Err(status) => return Err(status),
             };
             match self.handle(message).await? {
-                Flow::Continue => {}
-                Flow::Stop => return Ok(()),
+                StreamNext::Continue => {}
+                StreamNext::Stop => return Ok(()),
             }
         }
     }
 
-    async fn handle(&mut self, message: ProcessingRequest) -> Result<Flow, Status> {
+    async fn handle(&mut self, message: ProcessingRequest) -> Result<StreamNext, Status> {
         if !self.seen_first {
             self.seen_first = true;
             if message.observability_mode {
@@ -498,7 +498,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         }
         let Some(request) = message.request else {
             // A flow-control-only message: nothing to answer.
-            return Ok(Flow::Continue);
+            return Ok(StreamNext::Continue);
         };
         match request {
             processing_request::Request::RequestHeaders(headers) => {
@@ -597,7 +597,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         }
     }
 
-    async fn on_request_headers(&mut self, headers: HttpHeaders) -> Result<Flow, Status> {
+    async fn on_request_headers(&mut self, headers: HttpHeaders) -> Result<StreamNext, Status> {
         if !matches!(self.phase, Phase::AwaitingHeaders) {
             return Err(Status::invalid_argument(
                 "request headers arrived twice on one stream",
@@ -633,7 +633,7 @@ impl<P: EndpointPicker> StreamTask<P> {
                 self.phase = Phase::CollectingBody(RequestMode::FullDuplex);
                 self.body_deadline =
                     Some(tokio::time::Instant::now() + self.shared.limits.body_timeout);
-                Ok(Flow::Continue)
+                Ok(StreamNext::Continue)
             }
             RequestMode::Unsupported(mode) => Err(Status::failed_precondition(format!(
                 "request body mode {} is not supported by the endpoint picker; configure \
@@ -643,7 +643,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         }
     }
 
-    async fn on_request_body(&mut self, body: HttpBody) -> Result<Flow, Status> {
+    async fn on_request_body(&mut self, body: HttpBody) -> Result<StreamNext, Status> {
         let Phase::CollectingBody(mode) = self.phase else {
             return Err(Status::invalid_argument(match self.phase {
                 Phase::AwaitingHeaders => "a request body arrived before the request headers",
@@ -664,7 +664,7 @@ impl<P: EndpointPicker> StreamTask<P> {
                 self.route(RoutePoint::StreamedBody { trailers: false })
                     .await
             }
-            RequestMode::FullDuplex => Ok(Flow::Continue),
+            RequestMode::FullDuplex => Ok(StreamNext::Continue),
             RequestMode::BufferedPartial if !body.end_of_stream => {
                 // The proxy cut the body at its own buffer limit; a partial prompt cannot be
                 // routed (or served) faithfully.
@@ -676,7 +676,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         }
     }
 
-    async fn on_request_trailers(&mut self) -> Result<Flow, Status> {
+    async fn on_request_trailers(&mut self) -> Result<StreamNext, Status> {
         match self.phase {
             Phase::AwaitingHeaders => Err(Status::invalid_argument(
                 "request trailers arrived before the request headers",
@@ -695,7 +695,7 @@ impl<P: EndpointPicker> StreamTask<P> {
     }
 
     /// Asks the picker and sends the answer shaped for `point`.
-    async fn route(&mut self, point: RoutePoint) -> Result<Flow, Status> {
+    async fn route(&mut self, point: RoutePoint) -> Result<StreamNext, Status> {
         self.body_deadline = None;
         let head = self.head.take().unwrap_or_else(|| RequestHead {
             headers: http::HeaderMap::new(),
@@ -729,7 +729,7 @@ impl<P: EndpointPicker> StreamTask<P> {
                 if let Ok(Ok(_)) = pick.await {
                     self.shared.picker.on_response_complete(self.request_id);
                 }
-                return Ok(Flow::Stop);
+                return Ok(StreamNext::Stop);
             }
         };
         let output = match joined {
@@ -800,32 +800,32 @@ impl<P: EndpointPicker> StreamTask<P> {
                 let body = output.new_body.unwrap_or(original_body);
                 let content_length = (!body.is_empty()).then_some(body.len());
                 let mutation = routing_headers(&destination, &output.set_headers, content_length);
-                if let Flow::Stop = self.send(headers_answer(mutation, metadata)).await {
-                    return Ok(Flow::Stop);
+                if let StreamNext::Stop = self.send(headers_answer(mutation, metadata)).await {
+                    return Ok(StreamNext::Stop);
                 }
                 for answer in streamed_body_answers(&body, !trailers) {
-                    if let Flow::Stop = self.send(answer).await {
-                        return Ok(Flow::Stop);
+                    if let StreamNext::Stop = self.send(answer).await {
+                        return Ok(StreamNext::Stop);
                     }
                 }
                 if trailers {
                     return Ok(self.send(trailers_answer(true)).await);
                 }
-                Ok(Flow::Continue)
+                Ok(StreamNext::Continue)
             }
         }
     }
 
     /// Sends an immediate response; the stream ends after it.
-    async fn refuse(&mut self, refusal: Refusal) -> Flow {
+    async fn refuse(&mut self, refusal: Refusal) -> StreamNext {
         let _ = self.send(refusal.into_response()).await;
-        Flow::Stop
+        StreamNext::Stop
     }
 
-    async fn send(&self, response: ProcessingResponse) -> Flow {
+    async fn send(&self, response: ProcessingResponse) -> StreamNext {
         match self.tx.send(Ok(response)).await {
-            Ok(()) => Flow::Continue,
-            Err(_) => Flow::Stop,
+            Ok(()) => StreamNext::Continue,
+            Err(_) => StreamNext::Stop,
         }
     }
 }

@@ -107,7 +107,7 @@ impl<'de> serde::Deserialize<'de> for Prompt {
 /// The fields the picker reads from a completions or chat body; everything else is forwarded
 /// untouched.
 #[derive(serde::Deserialize)]
-struct Head {
+struct BodyFields {
     #[serde(default)]
     model: Option<Value>,
     #[serde(default)]
@@ -128,7 +128,7 @@ struct Head {
 
 /// The fields the picker reads from the body of any other API ([`ApiKind::Other`]).
 #[derive(serde::Deserialize)]
-struct OtherHead {
+struct OtherBodyFields {
     #[serde(default)]
     model: Option<Value>,
     #[serde(default)]
@@ -196,7 +196,7 @@ impl ParsedRequest {
             ApiError::bad_request(code, format!("invalid request body: {e}"))
         };
         if kind == ApiKind::Other {
-            let head: OtherHead = serde_json::from_slice(&raw).map_err(invalid)?;
+            let head: OtherBodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
             let (model, stream, cache_salt) =
                 Self::common_fields(head.model, head.stream, head.cache_salt)?;
             return Ok(Self {
@@ -209,7 +209,7 @@ impl ParsedRequest {
                 cache_salt,
             });
         }
-        let head: Head = serde_json::from_slice(&raw).map_err(invalid)?;
+        let head: BodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
         let (model, stream, cache_salt) =
             Self::common_fields(head.model, head.stream, head.cache_salt)?;
         let (prompt, chat) = match kind {
@@ -232,7 +232,7 @@ impl ParsedRequest {
                 }
                 Some(p) => (Some(p), None),
             },
-            // read by `OtherHead` above
+            // read by `OtherBodyFields` above
             ApiKind::Other => (None, None),
             ApiKind::ChatCompletions => {
                 let messages = match head.messages {

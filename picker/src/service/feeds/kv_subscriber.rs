@@ -427,7 +427,7 @@ pub fn spawn_subscriber(
 #[derive(Debug)]
 struct Stopped;
 
-type Flow<T = ()> = Result<T, Stopped>;
+type Step<T = ()> = Result<T, Stopped>;
 
 /// One decoded message: its sequence number and the batch (or why it did not decode).
 type Item = Result<EventBatch, MessageError>;
@@ -457,7 +457,7 @@ enum FillEnd {
 }
 
 /// Where a replayed number stands relative to what was delivered.
-enum Place {
+enum ReplayPlace {
     Next,
     Duplicate,
     Hole,
@@ -527,7 +527,7 @@ impl Feed {
     // Connection lifecycle
     // --------------------------------------------------------------------------------------
 
-    async fn run(&mut self) -> Flow<std::convert::Infallible> {
+    async fn run(&mut self) -> Step<std::convert::Infallible> {
         let mut backoff = self.cfg.reconnect_min;
         loop {
             let (mut sub, mut monitor) = match self.connect().await? {
@@ -566,7 +566,7 @@ impl Feed {
     /// One connection attempt with a fresh socket. A fresh socket per attempt (rather than
     /// the crate's own background reconnection) keeps the backoff ours and makes every
     /// reconnect visible, which the continuity check after it needs.
-    async fn connect(&self) -> Flow<Result<(SubSocket, fmpsc::Receiver<SocketEvent>), String>> {
+    async fn connect(&self) -> Step<Result<(SubSocket, fmpsc::Receiver<SocketEvent>), String>> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.cfg.connect_timeout);
         let mut sub = SubSocket::with_options(options);
@@ -599,7 +599,7 @@ impl Feed {
         &mut self,
         sub: &mut SubSocket,
         monitor: &mut fmpsc::Receiver<SocketEvent>,
-    ) -> Flow<String> {
+    ) -> Step<String> {
         self.after_connect().await?;
         let probe = self.cfg.replay.as_ref().and(self.cfg.idle_probe);
         loop {
@@ -629,7 +629,7 @@ impl Feed {
     }
 
     /// Brings the view up to date after a (re)connection.
-    async fn after_connect(&mut self) -> Flow {
+    async fn after_connect(&mut self) -> Step {
         match self.last {
             Some((seq, ts_bits)) if self.cfg.replay.is_some() => self.resume(seq, ts_bits).await,
             Some((seq, _)) => {
@@ -651,7 +651,7 @@ impl Feed {
     /// Reconnected with a view: ask the replay for our last batch; the same number with the
     /// same publisher timestamp proves the same publisher process, and the rest of the reply
     /// is what we missed. Anything else starts over.
-    async fn resume(&mut self, seq: u64, ts_bits: u64) -> Flow {
+    async fn resume(&mut self, seq: u64, ts_bits: u64) -> Step {
         let Some(endpoint) = self.cfg.replay.clone() else {
             return Ok(());
         };
@@ -717,7 +717,7 @@ impl Feed {
     /// Fetches everything the publisher still buffers (its process start, when the buffer
     /// reaches back that far). Failures are only logged: the view is empty, so nothing is
     /// wrong yet, and the first live batch retries.
-    async fn start_fill(&mut self) -> Flow {
+    async fn start_fill(&mut self) -> Step {
         let Some(endpoint) = self.cfg.replay.clone() else {
             return Ok(());
         };
@@ -734,7 +734,7 @@ impl Feed {
     }
 
     /// No message for a while: ask for anything after the last batch seen.
-    async fn probe(&mut self) -> Flow {
+    async fn probe(&mut self) -> Step {
         let Some(endpoint) = self.cfg.replay.clone() else {
             return Ok(());
         };
@@ -756,7 +756,7 @@ impl Feed {
     // Live messages
     // --------------------------------------------------------------------------------------
 
-    async fn on_live(&mut self, message: &ZmqMessage) -> Flow {
+    async fn on_live(&mut self, message: &ZmqMessage) -> Step {
         bump(&self.stats.messages);
         let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
         if let Some(topic) = frames.first()
@@ -879,7 +879,7 @@ impl Feed {
 
     /// Batches `expected..got` were missed; `item` is batch `got`. Replays the missing ones,
     /// then delivers `got` in its place.
-    async fn fill_gap(&mut self, expected: u64, got: u64, item: Item) -> Flow {
+    async fn fill_gap(&mut self, expected: u64, got: u64, item: Item) -> Step {
         bump(&self.stats.gaps);
         debug!(expected, got, "sequence gap");
         let Some(endpoint) = self.cfg.replay.clone() else {
@@ -946,7 +946,7 @@ impl Feed {
 
     /// Places live batch `got` after a replay that should have delivered everything before
     /// it (and usually `got` itself).
-    async fn after_fill(&mut self, got: u64, item: Item) -> Flow {
+    async fn after_fill(&mut self, got: u64, item: Item) -> Step {
         match self.tracker.observe(got) {
             SeqOutcome::First | SeqOutcome::InOrder => self.deliver(got, item, false).await,
             SeqOutcome::Duplicate => Ok(()),
@@ -977,7 +977,7 @@ impl Feed {
         mut dealer: Option<DealerSocket>,
         from: u64,
         check_first: bool,
-    ) -> Flow<FillEnd> {
+    ) -> Step<FillEnd> {
         let mut start = from;
         let mut check_first = check_first;
         let mut received_any = dealer.is_some();
@@ -1021,7 +1021,7 @@ impl Feed {
         socket: &mut DealerSocket,
         from: u64,
         check_first: &mut bool,
-    ) -> Flow<(PageEnd, bool)> {
+    ) -> Step<(PageEnd, bool)> {
         let mut count = 0usize;
         let mut received = false;
         loop {
@@ -1052,16 +1052,16 @@ impl Feed {
                         self.tracker.reset();
                     }
                     match self.place(seq) {
-                        Place::Next => {
+                        ReplayPlace::Next => {
                             // `place` said First or InOrder; the outcome is known
                             let _ = self.tracker.observe(seq);
                             self.floor = None;
                             self.deliver(seq, item, true).await?;
                         }
-                        Place::Duplicate => {
+                        ReplayPlace::Duplicate => {
                             bump(&self.stats.duplicates);
                         }
-                        Place::Hole => {
+                        ReplayPlace::Hole => {
                             debug!(seq, "hole in the replay reply; asking again");
                             return Ok((PageEnd::Hole, received));
                         }
@@ -1075,17 +1075,17 @@ impl Feed {
     }
 
     /// Where a replayed number falls; within one reply an older number is always a duplicate.
-    fn place(&self, seq: u64) -> Place {
+    fn place(&self, seq: u64) -> ReplayPlace {
         match self.tracker.expected() {
-            None => Place::Next,
-            Some(next) if seq == next => Place::Next,
-            Some(next) if seq < next => Place::Duplicate,
-            Some(_) => Place::Hole,
+            None => ReplayPlace::Next,
+            Some(next) if seq == next => ReplayPlace::Next,
+            Some(next) if seq < next => ReplayPlace::Duplicate,
+            Some(_) => ReplayPlace::Hole,
         }
     }
 
     /// Connects a fresh DEALER to the replay ROUTER and sends the request for `from` on.
-    async fn open_replay(&self, endpoint: &str, from: u64) -> Flow<Result<DealerSocket, String>> {
+    async fn open_replay(&self, endpoint: &str, from: u64) -> Step<Result<DealerSocket, String>> {
         let mut options = SocketOptions::default();
         options.connect_timeout(self.cfg.replay_timeout);
         let mut dealer = DealerSocket::with_options(options);
@@ -1116,7 +1116,7 @@ impl Feed {
         }
     }
 
-    async fn recv_replay(&self, socket: &mut DealerSocket) -> Flow<Result<ZmqMessage, String>> {
+    async fn recv_replay(&self, socket: &mut DealerSocket) -> Step<Result<ZmqMessage, String>> {
         Ok(
             match self
                 .guard(tokio::time::timeout(self.cfg.replay_timeout, socket.recv()))
@@ -1167,7 +1167,7 @@ impl Feed {
         ))
     }
 
-    async fn deliver(&mut self, seq: u64, item: Item, replayed: bool) -> Flow {
+    async fn deliver(&mut self, seq: u64, item: Item, replayed: bool) -> Step {
         match item {
             Ok(batch) => {
                 self.last = Some((seq, batch.ts.to_bits()));
@@ -1191,7 +1191,7 @@ impl Feed {
         }
     }
 
-    async fn decode_error(&mut self, seq: Option<u64>, error: MessageError) -> Flow {
+    async fn decode_error(&mut self, seq: Option<u64>, error: MessageError) -> Step {
         let count = bump(&self.stats.decode_errors);
         // power-of-two sampling keeps a garbage stream from flooding the log
         if count.is_power_of_two() {
@@ -1203,7 +1203,7 @@ impl Feed {
     }
 
     /// Sends a `Resync` if the consumer holds anything delivered since the last one.
-    async fn resync(&mut self, reason: ResyncReason) -> Flow {
+    async fn resync(&mut self, reason: ResyncReason) -> Step {
         if self.last.take().is_none() {
             debug!(%reason, "view already empty; no resync needed");
             return Ok(());
@@ -1218,7 +1218,7 @@ impl Feed {
     // --------------------------------------------------------------------------------------
 
     /// Waits for the consumer (back-pressure, see the module docs), or stops.
-    async fn emit(&self, event: SubscriberEvent) -> Flow {
+    async fn emit(&self, event: SubscriberEvent) -> Step {
         tokio::select! {
             biased;
             () = self.cancel.cancelled() => Err(Stopped),
@@ -1226,12 +1226,12 @@ impl Feed {
         }
     }
 
-    async fn sleep(&self, duration: Duration) -> Flow {
+    async fn sleep(&self, duration: Duration) -> Step {
         self.guard(tokio::time::sleep(duration)).await
     }
 
     /// Runs `future` unless cancellation comes first.
-    async fn guard<F: Future>(&self, future: F) -> Flow<F::Output> {
+    async fn guard<F: Future>(&self, future: F) -> Step<F::Output> {
         tokio::select! {
             biased;
             () = self.cancel.cancelled() => Err(Stopped),
@@ -1340,10 +1340,10 @@ mod tests {
     #[test]
     fn replay_placement() {
         let mut f = feed(SubscriberConfig::new("tcp://127.0.0.1:1"));
-        assert!(matches!(f.place(5), Place::Next));
+        assert!(matches!(f.place(5), ReplayPlace::Next));
         let _ = f.tracker.observe(5);
-        assert!(matches!(f.place(6), Place::Next));
-        assert!(matches!(f.place(5), Place::Duplicate));
-        assert!(matches!(f.place(8), Place::Hole));
+        assert!(matches!(f.place(6), ReplayPlace::Next));
+        assert!(matches!(f.place(5), ReplayPlace::Duplicate));
+        assert!(matches!(f.place(8), ReplayPlace::Hole));
     }
 }
