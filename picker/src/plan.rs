@@ -65,7 +65,6 @@ pub struct RequestPlan {
     pub session: Option<String>,
     /// Identifies the request when it has no full block.
     pub fallback_hash: u64,
-    pub token_kind: TokenKind,
 }
 
 impl RequestPlan {
@@ -104,7 +103,6 @@ impl RequestPlan {
             tenant_salted,
             session,
             fallback_hash: xxhash_rust::xxh3::xxh3_64(seed),
-            token_kind: input.token_kind,
         })
     }
 

@@ -107,11 +107,7 @@ impl EndpointPicker for GatewayPicker {
                 endpoints.push(a);
             }
         }
-        let guard = picker.inflight.begin(
-            d.endpoint,
-            u64::from(routed.plan.prompt_tokens),
-            u64::from(routed.uncached_on(d.endpoint)),
-        );
+        let guard = picker.begin(&routed, d.endpoint);
         self.pending.lock().insert(
             input.request_id,
             Pending {

@@ -246,11 +246,7 @@ async fn proxy_inner(
         } else {
             routed.upstream_for(&parsed, ep)?
         };
-        let guard = picker.inflight.begin(
-            ep,
-            u64::from(routed.plan.prompt_tokens),
-            u64::from(routed.uncached_on(ep)),
-        );
+        let guard = picker.begin(&routed, ep);
         let mut req = picker
             .http
             .post(format!(

@@ -24,10 +24,10 @@ use super::tenancy::Tenancy;
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
-    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, RankSelection,
+    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
 use crate::index::{IndexConfig, IndexMode, KvIndex};
-use crate::inflight::InflightTracker;
+use crate::inflight::{InflightGuard, InflightTracker};
 use crate::load::LoadView;
 use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
@@ -94,30 +94,37 @@ impl Routed {
         }
     }
 
-    /// The request to send to `endpoint`: the data-parallel rank (a header, or SGLang's body
-    /// field) and the tenant's salt, which every forwarded body must carry.
+    /// The request to send to `endpoint` (a fallback; the chosen one's is [`Routed::upstream`]).
     pub fn upstream_for(
         &self,
         req: &ParsedRequest,
         endpoint: EndpointId,
     ) -> Result<Upstream, ApiError> {
-        let mc = &self.entry.config;
-        let mut headers = Vec::new();
-        let mut body_rank = None;
-        if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
-            match mc.engine {
-                EngineKind::Sglang => body_rank = Some(endpoint.rank),
-                _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
-            }
-        }
-        let tenant_salt = (self.plan.tenant_salted)
-            .then_some(self.plan.salt.as_deref())
-            .flatten();
-        Ok(Upstream {
-            headers,
-            body: engine_body(req, tenant_salt, body_rank)?,
-        })
+        upstream_request(&self.entry.config, &self.plan, req, endpoint)
     }
+}
+
+/// The request to send to `endpoint`: the data-parallel rank (a header, or SGLang's body
+/// field) and the tenant's salt, which every forwarded body must carry.
+fn upstream_request(
+    mc: &ModelConfig,
+    plan: &RequestPlan,
+    req: &ParsedRequest,
+    endpoint: EndpointId,
+) -> Result<Upstream, ApiError> {
+    let mut headers = Vec::new();
+    let mut body_rank = None;
+    if mc.dp_size > 1 && mc.rank_selection == RankSelection::Header {
+        match mc.engine {
+            EngineKind::Sglang => body_rank = Some(endpoint.rank),
+            _ => headers.push(("x-data-parallel-rank", endpoint.rank.to_string())),
+        }
+    }
+    let tenant_salt = plan.salt.as_deref().filter(|_| plan.tenant_salted);
+    Ok(Upstream {
+        headers,
+        body: engine_body(req, tenant_salt, body_rank)?,
+    })
 }
 
 /// The shared state of one picker.
@@ -566,23 +573,19 @@ impl PickerState {
             })?;
         let ttft_basis = (calibrating && decision.endpoint == chosen)
             .then(|| crate::policy::ttft_basis(&routing.cost_model, &decision.features));
-        let mut routed = Routed {
+        self.metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        let upstream = upstream_request(&entry.config, &plan, req, decision.endpoint)?;
+        Ok(Routed {
             decision,
             entry,
             plan,
             tenant,
             lora,
             ttft_basis,
-            upstream: Upstream {
-                headers: Vec::new(),
-                body: Bytes::new(),
-            },
-        };
-        routed.upstream = routed.upstream_for(req, routed.decision.endpoint)?;
-        self.metrics
-            .decision_seconds
-            .observe(started.elapsed().as_secs_f64());
-        Ok(routed)
+            upstream,
+        })
     }
 
     /// Token ids of a request: from the engine's render endpoint when configured (exact
@@ -705,6 +708,15 @@ impl PickerState {
                 index.record_routed(slot, &routed.plan.keys, self.now_ms());
             }
         }
+    }
+
+    /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.
+    pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
+        self.inflight.begin(
+            endpoint,
+            u64::from(routed.plan.prompt_tokens),
+            u64::from(routed.uncached_on(endpoint)),
+        )
     }
 
     /// Count a request against the global in-flight bound; `None` when it is full.
