@@ -39,6 +39,7 @@ mod decode;
 mod encode;
 mod framing;
 pub mod ingest;
+pub mod resequence;
 mod sequence;
 #[cfg(test)]
 mod tests;

@@ -31,6 +31,10 @@
 //! [`SubscriberConfig::idle_probe`] without traffic the subscriber asks for anything newer
 //! than what it has).
 //!
+//! Every sequencing decision is made by a state machine without I/O,
+//! [`crate::kv_events::resequence::Resequencer`]; this task reads what it asks for and carries
+//! out what it decides.
+//!
 //! # Back-pressure
 //!
 //! The sink is a bounded channel and the subscriber awaits it. While it waits it does not read
@@ -70,7 +74,6 @@
 //!   ([`crate::service::feeds::zmtp_guard`]) that cuts any connection announcing a frame above the
 //!   limit. Use the relay too when embedding this subscriber elsewhere.
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,7 +82,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::channel::mpsc as fmpsc;
-use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -88,16 +90,12 @@ use zeromq::{
     DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
 };
 
+use crate::kv_events::resequence::{Action, Input, Item, Resequencer, ResequencerConfig, Wants};
+pub use crate::kv_events::resequence::{MAX_REPLAY_PAGES, MessageError, ResyncReason};
 use crate::kv_events::{
-    DecodeError, DecodeLimits, EventBatch, REPLAY_END_SEQ, SeqOutcome, SequenceTracker,
-    decode_event_batch, is_replay_end, parse_seq, replay_frames, seq_frame, split_topic_epoch,
+    DecodeError, DecodeLimits, EventBatch, REPLAY_END_SEQ, SequenceTracker, decode_event_batch,
+    is_replay_end, parse_seq, replay_frames, seq_frame, split_topic_epoch,
 };
-
-/// Replay requests one catch-up may issue before giving up. A request ends early when it
-/// reaches [`SubscriberConfig::replay_max_batches`] or when the engine's ROUTER dropped part of
-/// its answer (it drops, rather than blocks, at its high-water mark); the next request resumes
-/// after the last batch delivered.
-pub const MAX_REPLAY_PAGES: usize = 8;
 
 /// Settings of one subscriber (one engine publisher).
 #[derive(Debug, Clone)]
@@ -209,124 +207,6 @@ pub enum SubscriberEvent {
     },
 }
 
-/// Why the subscriber asked for a [`SubscriberEvent::Resync`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResyncReason {
-    /// Batches from `missing_from` on were missed and there is no replay socket.
-    NoReplayEndpoint {
-        /// First missed sequence number.
-        missing_from: u64,
-    },
-    /// The replay started later than requested (the publisher's buffer had moved on), or had
-    /// nothing although the publisher had published past the request (`first` = `None`).
-    ReplayShort {
-        /// First number asked for.
-        requested: u64,
-        /// First number the replay held.
-        first: Option<u64>,
-    },
-    /// The replay request failed (connect, timeout, socket error).
-    ReplayFailed {
-        /// First number asked for.
-        requested: u64,
-        /// Why.
-        error: String,
-    },
-    /// The replay ended before reaching the batch that revealed the gap (dropped replies).
-    ReplayIncomplete {
-        /// First number still missing.
-        expected: u64,
-        /// The live batch that revealed the gap.
-        got: u64,
-    },
-    /// The sequence went back to 0, or far back: the engine restarted, its cache is new.
-    PublisherRestarted {
-        /// What the old stream expected next.
-        expected: u64,
-        /// What arrived.
-        got: u64,
-    },
-    /// SGLang's topic epoch changed: the publisher restarted.
-    EpochChanged,
-    /// After a reconnect, the replay did not show the last batch we delivered with the same
-    /// timestamp (the publisher restarted or its buffer moved on), or there is no replay
-    /// socket to ask.
-    ContinuityLost {
-        /// The last sequence number delivered before the disconnect.
-        last_seq: u64,
-    },
-}
-
-impl fmt::Display for ResyncReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::NoReplayEndpoint { missing_from } => {
-                write!(
-                    f,
-                    "missed batches from {missing_from} and no replay endpoint"
-                )
-            }
-            Self::ReplayShort {
-                requested,
-                first: Some(first),
-            } => write!(f, "replay from {requested} started at {first}"),
-            Self::ReplayShort {
-                requested,
-                first: None,
-            } => write!(f, "replay from {requested} was empty"),
-            Self::ReplayFailed { requested, error } => {
-                write!(f, "replay from {requested} failed: {error}")
-            }
-            Self::ReplayIncomplete { expected, got } => {
-                write!(f, "replay stopped at {expected} before live batch {got}")
-            }
-            Self::PublisherRestarted { expected, got } => {
-                write!(f, "publisher restarted (expected {expected}, got {got})")
-            }
-            Self::EpochChanged => f.write_str("publisher epoch changed"),
-            Self::ContinuityLost { last_seq } => {
-                write!(
-                    f,
-                    "cannot show continuity after {last_seq} across a reconnect"
-                )
-            }
-        }
-    }
-}
-
-/// Why one message was skipped.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum MessageError {
-    /// The frames or the payload did not decode.
-    #[error(transparent)]
-    Decode(#[from] DecodeError),
-    /// The payload is larger than [`SubscriberConfig::max_payload_bytes`].
-    #[error("payload of {len} bytes exceeds the limit of {limit}")]
-    PayloadTooLarge {
-        /// Its size.
-        len: usize,
-        /// The limit.
-        limit: usize,
-    },
-    /// A live message numbered past the newest batch in the publisher's own replay buffer.
-    /// Publishers (vLLM's, SGLang's) buffer every batch as they send it, before they answer
-    /// a replay request, so the publisher never sent this number: following it would make
-    /// every real batch below it look like a duplicate.
-    #[error("sequence number {seq} is past the publisher's newest batch (next is {next})")]
-    NotFromPublisher {
-        /// The number received.
-        seq: u64,
-        /// The number after the newest batch the replay returned.
-        next: u64,
-    },
-    /// A live message carried the replay end marker's sequence number, which is not a batch.
-    #[error("sequence number {seq:#x} is reserved for the replay end marker")]
-    ReservedSequence {
-        /// The number.
-        seq: u64,
-    },
-}
-
 /// Counters of one subscriber, updated with relaxed atomics (they feed metrics only).
 #[derive(Debug, Default)]
 pub struct SubscriberStats {
@@ -429,76 +309,14 @@ struct Stopped;
 
 type Step<T = ()> = Result<T, Stopped>;
 
-/// One decoded message: its sequence number and the batch (or why it did not decode).
-type Item = Result<EventBatch, MessageError>;
-
-/// How one replay request (page) ended.
-enum PageEnd {
-    /// The end marker arrived.
-    End,
-    /// [`SubscriberConfig::replay_max_batches`] messages were read.
-    Capped,
-    /// A number was skipped inside the reply (the ROUTER dropped part of it).
-    Hole,
-    /// Connect, send or receive failed or timed out.
-    Failed(String),
-}
-
-/// How a whole catch-up (one or more pages) ended.
-enum FillEnd {
-    /// Reached the end marker after at least one batch.
-    Complete,
-    /// The first reply was just the end marker.
-    Empty,
-    /// Gave up after [`MAX_REPLAY_PAGES`] requests without reaching the end.
-    GaveUp,
-    /// A request failed.
-    Failed(String),
-}
-
-/// Where a replayed number stands relative to what was delivered.
-enum ReplayPlace {
-    Next,
-    Duplicate,
-    Hole,
-}
-
-/// The subscriber's state; lives inside the task.
+/// The subscriber task: the sockets and the sink around a [`Resequencer`], which makes every
+/// sequencing decision; this only reads what it asks for and carries out its actions.
 struct Feed {
     cfg: SubscriberConfig,
     stats: Arc<SubscriberStats>,
     sink: mpsc::Sender<SubscriberEvent>,
     cancel: CancellationToken,
-    tracker: SequenceTracker,
-    /// When the tracker is unset, the number we know must come next (0 after an empty or
-    /// failed start-up replay), so that a first live batch above it is treated as a gap.
-    floor: Option<u64>,
-    /// Sequence number and timestamp bits of the last batch delivered since the last
-    /// `Resync`; `None` when the consumer's view is empty. The timestamp identifies the
-    /// publisher process across a reconnect.
-    last: Option<(u64, u64)>,
-    /// SGLang topic epoch of the current publisher process, once seen.
-    epoch: Option<Vec<u8>>,
-    /// Timestamp bits of batch 0 of the current publisher process, once delivered.
-    /// [`SequenceTracker`] reads any 0 below the expected number as a restart, but a start-up
-    /// replay that already delivered 0 overlaps the live stream exactly there; the timestamp
-    /// tells that duplicate from a new process.
-    zero_ts: Option<u64>,
-    /// Newest batch timestamp delivered from the current publisher process. A live batch
-    /// numbered below the expected one and older than this is stale, not a restart: it sat
-    /// in the socket's queue while a replay moved past it (a restarted process's batches are
-    /// newer than anything the old one sent).
-    newest_ts: Option<f64>,
-    /// The last live number refused because the publisher's replay held nothing from the
-    /// expected number on (it never sent it, or it keeps no replay buffer), and how many
-    /// consecutive numbers were refused so. [`REFUSALS_BEFORE_FOLLOWING`] in a row show the
-    /// stream really is there.
-    refused_ahead: Option<(u64, u32)>,
-    /// Consecutive live numbers `(first, last)` that arrived undecodable, starting at the
-    /// number expected next. An undecodable message never moves the sequence state (its
-    /// number may be as corrupt as its payload); only when the next decodable batch follows
-    /// the run does the run count as the publisher's own, lost, batches.
-    undecoded: Option<(u64, u64)>,
+    order: Resequencer,
 }
 
 impl Feed {
@@ -507,19 +325,17 @@ impl Feed {
         sink: mpsc::Sender<SubscriberEvent>,
         cancel: CancellationToken,
     ) -> Self {
+        let order = Resequencer::new(ResequencerConfig {
+            replay: cfg.replay.is_some(),
+            replay_max_batches: cfg.replay_max_batches,
+            restart_window: cfg.restart_window,
+        });
         Self {
             stats: Arc::clone(&cfg.stats),
-            tracker: SequenceTracker::with_restart_window(cfg.restart_window),
             cfg,
             sink,
             cancel,
-            floor: None,
-            last: None,
-            epoch: None,
-            zero_ts: None,
-            newest_ts: None,
-            refused_ahead: None,
-            undecoded: None,
+            order,
         }
     }
 
@@ -600,7 +416,7 @@ impl Feed {
         sub: &mut SubSocket,
         monitor: &mut fmpsc::Receiver<SocketEvent>,
     ) -> Step<String> {
-        self.after_connect().await?;
+        self.step(Input::Connected).await?;
         let probe = self.cfg.replay.as_ref().and(self.cfg.idle_probe);
         loop {
             // (a day stands in for "never" when probing is off; the branch is disabled anyway)
@@ -617,7 +433,7 @@ impl Feed {
                 },
                 received = sub.recv() => received,
                 () = idle, if probe.is_some() => {
-                    self.probe().await?;
+                    self.step(Input::Idle).await?;
                     continue;
                 }
             };
@@ -628,464 +444,121 @@ impl Feed {
         }
     }
 
-    /// Brings the view up to date after a (re)connection.
-    async fn after_connect(&mut self) -> Step {
-        match self.last {
-            Some((seq, ts_bits)) if self.cfg.replay.is_some() => self.resume(seq, ts_bits).await,
-            Some((seq, _)) => {
-                // Without a replay socket nothing shows whether the publisher restarted
-                // while we were away; a restarted one would have its numbers misread as
-                // duplicates, so start over.
-                self.resync(ResyncReason::ContinuityLost { last_seq: seq })
-                    .await?;
-                self.restart_tracking();
-                Ok(())
-            }
-            None => {
-                self.restart_tracking();
-                self.start_fill().await
-            }
-        }
-    }
-
-    /// Reconnected with a view: ask the replay for our last batch; the same number with the
-    /// same publisher timestamp proves the same publisher process, and the rest of the reply
-    /// is what we missed. Anything else starts over.
-    async fn resume(&mut self, seq: u64, ts_bits: u64) -> Step {
-        let Some(endpoint) = self.cfg.replay.clone() else {
-            return Ok(());
-        };
-        bump(&self.stats.replay_requests);
-        let mut dealer = match self.open_replay(&endpoint, seq).await? {
-            Ok(dealer) => Some(dealer),
-            Err(error) => {
-                bump(&self.stats.replay_failures);
-                debug!(%error, "replay for the continuity check failed");
-                None
-            }
-        };
-        let mut verified = false;
-        if let Some(socket) = dealer.as_mut() {
-            match self.recv_replay(socket).await? {
-                Ok(message) => {
-                    let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
-                    if let Ok((got, Ok(batch))) = self.parse_replay(&frames) {
-                        verified = got == seq && batch.ts.to_bits() == ts_bits;
-                    }
-                }
-                Err(error) => {
-                    bump(&self.stats.replay_failures);
-                    debug!(%error, "replay for the continuity check failed");
-                }
-            }
-        }
-        match dealer {
-            Some(socket) if verified => {
-                debug!(seq, "continuity verified after reconnect");
-                match self
-                    .fill_with(&endpoint, Some(socket), seq + 1, false)
-                    .await?
-                {
-                    FillEnd::Failed(error) => {
-                        debug!(%error, "catching up after reconnect failed; a later gap retries");
-                    }
-                    FillEnd::GaveUp => debug!("catching up after reconnect gave up"),
-                    FillEnd::Complete | FillEnd::Empty => {}
-                }
-                Ok(())
-            }
-            _ => {
-                self.resync(ResyncReason::ContinuityLost { last_seq: seq })
-                    .await?;
-                self.restart_tracking();
-                self.start_fill().await
-            }
-        }
-    }
-
-    /// Forgets the sequence position and the epoch (new publisher process, or unknown).
-    fn restart_tracking(&mut self) {
-        self.tracker.reset();
-        self.floor = None;
-        self.epoch = None;
-        self.zero_ts = None;
-        self.newest_ts = None;
-        self.refused_ahead = None;
-        self.undecoded = None;
-    }
-
-    /// Fetches everything the publisher still buffers (its process start, when the buffer
-    /// reaches back that far). Failures are only logged: the view is empty, so nothing is
-    /// wrong yet, and the first live batch retries.
-    async fn start_fill(&mut self) -> Step {
-        let Some(endpoint) = self.cfg.replay.clone() else {
-            return Ok(());
-        };
-        match self.fill_with(&endpoint, None, 0, true).await? {
-            FillEnd::Failed(error) => debug!(%error, "start-up replay failed"),
-            FillEnd::GaveUp => debug!("start-up replay gave up"),
-            FillEnd::Complete | FillEnd::Empty => {}
-        }
-        if self.tracker.expected().is_none() {
-            // Empty or failed: the publisher's next batch should be 0.
-            self.floor = Some(0);
-        }
-        Ok(())
-    }
-
-    /// No message for a while: ask for anything after the last batch seen.
-    async fn probe(&mut self) -> Step {
-        let Some(endpoint) = self.cfg.replay.clone() else {
-            return Ok(());
-        };
-        match self.tracker.expected() {
-            Some(next) => match self.fill_with(&endpoint, None, next, true).await? {
-                FillEnd::Failed(error) => debug!(%error, "idle replay probe failed"),
-                FillEnd::Complete => debug!(from = next, "idle replay probe found missed batches"),
-                FillEnd::GaveUp | FillEnd::Empty => {}
-            },
-            None => {
-                self.restart_tracking();
-                self.start_fill().await?;
-            }
-        }
-        Ok(())
-    }
-
-    // --------------------------------------------------------------------------------------
-    // Live messages
-    // --------------------------------------------------------------------------------------
-
     async fn on_live(&mut self, message: &ZmqMessage) -> Step {
         bump(&self.stats.messages);
         let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
-        if let Some(topic) = frames.first()
+        let topic = frames.first().copied();
+        if let Some(topic) = topic
             && !topic.starts_with(&self.cfg.topic)
         {
             bump(&self.stats.foreign_topic);
             return Ok(());
         }
-        let (seq, item) = match self.parse(&frames) {
-            Ok(parsed) => parsed,
-            Err(error) => return self.decode_error(None, error).await,
-        };
-        // An undecodable message shows nothing about the stream: a corrupt or foreign
-        // message can carry any number (or topic), and one numbered far ahead would otherwise
-        // open a gap that clears the view. It is dropped and counted, and moves nothing.
-        let batch = match item {
-            Ok(batch) => batch,
-            Err(error) => {
-                self.note_undecoded(seq);
-                return self.decode_error(Some(seq), error).await;
-            }
-        };
-        self.step_over_undecoded(seq);
-        let item: Item = Ok(batch);
-        if let Some(topic) = frames.first()
-            && let (_, Some(epoch)) = split_topic_epoch(topic)
-        {
-            match &self.epoch {
-                Some(known) if known.as_slice() != epoch => {
-                    info!("publisher epoch changed: it restarted");
-                    self.resync(ResyncReason::EpochChanged).await?;
-                    self.restart_tracking();
-                    self.epoch = Some(epoch.to_vec());
-                    self.start_fill().await?;
-                }
-                Some(_) => {}
-                None => self.epoch = Some(epoch.to_vec()),
-            }
-        }
-        if seq == 0
-            && self.tracker.expected().is_some_and(|next| next > 0)
-            && let (Some(zero), Ok(batch)) = (self.zero_ts, &item)
-            && batch.ts.to_bits() == zero
-        {
-            bump(&self.stats.duplicates);
-            return Ok(());
-        }
-        let below = seq != 0
-            && self
-                .tracker
-                .expected()
-                .or(self.floor)
-                .is_some_and(|next| seq < next);
-        let item = match item {
-            // older than what the view already holds: it waited in the socket's queue while
-            // a replay moved past it
-            Ok(batch) if below && self.newest_ts.is_some_and(|t| batch.ts < t) => {
-                bump(&self.stats.duplicates);
-                return Ok(());
-            }
-            other => other,
-        };
-        let floor = self.floor.take();
-        match self.tracker.observe(seq) {
-            SeqOutcome::First => match floor {
-                Some(floor) if seq > floor => self.fill_gap(floor, seq, item).await,
-                _ => self.deliver(seq, item, false).await,
+        let input = match self.parse(&frames) {
+            Ok((seq, item)) => Input::Live {
+                seq,
+                item,
+                epoch: topic.and_then(|topic| split_topic_epoch(topic).1),
             },
-            SeqOutcome::InOrder => self.deliver(seq, item, false).await,
-            SeqOutcome::Duplicate => {
-                bump(&self.stats.duplicates);
-                Ok(())
-            }
-            SeqOutcome::Gap { expected, got } => self.fill_gap(expected, got, item).await,
-            SeqOutcome::Restart { expected, got } => {
-                info!(expected, got, "sequence went back: the publisher restarted");
-                self.resync(ResyncReason::PublisherRestarted { expected, got })
-                    .await?;
-                let epoch = self.epoch.take();
-                self.restart_tracking();
-                self.epoch = epoch;
-                if got > 0 {
-                    self.start_fill().await?;
-                    self.floor = None;
-                }
-                self.after_fill(got, item).await
-            }
-        }
-    }
-
-    /// Remembers undecodable live number `seq` if it extends the run that starts at the
-    /// number expected next (see [`Feed::undecoded`]); any other number is ignored.
-    fn note_undecoded(&mut self, seq: u64) {
-        let next = self.tracker.expected().or(self.floor);
-        self.undecoded = match self.undecoded {
-            Some((first, last)) if last.checked_add(1) == Some(seq) => Some((first, seq)),
-            _ if next == Some(seq) => Some((seq, seq)),
-            run => run,
+            Err(error) => Input::Unreadable(error),
         };
-    }
-
-    /// A decodable live batch `seq` arrived: if it directly follows a run of undecodable
-    /// numbers that started where the stream was expected to go on, those were the
-    /// publisher's batches (lost to the view, as [`SubscriberEvent::DecodeError`] says), so
-    /// the tracker steps over them and `seq` is in order rather than a gap.
-    fn step_over_undecoded(&mut self, seq: u64) {
-        let Some((first, last)) = self.undecoded.take() else {
-            return;
-        };
-        if last.checked_add(1) != Some(seq) || self.tracker.expected().or(self.floor) != Some(first)
-        {
-            return;
-        }
-        self.floor = None;
-        for n in first..=last {
-            // in order by construction: `first` is the expected number
-            let _ = self.tracker.observe(n);
-        }
-    }
-
-    /// Batches `expected..got` were missed; `item` is batch `got`. Replays the missing ones,
-    /// then delivers `got` in its place.
-    async fn fill_gap(&mut self, expected: u64, got: u64, item: Item) -> Step {
-        bump(&self.stats.gaps);
-        debug!(expected, got, "sequence gap");
-        let Some(endpoint) = self.cfg.replay.clone() else {
-            self.resync(ResyncReason::NoReplayEndpoint {
-                missing_from: expected,
-            })
-            .await?;
-            // the tracker has already moved past `got`
-            return self.deliver(got, item, false).await;
-        };
-        // Re-observe from `expected` so that the replayed batches count as in order.
-        self.tracker.reset();
-        match self.fill_with(&endpoint, None, expected, true).await? {
-            FillEnd::Complete => {
-                // the replay reached the publisher's newest batch; if that is before `got`,
-                // the publisher never sent `got` (it buffers each batch as it sends it)
-                if let Some(next) = self.tracker.expected()
-                    && next < got
-                {
-                    return self
-                        .decode_error(Some(got), MessageError::NotFromPublisher { seq: got, next })
-                        .await;
-                }
-            }
-            FillEnd::GaveUp => {}
-            FillEnd::Empty => {
-                // the publisher holds nothing from `expected` on, so it did not send `got`
-                // either, unless it keeps no replay buffer: then consecutive numbers show
-                // the stream really is there
-                let run = match self.refused_ahead {
-                    Some((last, n)) if last.checked_add(1) == Some(got) => n + 1,
-                    _ => 1,
-                };
-                if run < REFUSALS_BEFORE_FOLLOWING {
-                    self.refused_ahead = Some((got, run));
-                    self.floor = Some(expected);
-                    return self
-                        .decode_error(
-                            Some(got),
-                            MessageError::NotFromPublisher {
-                                seq: got,
-                                next: expected,
-                            },
-                        )
-                        .await;
-                }
-                self.refused_ahead = None;
-                self.resync(ResyncReason::ReplayShort {
-                    requested: expected,
-                    first: None,
-                })
-                .await?;
-            }
-            FillEnd::Failed(error) => {
-                self.resync(ResyncReason::ReplayFailed {
-                    requested: expected,
-                    error,
-                })
-                .await?;
-            }
-        }
-        self.after_fill(got, item).await
-    }
-
-    /// Places live batch `got` after a replay that should have delivered everything before
-    /// it (and usually `got` itself).
-    async fn after_fill(&mut self, got: u64, item: Item) -> Step {
-        match self.tracker.observe(got) {
-            SeqOutcome::First | SeqOutcome::InOrder => self.deliver(got, item, false).await,
-            SeqOutcome::Duplicate => Ok(()),
-            SeqOutcome::Gap { expected, got } => {
-                self.resync(ResyncReason::ReplayIncomplete { expected, got })
-                    .await?;
-                self.deliver(got, item, false).await
-            }
-            SeqOutcome::Restart { expected, got } => {
-                self.resync(ResyncReason::PublisherRestarted { expected, got })
-                    .await?;
-                self.deliver(got, item, false).await
-            }
-        }
+        self.step(input).await
     }
 
     // --------------------------------------------------------------------------------------
-    // Replay
+    // Carrying out the resequencer's wishes
     // --------------------------------------------------------------------------------------
 
-    /// Replays from `from`, delivering in order, over up to [`MAX_REPLAY_PAGES`] requests.
-    /// `dealer` is an already-open request whose answer continues at `from`. With
-    /// `check_first`, a reply starting after `from` means the batches before it are gone:
-    /// `Resync`, then deliver what there is.
-    async fn fill_with(
-        &mut self,
-        endpoint: &str,
-        mut dealer: Option<DealerSocket>,
-        from: u64,
-        check_first: bool,
-    ) -> Step<FillEnd> {
-        let mut start = from;
-        let mut check_first = check_first;
-        let mut received_any = dealer.is_some();
-        for _ in 0..MAX_REPLAY_PAGES {
-            let mut socket = match dealer.take() {
-                Some(socket) => socket,
-                None => {
-                    bump(&self.stats.replay_requests);
-                    match self.open_replay(endpoint, start).await? {
-                        Ok(socket) => socket,
-                        Err(error) => {
-                            bump(&self.stats.replay_failures);
-                            return Ok(FillEnd::Failed(error));
-                        }
-                    }
-                }
-            };
-            let (end, received) = self
-                .drain_page(&mut socket, start, &mut check_first)
-                .await?;
-            received_any |= received;
-            match end {
-                PageEnd::End if received_any => return Ok(FillEnd::Complete),
-                PageEnd::End => return Ok(FillEnd::Empty),
-                PageEnd::Failed(error) => {
-                    bump(&self.stats.replay_failures);
-                    return Ok(FillEnd::Failed(error));
-                }
-                PageEnd::Capped | PageEnd::Hole => {
-                    start = self.tracker.expected().unwrap_or(start);
-                }
-            }
-        }
-        warn!(from, "replay did not reach its end marker; giving up");
-        Ok(FillEnd::GaveUp)
-    }
-
-    /// Reads one replay reply. Returns how it ended and whether any batch message came.
-    async fn drain_page(
-        &mut self,
-        socket: &mut DealerSocket,
-        from: u64,
-        check_first: &mut bool,
-    ) -> Step<(PageEnd, bool)> {
-        let mut count = 0usize;
-        let mut received = false;
+    /// Feeds `input`, carries out the actions, and serves the replay requests the machine
+    /// asks for until it wants the live stream again. Each request gets a fresh DEALER, so
+    /// a reply to an abandoned request can never be taken for the answer to the next one.
+    async fn step(&mut self, input: Input<'_>) -> Step {
+        self.feed(input).await?;
+        let mut dealer: Option<DealerSocket> = None;
         loop {
-            let message = match self.recv_replay(socket).await? {
-                Ok(message) => message,
-                Err(error) => return Ok((PageEnd::Failed(error), received)),
-            };
-            let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
-            if is_replay_end(&frames) {
-                return Ok((PageEnd::End, received));
-            }
-            received = true;
-            count += 1;
-            match self.parse_replay(&frames) {
-                Err(error) => self.decode_error(None, error).await?,
-                Ok((seq, item)) => {
-                    if std::mem::take(check_first) && seq > from {
-                        info!(
-                            from,
-                            first = seq,
-                            "replay buffer no longer reaches back far enough"
-                        );
-                        self.resync(ResyncReason::ReplayShort {
-                            requested: from,
-                            first: Some(seq),
-                        })
-                        .await?;
-                        self.tracker.reset();
-                    }
-                    match self.place(seq) {
-                        ReplayPlace::Next => {
-                            // `place` said First or InOrder; the outcome is known
-                            let _ = self.tracker.observe(seq);
-                            self.floor = None;
-                            self.deliver(seq, item, true).await?;
+            let input = match self.order.wants() {
+                Wants::Live => return Ok(()),
+                Wants::OpenReplay { from } => {
+                    dealer = None;
+                    bump(&self.stats.replay_requests);
+                    match self.open_replay(from).await? {
+                        Ok(socket) => {
+                            dealer = Some(socket);
+                            Input::ReplayOpened
                         }
-                        ReplayPlace::Duplicate => {
-                            bump(&self.stats.duplicates);
-                        }
-                        ReplayPlace::Hole => {
-                            debug!(seq, "hole in the replay reply; asking again");
-                            return Ok((PageEnd::Hole, received));
-                        }
+                        Err(error) => Input::ReplayFailed(error),
                     }
                 }
+                Wants::ReadReplay => match dealer.as_mut() {
+                    Some(socket) => match self.recv_replay(socket).await? {
+                        Ok(message) => {
+                            let frames: Vec<&[u8]> = message.iter().map(Bytes::as_ref).collect();
+                            if is_replay_end(&frames) {
+                                Input::ReplayEnd
+                            } else {
+                                Input::Replayed(self.parse_replay(&frames))
+                            }
+                        }
+                        Err(error) => Input::ReplayFailed(error),
+                    },
+                    None => Input::ReplayFailed("no replay request is open".to_owned()),
+                },
+            };
+            if matches!(input, Input::ReplayFailed(_)) {
+                bump(&self.stats.replay_failures);
             }
-            if count >= self.cfg.replay_max_batches.max(1) {
-                return Ok((PageEnd::Capped, received));
-            }
+            self.feed(input).await?;
         }
     }
 
-    /// Where a replayed number falls; within one reply an older number is always a duplicate.
-    fn place(&self, seq: u64) -> ReplayPlace {
-        match self.tracker.expected() {
-            None => ReplayPlace::Next,
-            Some(next) if seq == next => ReplayPlace::Next,
-            Some(next) if seq < next => ReplayPlace::Duplicate,
-            Some(_) => ReplayPlace::Hole,
+    /// Hands one input to the resequencer and carries out what it decided.
+    async fn feed(&mut self, input: Input<'_>) -> Step {
+        self.order.handle(input, crate::kv_events::unix_now());
+        while let Some(action) = self.order.next_action() {
+            match action {
+                Action::Deliver {
+                    seq,
+                    batch,
+                    replayed,
+                } => {
+                    bump(&self.stats.batches);
+                    if replayed {
+                        bump(&self.stats.replayed_batches);
+                    }
+                    self.emit(SubscriberEvent::Batch { seq, batch }).await?;
+                }
+                Action::Resync { reason } => {
+                    bump(&self.stats.resyncs);
+                    warn!(%reason, "resynchronizing the endpoint's KV view");
+                    self.emit(SubscriberEvent::Resync { reason }).await?;
+                }
+                Action::Skip { seq, error } => {
+                    let count = bump(&self.stats.decode_errors);
+                    // power-of-two sampling keeps a garbage stream from flooding the log
+                    if count.is_power_of_two() {
+                        warn!(?seq, %error, count, "undecodable KV-event message skipped");
+                    } else {
+                        debug!(?seq, %error, "undecodable KV-event message skipped");
+                    }
+                    self.emit(SubscriberEvent::DecodeError { seq, error })
+                        .await?;
+                }
+                Action::Drop { .. } => {
+                    bump(&self.stats.duplicates);
+                }
+                Action::Gap { .. } => {
+                    bump(&self.stats.gaps);
+                }
+            }
         }
+        Ok(())
     }
 
     /// Connects a fresh DEALER to the replay ROUTER and sends the request for `from` on.
-    async fn open_replay(&self, endpoint: &str, from: u64) -> Step<Result<DealerSocket, String>> {
+    async fn open_replay(&self, from: u64) -> Step<Result<DealerSocket, String>> {
+        let Some(endpoint) = self.cfg.replay.as_deref() else {
+            return Ok(Err("no replay endpoint".to_owned()));
+        };
         let mut options = SocketOptions::default();
         options.connect_timeout(self.cfg.replay_timeout);
         let mut dealer = DealerSocket::with_options(options);
@@ -1130,7 +603,7 @@ impl Feed {
     }
 
     // --------------------------------------------------------------------------------------
-    // Decoding and delivery
+    // Decoding
     // --------------------------------------------------------------------------------------
 
     /// Splits a live message `(topic, seq, payload)`. `Err` when the sequence number itself
@@ -1167,52 +640,6 @@ impl Feed {
         ))
     }
 
-    async fn deliver(&mut self, seq: u64, item: Item, replayed: bool) -> Step {
-        match item {
-            Ok(batch) => {
-                self.last = Some((seq, batch.ts.to_bits()));
-                // a timestamp far in the future (a damaged batch) must not make every real
-                // batch look stale
-                let plausible =
-                    batch.ts.is_finite() && batch.ts <= crate::kv_events::unix_now() + 3_600.0;
-                if plausible && self.newest_ts.is_none_or(|t| batch.ts > t) {
-                    self.newest_ts = Some(batch.ts);
-                }
-                if seq == 0 {
-                    self.zero_ts = Some(batch.ts.to_bits());
-                }
-                bump(&self.stats.batches);
-                if replayed {
-                    bump(&self.stats.replayed_batches);
-                }
-                self.emit(SubscriberEvent::Batch { seq, batch }).await
-            }
-            Err(error) => self.decode_error(Some(seq), error).await,
-        }
-    }
-
-    async fn decode_error(&mut self, seq: Option<u64>, error: MessageError) -> Step {
-        let count = bump(&self.stats.decode_errors);
-        // power-of-two sampling keeps a garbage stream from flooding the log
-        if count.is_power_of_two() {
-            warn!(?seq, %error, count, "undecodable KV-event message skipped");
-        } else {
-            debug!(?seq, %error, "undecodable KV-event message skipped");
-        }
-        self.emit(SubscriberEvent::DecodeError { seq, error }).await
-    }
-
-    /// Sends a `Resync` if the consumer holds anything delivered since the last one.
-    async fn resync(&mut self, reason: ResyncReason) -> Step {
-        if self.last.take().is_none() {
-            debug!(%reason, "view already empty; no resync needed");
-            return Ok(());
-        }
-        bump(&self.stats.resyncs);
-        warn!(%reason, "resynchronizing the endpoint's KV view");
-        self.emit(SubscriberEvent::Resync { reason }).await
-    }
-
     // --------------------------------------------------------------------------------------
     // Plumbing
     // --------------------------------------------------------------------------------------
@@ -1239,11 +666,6 @@ impl Feed {
         }
     }
 }
-
-/// Consecutive live numbers refused by empty replays (see [`MessageError::NotFromPublisher`])
-/// after which the subscriber accepts that the publisher keeps no replay buffer and follows
-/// it. Bogus numbers are rarely consecutive; a real stream always is.
-const REFUSALS_BEFORE_FOLLOWING: u32 = 3;
 
 #[cfg(test)]
 mod tests {
@@ -1335,15 +757,5 @@ mod tests {
                 got: 4
             }))
         ));
-    }
-
-    #[test]
-    fn replay_placement() {
-        let mut f = feed(SubscriberConfig::new("tcp://127.0.0.1:1"));
-        assert!(matches!(f.place(5), ReplayPlace::Next));
-        let _ = f.tracker.observe(5);
-        assert!(matches!(f.place(6), ReplayPlace::Next));
-        assert!(matches!(f.place(5), ReplayPlace::Duplicate));
-        assert!(matches!(f.place(8), ReplayPlace::Hole));
     }
 }
