@@ -337,9 +337,10 @@ impl World {
         Ok(())
     }
 
-    fn receive(&mut self) -> Result<(), TestCaseError> {
+    /// The oldest queued live message reaches the subscriber; `false` when none is queued.
+    fn receive(&mut self, healthy: bool) -> Result<bool, TestCaseError> {
         let Some(batch) = self.live.pop_front() else {
-            return Ok(());
+            return Ok(false);
         };
         let epoch = self.epoch(batch.process);
         self.step(
@@ -348,8 +349,9 @@ impl World {
                 item: Self::item(batch),
                 epoch: epoch.as_deref(),
             },
-            false,
-        )
+            healthy,
+        )?;
+        Ok(true)
     }
 
     fn run(&mut self, op: &Op) -> Result<(), TestCaseError> {
@@ -358,7 +360,7 @@ impl World {
                 self.publish(lost, corrupt);
                 Ok(())
             }
-            Op::Receive => self.receive(),
+            Op::Receive => self.receive(false).map(|_| ()),
             Op::Duplicate(back) => {
                 if let Some(batch) = self.buffer.iter().rev().nth(back).copied() {
                     self.live.push_back(batch);
@@ -426,18 +428,7 @@ impl World {
         self.live.clear();
         self.step(Input::Connected, true)?;
         let newest = self.publish(false, false);
-        while !self.live.is_empty() {
-            let batch = self.live.pop_front().expect("not empty");
-            let epoch = self.epoch(batch.process);
-            self.step(
-                Input::Live {
-                    seq: batch.seq,
-                    item: Self::item(batch),
-                    epoch: epoch.as_deref(),
-                },
-                true,
-            )?;
-        }
+        while self.receive(true)? {}
         self.step(Input::Idle, true)?;
         prop_assert_eq!(
             self.view.last().copied(),

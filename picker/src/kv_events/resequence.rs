@@ -317,9 +317,15 @@ enum Then {
 enum AfterStartup {
     Nothing,
     /// The publisher restarted, and live batch `got` of its new process showed it.
-    Restarted { got: u64, batch: EventBatch },
+    Restarted {
+        got: u64,
+        batch: EventBatch,
+    },
     /// The topic epoch changed at live batch `seq`; sequence it against the new process.
-    Epoch { seq: u64, batch: EventBatch },
+    Epoch {
+        seq: u64,
+        batch: EventBatch,
+    },
 }
 
 /// One catch-up in progress.
@@ -349,7 +355,11 @@ enum Mode {
     Live,
     /// Reconnected with a view: the replay must show the last batch delivered, `seq`, with
     /// the same timestamp, before the rest of its reply counts as what came after it.
-    Verifying { seq: u64, ts_bits: u64, opened: bool },
+    Verifying {
+        seq: u64,
+        ts_bits: u64,
+        opened: bool,
+    },
     /// Catching up from the replay.
     Filling(Fill),
 }
@@ -751,7 +761,9 @@ impl Resequencer {
                 fill.opened = true;
                 fill.in_page = 0;
             }
-            Input::ReplayFailed(error) => return self.finish_fill(fill.then, FillEnd::Failed(error)),
+            Input::ReplayFailed(error) => {
+                return self.finish_fill(fill.then, FillEnd::Failed(error));
+            }
             Input::ReplayEnd => {
                 let end = if fill.received_any {
                     FillEnd::Complete
@@ -806,7 +818,10 @@ impl Resequencer {
     /// delivered, up to [`MAX_REPLAY_PAGES`] requests.
     fn next_page(&mut self, mut fill: Fill) {
         if fill.pages >= MAX_REPLAY_PAGES {
-            warn!(from = fill.from, "replay did not reach its end marker; giving up");
+            warn!(
+                from = fill.from,
+                "replay did not reach its end marker; giving up"
+            );
             return self.finish_fill(fill.then, FillEnd::GaveUp);
         }
         fill.pages += 1;
