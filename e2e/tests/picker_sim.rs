@@ -106,7 +106,8 @@ async fn pick(p: &Running, tokens: &[u32]) -> Value {
 
 /// Blocks the picker's index attributes to the endpoint on `ip`.
 fn indexed_blocks(p: &Running, ip: &str) -> usize {
-    let index = p.state.index.read();
+    let pool = p.state.pool.read();
+    let index = pool.index();
     index
         .endpoints()
         .find(|(_, id)| id.address.to_string() == ip)

@@ -850,7 +850,7 @@ impl KvIndex {
             }
             return Ok(slot);
         }
-        let limit = self.config.max_endpoints.min(MAX_SLOTS);
+        let limit = self.max_endpoints();
         if self.slot_of.len() >= limit {
             return Err(IndexError::TooManyEndpoints(limit));
         }
@@ -897,6 +897,11 @@ impl KvIndex {
         self.endpoints[slot as usize] = None;
         self.free_slots.push(slot);
         dropped
+    }
+
+    /// The most endpoints tracked at once.
+    pub fn max_endpoints(&self) -> usize {
+        self.config.max_endpoints.min(MAX_SLOTS)
     }
 
     pub fn slot(&self, id: &EndpointId) -> Option<Slot> {

@@ -20,6 +20,7 @@ pub mod load;
 pub mod outlier;
 pub mod plan;
 pub mod policy;
+pub mod pool_state;
 /// Pool specification types (shared with the `InferencePool` resource).
 pub mod pool {
     pub use kvroute_crds::pool::*;

@@ -231,7 +231,7 @@ async fn an_engine_crash_mid_stream_fails_only_that_stream() {
     );
     let text = other.text().await.unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-    let id = picker.state.endpoints.load().endpoints()[0].id;
+    let id = picker.state.pool.endpoints().endpoints()[0].id;
     let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
         state.inflight.get(&id).requests == 0
@@ -289,15 +289,15 @@ limits: {{upstreamTimeout: 500ms}}
     assert_eq!(got, [200, 504]);
     // once stale, the wedged engine gets nothing and every request succeeds on b
     let a_id = state
-        .endpoints
-        .load()
+        .pool
+        .endpoints()
         .endpoints()
         .iter()
         .find(|e| e.id.port == a.addr.port())
         .unwrap()
         .id;
     eventually(Duration::from_secs(5), || {
-        state.endpoints.load().get(&a_id).map(|e| e.state)
+        state.pool.endpoints().get(&a_id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

@@ -164,7 +164,7 @@ async fn engine_histograms_teach_the_prefill_rate_with_less_weight() {
     };
     publish(0);
     let state = picker.state.clone();
-    let id = state.endpoints.load().endpoints()[0].id;
+    let id = state.pool.endpoints().endpoints()[0].id;
     // each poll the engine finishes another request; scrapes see the deltas
     eventually(Duration::from_secs(20), || {
         publish(requests.fetch_add(1, Ordering::SeqCst) + 1);
@@ -205,7 +205,7 @@ async fn the_gateway_path_times_the_first_body_chunk_of_streamed_responses() {
     let picker = start_picker(&yaml(engine.addr.port())).await;
     let gateway = GatewayPicker::new(picker.state.clone());
     let state = picker.state.clone();
-    let id = state.endpoints.load().endpoints()[0].id;
+    let id = state.pool.endpoints().endpoints()[0].id;
     let observed = || {
         state
             .calibration

@@ -84,7 +84,7 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
     // wait until the subscriber is connected: valid batches start landing in the index
     let mut seq = 0u64;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while state.index.read().live_blocks() == 0 {
+    while state.pool.live_blocks() == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "subscriber never connected"
@@ -138,7 +138,7 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // bounded: never more than the endpoint's budget (capacity x slack)
-    assert!(state.index.read().live_blocks() <= 128);
+    assert!(state.pool.live_blocks() <= 128);
     // and the picker still routes
     let resp = client()
         .post(format!("http://{}/v1/completions", picker.addrs.http))

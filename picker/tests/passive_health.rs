@@ -125,8 +125,8 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
     // a client); three more failures eject it again, for twice as long.
     let state = picker.state.clone();
     let bad_id = state
-        .endpoints
-        .load()
+        .pool
+        .endpoints()
         .endpoints()
         .iter()
         .find(|e| e.id.port == bad.addr.port())

@@ -68,8 +68,8 @@ async fn streams_pass_through_byte_for_byte() {
     let state = picker.state.clone();
     eventually(Duration::from_secs(2), || {
         state
-            .endpoints
-            .load()
+            .pool
+            .endpoints()
             .endpoints()
             .iter()
             .all(|e| state.inflight.get(&e.id).requests == 0)
@@ -305,8 +305,8 @@ async fn requests_over_the_inflight_bound_are_shed_with_429() {
     let state = picker.state.clone();
     eventually(Duration::from_secs(2), || {
         state
-            .endpoints
-            .load()
+            .pool
+            .endpoints()
             .endpoints()
             .iter()
             .any(|e| state.inflight.get(&e.id).requests == 1)
@@ -351,7 +351,7 @@ scrape: {{interval: 50ms}}
     write("CostModel");
     let picker = start_picker_file(path.clone()).await;
     let state = picker.state.clone();
-    eventually(Duration::from_secs(3), || state.endpoints.load().len() == 2).await;
+    eventually(Duration::from_secs(3), || state.pool.endpoints().len() == 2).await;
     let pick_url = format!("http://{}/v1/pick", picker.addrs.admin);
     let pick = |body: Value| {
         let url = pick_url.clone();
@@ -378,7 +378,7 @@ scrape: {{interval: 50ms}}
     std::fs::write(&path, "modelConfigs: [").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(state.router().policy_name(), "round-robin");
-    assert_eq!(state.endpoints.load().len(), 2);
+    assert_eq!(state.pool.endpoints().len(), 2);
     picker.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -407,21 +407,25 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     eventually(Duration::from_secs(3), || state.is_ready()).await;
     // blocks the picker believes `a` holds (as if routed there)
     let slot_a = {
-        let mut index = state.index.write();
-        let slot = index
+        let id = state
+            .pool
             .endpoints()
-            .find(|(_, id)| id.address == a.addr.ip())
-            .map(|(slot, _)| slot)
-            .expect("endpoint a is indexed");
-        index.record_routed(slot, &[11, 12, 13], state.now_ms());
-        assert_eq!(index.endpoint_blocks(slot), 3);
+            .endpoints()
+            .iter()
+            .find(|e| e.id.address == a.addr.ip())
+            .expect("endpoint a is known")
+            .id;
+        state.pool.record_routed(&id, &[11, 12, 13], state.now_ms());
+        let pool = state.pool.read();
+        let slot = pool.index().slot(&id).expect("endpoint a is indexed");
+        assert_eq!(pool.index().endpoint_blocks(slot), 3);
         slot
     };
     a.state.metrics_broken.store(true, Ordering::SeqCst);
     eventually(Duration::from_secs(3), || {
         state
-            .endpoints
-            .load()
+            .pool
+            .endpoints()
             .endpoints()
             .iter()
             .any(|e| e.state == EndpointState::Stale)
@@ -429,7 +433,7 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     .await;
     // it may have restarted empty: nothing it held before is credited any more
     eventually(Duration::from_secs(3), || {
-        state.index.read().endpoint_blocks(slot_a) == 0
+        state.pool.read().index().endpoint_blocks(slot_a) == 0
     })
     .await;
     let before = a.state.requests.load(Ordering::SeqCst);
@@ -449,8 +453,8 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     a.state.metrics_broken.store(false, Ordering::SeqCst);
     eventually(Duration::from_secs(3), || {
         state
-            .endpoints
-            .load()
+            .pool
+            .endpoints()
             .endpoints()
             .iter()
             .all(|e| e.state == EndpointState::Ready)

@@ -223,7 +223,7 @@ async fn dedicated_endpoints_hold_when_the_tenants_endpoint_fails() {
     let picker = start_picker(&dedicated_yaml(dead, b.addr.port(), "FailOpen")).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     eventually(Duration::from_secs(5), || {
-        picker.state.endpoints.load().len() == 2
+        picker.state.pool.endpoints().len() == 2
     })
     .await;
     for i in 0..5 {
@@ -267,8 +267,8 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
     a.state.metrics_broken.store(true, Ordering::SeqCst);
     let id = picker
         .state
-        .endpoints
-        .load()
+        .pool
+        .endpoints()
         .endpoints()
         .iter()
         .find(|e| e.id.port == a.addr.port())
@@ -276,7 +276,7 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
         .id;
     let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
-        state.endpoints.load().get(&id).map(|e| e.state)
+        state.pool.endpoints().get(&id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

@@ -42,7 +42,7 @@ impl PickerState {
     /// are forgotten with their gauges. Called whenever a pool view is applied.
     pub(super) fn sync_calibration(&self) {
         let routing = self.routing();
-        let snap = self.endpoints.load();
+        let snap = self.pool.endpoints();
         let departed = {
             let mut calibration = self.calibration.write();
             calibration.set_prior(routing.cost_model);

@@ -475,9 +475,8 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
 
 async fn debug_endpoints(State(state): State<AppState>) -> Response {
     let picker = &state.picker;
-    let snap = picker.endpoints.load();
-    let index = picker.index.read();
-    let loads = picker.loads.read();
+    let pool = picker.pool.read();
+    let (snap, index, loads) = (&pool.endpoints, pool.index(), pool.loads());
     let list: Vec<Value> = snap
         .endpoints()
         .iter()

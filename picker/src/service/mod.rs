@@ -231,6 +231,8 @@ pub async fn start(
         let ready_picker = picker.clone();
         let ready_cancel = cancel.clone();
         tasks.spawn(async move {
+            let mut pool_changes = ready_picker.pool.subscribe();
+            let mut scraped = ready_picker.first_metrics.subscribe();
             let mut last = None;
             loop {
                 let ready = ready_picker.is_ready();
@@ -238,9 +240,11 @@ pub async fn start(
                     health.set_ready(ready).await;
                     last = Some(ready);
                 }
+                // both senders live in the picker this task holds
                 tokio::select! {
                     () = ready_cancel.cancelled() => return,
-                    () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                    Ok(()) = pool_changes.changed() => {}
+                    Ok(()) = scraped.changed() => {}
                 }
             }
         });
@@ -261,7 +265,7 @@ pub async fn start(
                         added = change.added.len(),
                         removed = change.removed.len(),
                         routing_changed = change.routing_changed,
-                        endpoints = applier_picker.endpoints.load().len(),
+                        endpoints = applier_picker.pool.endpoints().len(),
                         "pool applied"
                     ),
                     Err(e) => {

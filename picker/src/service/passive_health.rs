@@ -47,7 +47,7 @@ impl PickerState {
     /// Follow the endpoint set: new endpoints start healthy, departed ones are forgotten
     /// with their gauges. Called whenever a pool view is applied.
     pub(super) fn sync_outlier_pool(&self) {
-        let snap = self.endpoints.load();
+        let snap = self.pool.endpoints();
         let departed = self.outliers.lock().set_pool(
             snap.endpoints()
                 .iter()

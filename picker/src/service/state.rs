@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -24,13 +24,13 @@ use super::tenancy::Tenancy;
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
-    Endpoint, EndpointId, EndpointSet, EndpointState, EngineKind, ModelConfig, RankSelection,
+    Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
-use crate::index::{IndexConfig, IndexMode, KvIndex};
+use crate::index::IndexConfig;
 use crate::inflight::{InflightGuard, InflightTracker};
-use crate::load::LoadView;
 use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
+use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState};
 use crate::router::{Decision, RouteContext, RouteError, Router, subset_allows};
 use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
@@ -129,23 +129,22 @@ fn upstream_request(
 
 /// The shared state of one picker.
 pub struct PickerState {
-    pub endpoints: EndpointSet,
+    /// The endpoint set, the KV index and the loads, with the rules that tie them together.
+    pub pool: PoolState,
     catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
     router: ArcSwap<Router>,
     routing: ArcSwap<RoutingConfig>,
     tenancy: ArcSwap<Tenancy>,
-    pub index: RwLock<KvIndex>,
-    pub loads: RwLock<LoadView>,
     pub inflight: InflightTracker,
     /// The cost model's per-endpoint calibration (see `calibration`).
     pub calibration: RwLock<Calibration>,
     pub limits: Limits,
-    pub index_settings: IndexSettings,
     pub metrics: Metrics,
     pub http: reqwest::Client,
     start: Instant,
     inflight_total: AtomicUsize,
-    pub first_metrics: AtomicBool,
+    /// Set once the scraper has been over the endpoints once (readiness waits on it).
+    pub first_metrics: tokio::sync::watch::Sender<bool>,
     /// Whether a pool view has been applied: before that, an unknown model means "not loaded
     /// yet" (503), not "no such model" (404), and `start` waits on it.
     pub pool_loaded: tokio::sync::watch::Sender<bool>,
@@ -163,7 +162,7 @@ pub struct PickerState {
 impl std::fmt::Debug for PickerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PickerState")
-            .field("endpoints", &self.endpoints.load().len())
+            .field("pool", &self.pool)
             .finish()
     }
 }
@@ -178,15 +177,20 @@ impl PickerState {
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         Ok(Self {
-            endpoints: EndpointSet::default(),
+            pool: PoolState::new(
+                IndexConfig {
+                    max_endpoints: index_settings.max_endpoints,
+                },
+                IndexBudget {
+                    default_kv_capacity_blocks: index_settings.default_kv_capacity_blocks,
+                    precise_slack: index_settings.precise_slack,
+                    approximate_ttl_ms: index_settings.approximate_ttl.as_millis() as u64,
+                },
+            ),
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
             router: ArcSwap::from_pointee(Router::new(RoutingConfig::default())),
             routing: ArcSwap::from_pointee(RoutingConfig::default()),
             tenancy: ArcSwap::from_pointee(Tenancy::default()),
-            index: RwLock::new(KvIndex::new(IndexConfig {
-                max_endpoints: index_settings.max_endpoints,
-            })),
-            loads: RwLock::new(LoadView::new()),
             inflight: InflightTracker::new(),
             calibration: RwLock::new(Calibration::new(RoutingConfig::default().cost_model)),
             render_slots: Semaphore::new(limits.max_render_concurrency),
@@ -195,12 +199,11 @@ impl PickerState {
                 limits.outlier_detection.clone(),
             )),
             limits,
-            index_settings,
             metrics: Metrics::new(),
             http,
             start: Instant::now(),
             inflight_total: AtomicUsize::new(0),
-            first_metrics: AtomicBool::new(false),
+            first_metrics: tokio::sync::watch::Sender::new(false),
             pool_loaded: tokio::sync::watch::Sender::new(false),
             labels: RwLock::new(BTreeMap::new()),
             kv_ports: RwLock::new(BTreeMap::new()),
@@ -292,10 +295,9 @@ impl PickerState {
             catalog.insert(spec.name.clone(), entry);
         }
         super::source::check_view_endpoints_unique(&view.endpoints)?;
-        let mut endpoints = Vec::with_capacity(view.endpoints.len());
+        let mut members = Vec::with_capacity(view.endpoints.len());
         let mut labels = BTreeMap::new();
         let mut kv_ports = BTreeMap::new();
-        let current = self.endpoints.load();
         for ev in &view.endpoints {
             let Some(entry) = catalog.get(&ev.model_config) else {
                 return Err(format!(
@@ -305,81 +307,44 @@ impl PickerState {
             };
             let mut e = Endpoint::new(ev.id, entry.config.clone());
             e.labels = ev.labels.clone();
-            e.state = if !ev.serving {
-                EndpointState::Draining
-            } else {
-                // keep staleness the scraper determined
-                current
-                    .get(&ev.id)
-                    .filter(|c| c.state == EndpointState::Stale)
-                    .map_or(EndpointState::Ready, |c| c.state)
-            };
+            if !ev.serving {
+                e.state = EndpointState::Draining;
+            }
             labels.insert(ev.id, ev.labels.clone());
             if let Some(p) = ev.kv_ports {
                 kv_ports.insert(ev.id, p);
             }
-            endpoints.push(e);
+            members.push(PoolMember {
+                endpoint: e,
+                precise: entry.precise(),
+                kv_capacity_blocks: entry.spec.kv_capacity_blocks,
+            });
         }
-        // index: register new endpoints with their mode and budget, drop departed ones
-        let mut added = Vec::new();
-        {
-            let mut index = self.index.write();
-            for e in &endpoints {
-                let Some(entry) = catalog.get(&*e.model_config.name) else {
-                    continue;
-                };
-                let cap = entry
-                    .spec
-                    .kv_capacity_blocks
-                    .unwrap_or(self.index_settings.default_kv_capacity_blocks);
-                let (mode, budget) = if entry.precise() {
-                    (
-                        IndexMode::Precise,
-                        cap.saturating_mul(self.index_settings.precise_slack.max(1)),
-                    )
-                } else {
-                    (
-                        IndexMode::Approximate {
-                            ttl_ms: self.index_settings.approximate_ttl.as_millis() as u64,
-                        },
-                        cap,
-                    )
-                };
-                let known = index.slot(&e.id).is_some();
-                index
-                    .add_endpoint(e.id, mode, budget as usize)
-                    .map_err(|err| err.to_string())?;
-                if !known {
-                    added.push(e.id);
+        // what the new endpoints refer to is in place before they appear
+        let Membership { added, removed } = self
+            .pool
+            .apply_view(members, || {
+                self.catalog.store(Arc::new(catalog));
+                self.tenancy.store(Arc::new(tenancy));
+                if routing_changed {
+                    self.router
+                        .store(Arc::new(Router::new(view.routing.clone())));
+                    self.routing.store(Arc::new(view.routing.clone()));
                 }
-            }
-        }
-        self.catalog.store(Arc::new(catalog));
-        self.tenancy.store(Arc::new(tenancy));
-        if routing_changed {
-            self.router
-                .store(Arc::new(Router::new(view.routing.clone())));
-            self.routing.store(Arc::new(view.routing.clone()));
-        }
-        *self.labels.write() = labels;
-        *self.kv_ports.write() = kv_ports;
-        let removed = self.endpoints.replace(endpoints);
-        {
-            let mut index = self.index.write();
-            let mut loads = self.loads.write();
-            let router = self.router.load();
-            for id in &removed {
-                index.remove_endpoint(id);
-                loads.remove(id);
-                self.inflight.remove(id);
-                router.forget_endpoint(id);
-            }
+                *self.labels.write() = labels;
+                *self.kv_ports.write() = kv_ports;
+            })
+            .map_err(|err| err.to_string())?;
+        let router = self.router.load();
+        for id in &removed {
+            self.inflight.remove(id);
+            router.forget_endpoint(id);
         }
         self.sync_outlier_pool();
         self.sync_calibration();
         self.metrics
             .endpoints
-            .set(self.endpoints.load().len() as i64);
+            .set(self.pool.endpoints().len() as i64);
         self.pool_loaded
             .send_if_modified(|loaded| !std::mem::replace(loaded, true));
         Ok(PoolChange {
@@ -410,7 +375,7 @@ impl PickerState {
 
     /// Ready: endpoints are known and every scraped endpoint has reported once.
     pub fn is_ready(&self) -> bool {
-        !self.endpoints.load().is_empty() && self.first_metrics.load(Ordering::Relaxed)
+        !self.pool.endpoints().is_empty() && *self.first_metrics.borrow()
     }
 
     /// An endpoint for a request that names no model (a bodyless request through the gateway,
@@ -424,7 +389,7 @@ impl PickerState {
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
         let ejected = self.ejected_endpoints();
-        let snapshot = self.endpoints.load();
+        let snapshot = self.pool.endpoints();
         snapshot
             .endpoints()
             .iter()
@@ -477,7 +442,7 @@ impl PickerState {
         explain: bool,
     ) -> Result<Routed, ApiError> {
         let started = Instant::now();
-        let snapshot = self.endpoints.load();
+        let snapshot = self.pool.endpoints();
         let (config, lora) = Router::resolve_model(&snapshot, &req.model).map_err(|_| {
             // a configured model without endpoints is "no endpoint", not "unknown model"
             if self
@@ -532,13 +497,12 @@ impl PickerState {
         let ejected = self.ejected_endpoints();
         let calibrating = routing.cost_model.calibrate;
         let decision = {
-            let index = self.index.read();
-            let loads = self.loads.read();
+            let pool = self.pool.read();
             let calibration = self.calibration.read();
             let ctx = RouteContext {
-                endpoints: &snapshot,
-                index: &index,
-                loads: &loads,
+                endpoints: &pool.endpoints,
+                index: pool.index(),
+                loads: pool.loads(),
                 inflight: &self.inflight,
                 now_ms: self.now_ms(),
                 ejected: &ejected,
@@ -703,10 +667,8 @@ impl PickerState {
             .predicted_hit_tokens
             .inc_by(u64::from(d.cached_tokens));
         if !routed.entry.precise() {
-            let mut index = self.index.write();
-            if let Some(slot) = index.slot(&d.endpoint) {
-                index.record_routed(slot, &routed.plan.keys, self.now_ms());
-            }
+            self.pool
+                .record_routed(&d.endpoint, &routed.plan.keys, self.now_ms());
         }
     }
 

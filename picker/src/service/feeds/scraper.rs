@@ -3,13 +3,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::endpoint::{EndpointId, EndpointPatch, EndpointState, EngineKind};
+use crate::endpoint::{EndpointId, EngineKind};
 use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
 use crate::load::EndpointLoad;
 use crate::service::diagnostics::{BlockSizeSource, EngineActivity};
@@ -32,7 +31,7 @@ struct Target {
 }
 
 fn targets(picker: &PickerState, settings: &ScrapeSettings) -> Vec<Target> {
-    let snap = picker.endpoints.load();
+    let snap = picker.pool.endpoints();
     let mut by_server: BTreeMap<(String, u16), Target> = BTreeMap::new();
     for e in snap.endpoints() {
         let path = settings
@@ -135,7 +134,6 @@ pub async fn run_scraper(
 ) {
     let mut last_ok: HashMap<EndpointId, u64> = HashMap::new();
     let mut first_seen: HashMap<EndpointId, u64> = HashMap::new();
-    let mut budgets: HashMap<EndpointId, u64> = HashMap::new();
     let limits = ParseLimits::default();
     let mut ticker = tokio::time::interval(settings.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -157,92 +155,69 @@ pub async fn run_scraper(
             .collect()
             .await;
         let now = picker.now_ms();
-        let mut capacity_updates = Vec::new();
+        let mut samples = Vec::new();
         let mut findings = Vec::new();
         let mut latencies = Vec::new();
-        {
-            let mut loads = picker.loads.write();
-            for (t, r) in results {
-                let parsed = r.and_then(|text| {
-                    parse_engine_metrics(&text, t.engine, &limits).map_err(ScrapeError::from)
-                });
-                match parsed {
-                    Ok(m) => {
-                        for id in &t.endpoints {
-                            let Some(sample) = m.for_rank(id.rank).or_else(|| Some(m.aggregate()))
-                            else {
-                                continue;
+        for (t, r) in results {
+            let parsed = r.and_then(|text| {
+                parse_engine_metrics(&text, t.engine, &limits).map_err(ScrapeError::from)
+            });
+            match parsed {
+                Ok(m) => {
+                    for id in &t.endpoints {
+                        let Some(sample) = m.for_rank(id.rank).or_else(|| Some(m.aggregate()))
+                        else {
+                            continue;
+                        };
+                        {
+                            let mut diagnostics = picker.diagnostics.lock();
+                            // SGLang reports no page size (its `block_size` is 1 token)
+                            if matches!(t.engine, EngineKind::Vllm | EngineKind::Trtllm)
+                                && let Some(engine) = sample.block_size
+                            {
+                                findings.push(diagnostics.block_size_seen(
+                                    *id,
+                                    t.block_size,
+                                    engine,
+                                    BlockSizeSource::Metrics,
+                                ));
+                            }
+                            let activity = EngineActivity {
+                                requests: sample.waiting + sample.running,
+                                prefix_cache_queries: sample.prefix_cache_queries,
                             };
-                            {
-                                let mut diagnostics = picker.diagnostics.lock();
-                                // SGLang reports no page size (its `block_size` is 1 token)
-                                if matches!(t.engine, EngineKind::Vllm | EngineKind::Trtllm)
-                                    && let Some(engine) = sample.block_size
-                                {
-                                    findings.push(diagnostics.block_size_seen(
-                                        *id,
-                                        t.block_size,
-                                        engine,
-                                        BlockSizeSource::Metrics,
-                                    ));
-                                }
-                                let activity = EngineActivity {
-                                    requests: sample.waiting + sample.running,
-                                    prefix_cache_queries: sample.prefix_cache_queries,
-                                };
-                                findings.push(diagnostics.engine_seen(*id, activity, now));
-                            }
-                            latencies.push((*id, *m.perf_for_rank(id.rank), sample.kv_usage));
-                            let load =
-                                EndpointLoad::from_sample(sample, t.engine, t.block_size, now);
-                            if let Some(cap) = load.kv_capacity_blocks
-                                && budgets.get(id) != Some(&cap)
-                            {
-                                budgets.insert(*id, cap);
-                                capacity_updates.push((*id, cap));
-                            }
-                            loads.update(*id, load);
-                            last_ok.insert(*id, now);
+                            findings.push(diagnostics.engine_seen(*id, activity, now));
                         }
+                        latencies.push((*id, *m.perf_for_rank(id.rank), sample.kv_usage));
+                        samples.push((
+                            *id,
+                            EndpointLoad::from_sample(sample, t.engine, t.block_size, now),
+                        ));
+                        last_ok.insert(*id, now);
                     }
-                    Err(e) => {
-                        picker
-                            .metrics
-                            .scrape_failures
-                            .get_or_create(&KindLabels {
-                                kind: e.kind().into(),
-                            })
-                            .inc();
-                        tracing::debug!(url = %t.url, error = %e, "scrape failed");
-                    }
+                }
+                Err(e) => {
+                    picker
+                        .metrics
+                        .scrape_failures
+                        .get_or_create(&KindLabels {
+                            kind: e.kind().into(),
+                        })
+                        .inc();
+                    tracing::debug!(url = %t.url, error = %e, "scrape failed");
                 }
             }
         }
+        // the loads, and the KV capacities they report (which bound the index per endpoint)
+        picker.pool.learn_loads(samples);
         for finding in findings {
             picker.report(finding);
         }
         picker.observe_engines(&latencies);
-        // learned KV capacities bound the index per endpoint
-        if !capacity_updates.is_empty() {
-            let mut index = picker.index.write();
-            for (id, cap) in capacity_updates {
-                if let Some(slot) = index.slot(&id)
-                    && let Some(mode) = index.mode(slot)
-                {
-                    let budget = match mode {
-                        crate::index::IndexMode::Precise => {
-                            cap.saturating_mul(picker.index_settings.precise_slack.max(1))
-                        }
-                        crate::index::IndexMode::Approximate { .. } => cap,
-                    };
-                    let _ = index.add_endpoint(id, mode, budget as usize);
-                }
-            }
-        }
         // staleness: marked and recovered automatically
         let threshold = picker.routing().staleness_threshold.as_millis() as u64;
-        let snap = picker.endpoints.load();
-        let mut patches = Vec::new();
+        let snap = picker.pool.endpoints();
+        let mut marks = Vec::with_capacity(snap.len());
         let mut stale = 0;
         for e in snap.endpoints() {
             let seen = *first_seen.entry(e.id).or_insert(now);
@@ -250,45 +225,28 @@ pub async fn run_scraper(
             let is_stale = now.saturating_sub(fresh_since) > threshold
                 || (!last_ok.contains_key(&e.id) && now.saturating_sub(seen) > threshold);
             stale += usize::from(is_stale);
-            match (e.state, is_stale) {
-                (EndpointState::Ready, true) => {
-                    tracing::warn!(endpoint = %e.id, "endpoint is stale: no good metrics scrape within the threshold");
-                    patches.push(EndpointPatch::SetState(e.id, EndpointState::Stale));
-                }
-                (EndpointState::Stale, false) => {
-                    tracing::info!(endpoint = %e.id, "endpoint recovered");
-                    patches.push(EndpointPatch::SetState(e.id, EndpointState::Ready));
-                }
-                _ => {}
-            }
+            marks.push((e.id, is_stale));
         }
-        if !patches.is_empty() {
-            picker.endpoints.patch(&patches);
-            // A stale endpoint's cache can no longer be trusted: it may have restarted empty
-            // (sequence numbers restart too, so the event feed cannot tell), or events were
-            // lost while it was unreachable. Forget its blocks; its feed repopulates them.
-            let mut index = picker.index.write();
-            for p in &patches {
-                if let EndpointPatch::SetState(id, EndpointState::Stale) = p
-                    && let Some(slot) = index.slot(id)
-                {
-                    let dropped = index.clear_endpoint(slot);
-                    tracing::info!(endpoint = %id, dropped, "cleared the stale endpoint's cached blocks");
-                }
+        for change in picker.pool.set_stale(&marks) {
+            if change.stale {
+                tracing::warn!(endpoint = %change.endpoint, dropped = change.dropped, "endpoint is stale: no good metrics scrape within the threshold; its cached blocks are forgotten");
+            } else {
+                tracing::info!(endpoint = %change.endpoint, "endpoint recovered");
             }
         }
         picker.metrics.stale_endpoints.set(stale as i64);
         picker
             .metrics
             .index_blocks
-            .set(picker.index.read().live_blocks() as i64);
+            .set(picker.pool.live_blocks() as i64);
         if !snap.is_empty() {
-            picker.first_metrics.store(true, Ordering::Relaxed);
+            picker
+                .first_metrics
+                .send_if_modified(|seen| !std::mem::replace(seen, true));
         }
         // forget endpoints that left the set
         last_ok.retain(|id, _| snap.get(id).is_some());
         first_seen.retain(|id, _| snap.get(id).is_some());
-        budgets.retain(|id, _| snap.get(id).is_some());
         let gone = picker
             .diagnostics
             .lock()
@@ -297,7 +255,7 @@ pub async fn run_scraper(
             picker.report(Some(finding));
         }
         // approximate entries past their TTL
-        picker.index.write().expire(now);
+        picker.pool.expire(now);
     }
 }
 

@@ -13,7 +13,8 @@ use super::kv_subscriber::{SubscriberConfig, SubscriberEvent, spawn_subscriber};
 use super::zmtp_guard::spawn_guard;
 use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
-use crate::kv_events::ingest::{IngestKeys, apply_batch};
+use crate::kv_events::ingest::IngestKeys;
+use crate::pool_state::ClearCause;
 use crate::service::diagnostics::BlockSizeSource;
 use crate::service::state::PickerState;
 
@@ -29,7 +30,7 @@ struct SubscriptionKey {
 }
 
 fn desired(picker: &PickerState) -> HashMap<EndpointId, SubscriptionKey> {
-    let snap = picker.endpoints.load();
+    let snap = picker.pool.endpoints();
     let catalog = picker.catalog();
     let mut out = HashMap::new();
     for e in snap.endpoints() {
@@ -139,20 +140,13 @@ async fn consume(
                     picker.metrics.event_problem("rate_limited");
                     if !std::mem::replace(&mut over_budget, true) {
                         tracing::warn!(endpoint = %key.endpoint, "KV event publisher over its rate limit: dropping batches, clearing the endpoint's blocks");
-                        let mut index = picker.index.write();
-                        if let Some(slot) = index.slot(&key.endpoint) {
-                            index.clear_endpoint(slot);
-                        }
+                        picker.pool.clear(&key.endpoint, ClearCause::RateLimited);
                     }
                     continue;
                 }
                 over_budget = false;
-                let stats = {
-                    let mut index = picker.index.write();
-                    let Some(slot) = index.slot(&key.endpoint) else {
-                        continue;
-                    };
-                    apply_batch(&mut index, slot, keys, &batch)
+                let Some(stats) = picker.pool.apply_batch(&key.endpoint, keys, &batch) else {
+                    continue;
                 };
                 picker.metrics.event_batches.inc();
                 if stats.orphan_blocks > 0 {
@@ -184,10 +178,7 @@ async fn consume(
             SubscriberEvent::Resync { reason } => {
                 tracing::warn!(endpoint = %key.endpoint, ?reason, "KV events resync: clearing the endpoint's blocks");
                 picker.metrics.event_problem("resync");
-                let mut index = picker.index.write();
-                if let Some(slot) = index.slot(&key.endpoint) {
-                    index.clear_endpoint(slot);
-                }
+                picker.pool.clear(&key.endpoint, ClearCause::Resync);
             }
             SubscriberEvent::DecodeError { error, .. } => {
                 picker.metrics.event_problem("decode_error");
@@ -207,10 +198,13 @@ async fn consume(
 /// Keep subscriptions in step with the endpoint set until cancelled.
 pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationToken) {
     let mut running: HashMap<EndpointId, (SubscriptionKey, CancellationToken)> = HashMap::new();
+    // wakes on every applied pool view (the model configs may have changed with it) and every
+    // change of the endpoint set
+    let mut changes = picker.pool.subscribe();
     let mut seen_version = None;
     loop {
         let version = (
-            picker.endpoints.load().version(),
+            picker.pool.endpoints().version(),
             Arc::as_ptr(&picker.catalog()) as usize,
         );
         if seen_version != Some(version) {
@@ -228,13 +222,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                 if running.contains_key(&id) {
                     continue;
                 }
-                // a new subscription starts from an empty view of its endpoint
-                {
-                    let mut index = picker.index.write();
-                    if let Some(slot) = index.slot(&id) {
-                        index.clear_endpoint(slot);
-                    }
-                }
+                picker.pool.clear(&id, ClearCause::Subscribed);
                 // the engine's sockets are reached through frame-checking relays: the
                 // `zeromq` crate would abort on a frame announcing an absurd size
                 // (twice the payload bound: a merely oversized payload is skipped and counted
@@ -278,14 +266,16 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                 running.insert(id, (key, token));
             }
         }
-        tokio::select! {
-            () = cancel.cancelled() => {
-                for (_, (_, t)) in running.drain() {
-                    t.cancel();
-                }
-                return;
+        // (the pool, and with it the sender, lives as long as the picker this task holds)
+        let stop = tokio::select! {
+            () = cancel.cancelled() => true,
+            changed = changes.changed() => changed.is_err(),
+        };
+        if stop {
+            for (_, (_, t)) in running.drain() {
+                t.cancel();
             }
-            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            return;
         }
     }
 }

@@ -1,0 +1,374 @@
+//! One owner of a pool's routing state: the endpoint set, the KV index and the scraped loads,
+//! behind one lock, changed only through the intents below.
+//!
+//! Every writer of the picker (the pool source, the metrics scraper, the KV-event feeds, the
+//! routing path recording an approximate decision) says what happened, not which structures
+//! to touch: a pool view was applied, a batch arrived, an endpoint must be resynchronised, its
+//! engine reported its capacity, it went stale or recovered, a request was routed, time
+//! passed. The rules that tie the structures together live here once: an endpoint's index
+//! budget ([`IndexBudget`]), why its cached blocks are forgotten ([`ClearCause`]), and that
+//! an endpoint leaving the set takes its blocks and its load with it. Free of I/O, so that it
+//! is tested against a reference model (`tests/pool_state_model.rs`).
+
+use std::sync::Arc;
+
+use parking_lot::{RwLock, RwLockReadGuard};
+use tokio::sync::watch;
+
+use crate::block_keys::BlockKey;
+use crate::endpoint::{
+    Endpoint, EndpointId, EndpointPatch, EndpointSet, EndpointSnapshot, EndpointState,
+};
+use crate::index::{IndexConfig, IndexError, IndexMode, KvIndex};
+use crate::kv_events::EventBatch;
+use crate::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
+use crate::load::{EndpointLoad, LoadView};
+
+/// How many blocks the index keeps per endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexBudget {
+    /// Blocks assumed for an endpoint whose engine reports no capacity and whose model config
+    /// names none.
+    pub default_kv_capacity_blocks: u64,
+    /// A precise endpoint may hold this many times its capacity before it is taken to be out
+    /// of sync (removals were missed) and cleared.
+    pub precise_slack: u64,
+    /// Approximate entries expire after this long without use.
+    pub approximate_ttl_ms: u64,
+}
+
+impl Default for IndexBudget {
+    fn default() -> Self {
+        Self {
+            default_kv_capacity_blocks: 32_768,
+            precise_slack: 2,
+            approximate_ttl_ms: 600_000,
+        }
+    }
+}
+
+impl IndexBudget {
+    /// The index mode and block budget of an endpoint. Its capacity is, in this order, what
+    /// its engine reported (`learned`), what its model config says (`configured`), the
+    /// default; a precise endpoint may hold `precise_slack` times that.
+    pub fn for_endpoint(
+        &self,
+        precise: bool,
+        learned: Option<u64>,
+        configured: Option<u64>,
+    ) -> (IndexMode, usize) {
+        let cap = learned
+            .or(configured)
+            .unwrap_or(self.default_kv_capacity_blocks);
+        let (mode, blocks) = if precise {
+            (
+                IndexMode::Precise,
+                cap.saturating_mul(self.precise_slack.max(1)),
+            )
+        } else {
+            (
+                IndexMode::Approximate {
+                    ttl_ms: self.approximate_ttl_ms,
+                },
+                cap,
+            )
+        };
+        (mode, usize::try_from(blocks).unwrap_or(usize::MAX))
+    }
+}
+
+/// Why an endpoint's cached blocks are forgotten. (A precise endpoint over its block budget
+/// is cleared by the index itself, reported as [`IngestStats::overflowed`]; one leaving the
+/// pool is removed, blocks and all, by [`PoolState::apply_view`].)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClearCause {
+    /// No good metrics scrape within the staleness threshold: the engine may have restarted
+    /// empty (its event sequence restarts too, so the feed cannot tell) or events were lost
+    /// while it was unreachable.
+    Stale,
+    /// The KV-event feed lost continuity (a gap, a restart, a failed replay).
+    Resync,
+    /// The publisher went over its event rate limit: its batches are being dropped.
+    RateLimited,
+    /// A new subscription starts from an empty view of its endpoint.
+    Subscribed,
+}
+
+impl ClearCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stale => "stale",
+            Self::Resync => "resync",
+            Self::RateLimited => "rate_limited",
+            Self::Subscribed => "subscribed",
+        }
+    }
+}
+
+/// An endpoint of a pool view, with what its index entry depends on.
+#[derive(Debug, Clone)]
+pub struct PoolMember {
+    /// The endpoint as the view declares it: [`EndpointState::Draining`] when it is not
+    /// serving, else `Ready` (a stale endpoint stays stale across views).
+    pub endpoint: Endpoint,
+    /// Its blocks are learned from its engine's KV events (else from routing decisions).
+    pub precise: bool,
+    /// The capacity its model config declares.
+    pub kv_capacity_blocks: Option<u64>,
+}
+
+/// What applying a pool view changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Endpoints the index did not track before.
+    pub added: Vec<EndpointId>,
+    /// Endpoints that left the set (their blocks and load are gone).
+    pub removed: Vec<EndpointId>,
+}
+
+/// A staleness change of one endpoint, made by [`PoolState::set_stale`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StalenessChange {
+    pub endpoint: EndpointId,
+    pub stale: bool,
+    /// Cached blocks forgotten (going stale clears the endpoint).
+    pub dropped: usize,
+}
+
+struct Inner {
+    index: KvIndex,
+    loads: LoadView,
+    /// The model config's capacity and mode of each member, for re-budgeting when its engine
+    /// reports another capacity.
+    members: hashbrown::HashMap<EndpointId, (bool, Option<u64>)>,
+}
+
+/// A consistent read of the pool: the endpoint set, the index and the loads as of one moment.
+pub struct PoolRead<'a> {
+    guard: RwLockReadGuard<'a, Inner>,
+    pub endpoints: Arc<EndpointSnapshot>,
+}
+
+impl PoolRead<'_> {
+    pub fn index(&self) -> &KvIndex {
+        &self.guard.index
+    }
+
+    pub fn loads(&self) -> &LoadView {
+        &self.guard.loads
+    }
+}
+
+/// See the module documentation.
+pub struct PoolState {
+    /// Readers take snapshots without the lock; it is only replaced under the write lock, so
+    /// the set and the index never disagree about who is a member for longer than a read.
+    endpoints: EndpointSet,
+    inner: RwLock<Inner>,
+    budget: IndexBudget,
+    /// Bumped whenever the endpoint set (membership or a state) changes or a view is applied.
+    changes: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for PoolState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolState")
+            .field("endpoints", &self.endpoints.load().len())
+            .field("budget", &self.budget)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PoolState {
+    pub fn new(index: IndexConfig, budget: IndexBudget) -> Self {
+        Self {
+            endpoints: EndpointSet::default(),
+            inner: RwLock::new(Inner {
+                index: KvIndex::new(index),
+                loads: LoadView::new(),
+                members: hashbrown::HashMap::new(),
+            }),
+            budget,
+            changes: watch::Sender::new(0),
+        }
+    }
+
+    /// The endpoint set now.
+    pub fn endpoints(&self) -> Arc<EndpointSnapshot> {
+        self.endpoints.load()
+    }
+
+    /// Wakes on every change of the endpoint set and on every applied view.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// The endpoint set, the index and the loads as of one moment (routing, diagnostics).
+    pub fn read(&self) -> PoolRead<'_> {
+        let guard = self.inner.read();
+        PoolRead {
+            endpoints: self.endpoints.load(),
+            guard,
+        }
+    }
+
+    /// Make the pool `members`. Refused whole, with nothing changed, when the index cannot
+    /// track that many endpoints. Otherwise every member gets its index entry (a new one, or
+    /// its mode and budget brought up to date), `publish` runs (to put in place what the new
+    /// members refer to, such as their model configs, before they appear), then the set is
+    /// replaced, keeping the staleness the scraper determined, and departed endpoints lose
+    /// their blocks and load.
+    pub fn apply_view(
+        &self,
+        members: Vec<PoolMember>,
+        publish: impl FnOnce(),
+    ) -> Result<Membership, IndexError> {
+        let mut inner = self.inner.write();
+        let inner = &mut *inner;
+        let new = members
+            .iter()
+            .filter(|m| inner.index.slot(&m.endpoint.id).is_none())
+            .count();
+        let limit = inner.index.max_endpoints();
+        if inner.index.endpoints().count() + new > limit {
+            return Err(IndexError::TooManyEndpoints(limit));
+        }
+        let current = self.endpoints.load();
+        let mut added = Vec::new();
+        let mut endpoints = Vec::with_capacity(members.len());
+        inner.members.clear();
+        for m in members {
+            let id = m.endpoint.id;
+            let learned = inner.loads.get(&id).and_then(|l| l.kv_capacity_blocks);
+            let (mode, blocks) = self
+                .budget
+                .for_endpoint(m.precise, learned, m.kv_capacity_blocks);
+            if inner.index.slot(&id).is_none() {
+                added.push(id);
+            }
+            inner.index.add_endpoint(id, mode, blocks)?;
+            inner.members.insert(id, (m.precise, m.kv_capacity_blocks));
+            let mut e = m.endpoint;
+            if e.state == EndpointState::Ready
+                && current
+                    .get(&id)
+                    .is_some_and(|c| c.state == EndpointState::Stale)
+            {
+                e.state = EndpointState::Stale;
+            }
+            endpoints.push(e);
+        }
+        publish();
+        let removed = self.endpoints.replace(endpoints);
+        for id in &removed {
+            inner.index.remove_endpoint(id);
+            inner.loads.remove(id);
+        }
+        self.changes.send_modify(|v| *v += 1);
+        Ok(Membership { added, removed })
+    }
+
+    /// Apply a KV-event batch of `endpoint`; `None` when the index does not track it or
+    /// tracks it approximately (its blocks are learned from routing, not from events).
+    pub fn apply_batch(
+        &self,
+        endpoint: &EndpointId,
+        keys: IngestKeys<'_>,
+        batch: &EventBatch,
+    ) -> Option<IngestStats> {
+        let mut inner = self.inner.write();
+        let slot = inner.index.slot(endpoint)?;
+        if inner.index.mode(slot) != Some(IndexMode::Precise) {
+            return None;
+        }
+        Some(apply_batch(&mut inner.index, slot, keys, batch))
+    }
+
+    /// Forget `endpoint`'s cached blocks; returns how many were dropped.
+    pub fn clear(&self, endpoint: &EndpointId, cause: ClearCause) -> usize {
+        let dropped = self.inner.write().clear(endpoint);
+        if dropped > 0 {
+            tracing::debug!(%endpoint, cause = cause.as_str(), dropped, "cleared the endpoint's cached blocks");
+        }
+        dropped
+    }
+
+    /// What the scraper read: each member's load (a sample of an endpoint that is no longer a
+    /// member is dropped). A capacity its engine reports for the first time, differently, or
+    /// no longer, re-budgets its index entry ([`IndexBudget::for_endpoint`]).
+    pub fn learn_loads(&self, samples: impl IntoIterator<Item = (EndpointId, EndpointLoad)>) {
+        let mut inner = self.inner.write();
+        let inner = &mut *inner;
+        for (id, load) in samples {
+            let Some(&(precise, configured)) = inner.members.get(&id) else {
+                continue;
+            };
+            let before = inner.loads.get(&id).and_then(|l| l.kv_capacity_blocks);
+            let learned = load.kv_capacity_blocks;
+            inner.loads.update(id, load);
+            if learned != before {
+                let (mode, blocks) = self.budget.for_endpoint(precise, learned, configured);
+                // a member always has its entry: this only updates it
+                let _ = inner.index.add_endpoint(id, mode, blocks);
+            }
+        }
+    }
+
+    /// Mark endpoints stale or recovered (`(endpoint, stale)`); only `Ready` ↔ `Stale`
+    /// changes (a draining endpoint stays draining). An endpoint that goes stale is cleared
+    /// ([`ClearCause::Stale`]). Returns the changes made.
+    pub fn set_stale(&self, marks: &[(EndpointId, bool)]) -> Vec<StalenessChange> {
+        let mut inner = self.inner.write();
+        let snapshot = self.endpoints.load();
+        let mut patches = Vec::new();
+        let mut changes = Vec::new();
+        for &(id, stale) in marks {
+            let Some(e) = snapshot.get(&id) else { continue };
+            let next = match (e.state, stale) {
+                (EndpointState::Ready, true) => EndpointState::Stale,
+                (EndpointState::Stale, false) => EndpointState::Ready,
+                _ => continue,
+            };
+            patches.push(EndpointPatch::SetState(id, next));
+            let dropped = if stale { inner.clear(&id) } else { 0 };
+            changes.push(StalenessChange {
+                endpoint: id,
+                stale,
+                dropped,
+            });
+        }
+        if !patches.is_empty() {
+            self.endpoints.patch(&patches);
+            self.changes.send_modify(|v| *v += 1);
+        }
+        changes
+    }
+
+    /// The approximate index learns that `keys` now live on `endpoint` (a precise endpoint
+    /// learns only from its engine's events: the index ignores this there).
+    pub fn record_routed(&self, endpoint: &EndpointId, keys: &[BlockKey], now_ms: u64) {
+        let mut inner = self.inner.write();
+        if let Some(slot) = inner.index.slot(endpoint) {
+            inner.index.record_routed(slot, keys, now_ms);
+        }
+    }
+
+    /// Approximate entries past their TTL go; returns how many.
+    pub fn expire(&self, now_ms: u64) -> usize {
+        self.inner.write().index.expire(now_ms)
+    }
+
+    /// Blocks held, over every endpoint.
+    pub fn live_blocks(&self) -> usize {
+        self.inner.read().index.live_blocks()
+    }
+}
+
+impl Inner {
+    fn clear(&mut self, endpoint: &EndpointId) -> usize {
+        match self.index.slot(endpoint) {
+            Some(slot) => self.index.clear_endpoint(slot),
+            None => 0,
+        }
+    }
+}
