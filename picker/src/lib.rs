@@ -13,6 +13,7 @@ pub mod config {
 }
 pub mod endpoint;
 pub mod engine_metrics;
+pub mod error;
 pub mod index;
 pub mod inflight;
 pub mod kv_events;

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::duration_str;
 use crate::endpoint::EndpointId;
+use crate::error::PickerError;
 
 /// `limits.outlierDetection` in the picker config.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,19 +59,21 @@ impl Default for OutlierDetection {
 
 impl OutlierDetection {
     /// Errors name the field (`prefix` is where the block sits, e.g. `limits.outlierDetection`).
-    pub fn validate(&self, prefix: &str) -> Result<(), String> {
+    pub fn validate(&self, prefix: &str) -> Result<(), PickerError> {
         if self.base_ejection_time.is_zero() {
-            return Err(format!("{prefix}.baseEjectionTime must be positive"));
+            return Err(PickerError::Invalid(format!(
+                "{prefix}.baseEjectionTime must be positive"
+            )));
         }
         if self.max_ejection_time < self.base_ejection_time {
-            return Err(format!(
+            return Err(PickerError::Invalid(format!(
                 "{prefix}.maxEjectionTime must be at least {prefix}.baseEjectionTime"
-            ));
+            )));
         }
         if self.max_ejection_percent > 100 {
-            return Err(format!(
+            return Err(PickerError::Invalid(format!(
                 "{prefix}.maxEjectionPercent must be between 0 and 100"
-            ));
+            )));
         }
         Ok(())
     }
@@ -507,6 +510,7 @@ mod tests {
         assert!(
             bad.validate(p)
                 .expect_err("zero")
+                .to_string()
                 .contains("baseEjectionTime")
         );
         let bad = OutlierDetection {
@@ -516,6 +520,7 @@ mod tests {
         assert!(
             bad.validate(p)
                 .expect_err("pct")
+                .to_string()
                 .contains("maxEjectionPercent")
         );
         let bad = OutlierDetection {
@@ -525,9 +530,10 @@ mod tests {
         assert!(
             bad.validate(p)
                 .expect_err("max")
+                .to_string()
                 .contains("maxEjectionTime")
         );
-        assert_eq!(OutlierDetection::default().validate(p), Ok(()));
+        assert!(OutlierDetection::default().validate(p).is_ok());
     }
 
     #[test]
@@ -550,14 +556,15 @@ mod tests {
         ))
         .expect_err("percent");
         assert!(
-            e.contains("limits.outlierDetection.maxEjectionPercent"),
+            e.to_string()
+                .contains("limits.outlierDetection.maxEjectionPercent"),
             "{e}"
         );
         let e = PickerConfig::from_yaml(&format!(
             "{base}limits: {{outlierDetection: {{consecutive5XX: 2}}}}"
         ))
         .expect_err("unknown field");
-        assert!(e.contains("consecutive5XX"), "{e}");
+        assert!(e.to_string().contains("consecutive5XX"), "{e}");
     }
 
     #[derive(Debug, Clone)]

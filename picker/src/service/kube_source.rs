@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::pool_view::{EndpointView, PoolView};
 use super::source::EndpointSource;
 use crate::endpoint::EndpointId;
+use crate::error::PickerError;
 
 /// Which pool to follow and where the operator mounts its files in the picker pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,10 +157,8 @@ impl KubeSource {
     }
 
     /// With the in-cluster service account, or `KUBECONFIG` outside a cluster.
-    pub async fn try_default(options: KubeSourceOptions) -> Result<Self, String> {
-        let client = Client::try_default()
-            .await
-            .map_err(|e| format!("cannot reach the Kubernetes API: {e}"))?;
+    pub async fn try_default(options: KubeSourceOptions) -> Result<Self, PickerError> {
+        let client = Client::try_default().await.map_err(PickerError::Kube)?;
         Ok(Self::new(client, options))
     }
 

@@ -33,6 +33,11 @@ pub struct KindLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub error: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
     pub endpoint: String,
     pub source: String,
@@ -61,6 +66,7 @@ pub struct Metrics {
     pub event_problems: Family<KindLabels, Counter>,
     /// By `kind` (`ScrapeError::kind`).
     pub scrape_failures: Family<KindLabels, Counter>,
+    pub config_rejections: Family<ErrorLabels, Counter>,
     pub stale_endpoints: Gauge,
     pub endpoints: Gauge,
     pub index_blocks: Gauge,
@@ -152,6 +158,12 @@ impl Metrics {
             "Failed engine metrics scrapes, by kind (request, http_status, too_large, not_utf8, timeout, parse)",
             scrape_failures.clone(),
         );
+        let config_rejections = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "config_rejections",
+            "Pool views rejected (the previous one stays in force) and tenancy secret reloads that failed, by error (PickerError::metric_label)",
+            config_rejections.clone(),
+        );
         let stale_endpoints = Gauge::default();
         registry.register(
             "stale_endpoints",
@@ -241,6 +253,7 @@ impl Metrics {
             event_lag_seconds,
             event_problems,
             scrape_failures,
+            config_rejections,
             stale_endpoints,
             endpoints,
             index_blocks,

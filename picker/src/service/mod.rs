@@ -32,6 +32,7 @@ use self::pool_view::PoolView;
 use self::settings::PickerConfig;
 use self::source::EndpointSource;
 use self::state::PickerState;
+use crate::error::PickerError;
 
 /// How often the tenancy salt secret file is re-read: a rotated Kubernetes Secret reaches
 /// the mounted file within about a minute, and salts follow within this.
@@ -112,9 +113,10 @@ fn connection_caps(config: &PickerConfig) -> usize {
 fn ext_proc_tls(
     tls: &settings::TlsFiles,
     handshake_timeout: std::time::Duration,
-) -> Result<tonic::transport::ServerTlsConfig, String> {
+) -> Result<tonic::transport::ServerTlsConfig, PickerError> {
     let read = |field: &str, p: &str| {
-        std::fs::read(p).map_err(|e| format!("listen.extProcTls.{field} {p}: {e}"))
+        std::fs::read(p)
+            .map_err(|e| PickerError::read_file(format!("listen.extProcTls.{field}"), p, e))
     };
     let identity = tonic::transport::Identity::from_pem(
         read("certFile", &tls.cert_file)?,
@@ -137,11 +139,11 @@ pub async fn start(
     config: PickerConfig,
     source: Box<dyn EndpointSource>,
     cancel: CancellationToken,
-) -> Result<Running, String> {
+) -> Result<Running, PickerError> {
     let admin_token = match &config.listen.admin_token_file {
         Some(p) => Some(Arc::<str>::from(
             std::fs::read_to_string(p)
-                .map_err(|e| format!("listen.adminTokenFile {p}: {e}"))?
+                .map_err(|e| PickerError::read_file("listen.adminTokenFile", p, e))?
                 .trim(),
         )),
         None => None,
@@ -151,23 +153,26 @@ pub async fn start(
         config.index.clone(),
     )?);
     let bind = |addr: SocketAddr| async move {
-        TcpListener::bind(addr)
-            .await
-            .map_err(|e| format!("cannot listen on {addr}: {e}"))
+        let listen = |source| PickerError::Listen { addr, source };
+        let l = TcpListener::bind(addr).await.map_err(listen)?;
+        let bound = l.local_addr().map_err(listen)?;
+        Ok::<_, PickerError>((l, bound))
     };
-    let http_l = bind(config.listen.http).await?;
-    let admin_l = bind(config.listen.admin).await?;
-    let metrics_l = bind(config.listen.metrics).await?;
-    let ext_l = match config.listen.ext_proc {
-        Some(a) => Some(bind(a).await?),
-        None => None,
+    let (http_l, http_addr) = bind(config.listen.http).await?;
+    let (admin_l, admin_addr) = bind(config.listen.admin).await?;
+    let (metrics_l, metrics_addr) = bind(config.listen.metrics).await?;
+    let (ext_l, ext_addr) = match config.listen.ext_proc {
+        Some(a) => {
+            let (l, bound) = bind(a).await?;
+            (Some(l), Some(bound))
+        }
+        None => (None, None),
     };
-    let addr = |l: &TcpListener| l.local_addr().map_err(|e| e.to_string());
     let addrs = BoundAddrs {
-        http: addr(&http_l)?,
-        admin: addr(&admin_l)?,
-        metrics: addr(&metrics_l)?,
-        ext_proc: ext_l.as_ref().map(addr).transpose()?,
+        http: http_addr,
+        admin: admin_addr,
+        metrics: metrics_addr,
+        ext_proc: ext_addr,
     };
     let state = AppState {
         picker: picker.clone(),
@@ -269,6 +274,7 @@ pub async fn start(
                         "pool applied"
                     ),
                     Err(e) => {
+                        applier_picker.count_rejection(&e);
                         tracing::error!(error = %e, "pool view rejected; keeping the previous one")
                     }
                 }
@@ -308,7 +314,10 @@ pub async fn start(
             match reload_picker.reload_tenancy_secret() {
                 Ok(true) => tracing::info!("tenancy salt secret rotated"),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot re-read the tenancy salt secret; keeping the current one"),
+                Err(e) => {
+                    reload_picker.count_rejection(&e);
+                    tracing::warn!(error = %e, "cannot re-read the tenancy salt secret; keeping the current one");
+                }
             }
         }
     });

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::settings::Limits;
 use crate::config::RoutingConfig;
 use crate::endpoint::{EndpointId, ModelConfig};
+use crate::error::PickerError;
 use crate::pool::{ModelConfigSpec, TenancySpec};
 use crate::tokenize::{PromptTokenizer, PromptTokenizerOptions, TokenizeLimits};
 
@@ -30,7 +31,7 @@ impl ModelEntry {
         self.spec.kv_events.is_some()
     }
 
-    pub(super) fn build(spec: &ModelConfigSpec, limits: &Limits) -> Result<Self, String> {
+    pub(super) fn build(spec: &ModelConfigSpec, limits: &Limits) -> Result<Self, PickerError> {
         let tok_limits = TokenizeLimits {
             max_prompt_bytes: limits.max_body_bytes,
             max_tokens: limits.max_prompt_tokens,
@@ -43,8 +44,9 @@ impl ModelEntry {
             ..PromptTokenizerOptions::default()
         };
         let read = |p: &str| {
-            std::fs::read(p)
-                .map_err(|e| format!("modelConfigs {:?}: cannot read {p}: {e}", spec.name))
+            std::fs::read(p).map_err(|e| {
+                PickerError::read_file(format!("modelConfigs {:?}: tokenizer", spec.name), p, e)
+            })
         };
         let (json, cfg) = match &spec.tokenizer {
             Some(t) => (
@@ -57,7 +59,10 @@ impl ModelEntry {
             None => (None, None),
         };
         let tokenizer = PromptTokenizer::from_hf_files(json.as_deref(), cfg.as_deref(), options)
-            .map_err(|e| format!("modelConfigs {:?}: {e}", spec.name))?;
+            .map_err(|e| PickerError::Tokenizer {
+                name: spec.name.clone(),
+                message: e.to_string(),
+            })?;
         if tokenizer.has_tokenizer()
             && let Err(why) = tokenizer.piece_cache()
         {

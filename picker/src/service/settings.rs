@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{RoutingConfig, duration_str};
+use crate::error::PickerError;
 use crate::pool::{ModelConfigSpec, TenancySpec};
 
 /// Where the picker listens.
@@ -248,20 +249,24 @@ pub struct PickerConfig {
 }
 
 impl PickerConfig {
-    pub fn from_yaml(text: &str) -> Result<Self, String> {
-        let c: Self = serde_yaml_ng::from_str(text).map_err(|e| format!("invalid config: {e}"))?;
+    pub fn from_yaml(text: &str) -> Result<Self, PickerError> {
+        let c: Self = serde_yaml_ng::from_str(text).map_err(PickerError::Parse)?;
         c.validate()?;
         Ok(c)
     }
 
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        Self::from_yaml(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<Self, PickerError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            PickerError::read_file("the config file", &path.display().to_string(), e)
+        })?;
+        Self::from_yaml(&text).map_err(|e| PickerError::InFile {
+            path: path.to_owned(),
+            source: Box::new(e),
+        })
     }
 
     /// Cross-field checks; errors name the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), PickerError> {
         if self.model_configs.is_empty() {
             return Err("modelConfigs must list at least one model config".into());
         }
@@ -269,21 +274,23 @@ impl PickerConfig {
         for (i, mc) in self.model_configs.iter().enumerate() {
             mc.validate(i)?;
             if !names.insert(mc.name.as_str()) {
-                return Err(format!(
+                return Err(PickerError::Invalid(format!(
                     "modelConfigs[{i}].name {:?} is duplicated",
                     mc.name
-                ));
+                )));
             }
         }
         for (i, e) in self.endpoints.iter().enumerate() {
             if !names.contains(e.model_config.as_str()) {
-                return Err(format!(
+                return Err(PickerError::Invalid(format!(
                     "endpoints[{i}].modelConfig {:?} names no entry of modelConfigs",
                     e.model_config
-                ));
+                )));
             }
             if e.port == Some(0) {
-                return Err(format!("endpoints[{i}].port must be 1-65535"));
+                return Err(PickerError::Invalid(format!(
+                    "endpoints[{i}].port must be 1-65535"
+                )));
             }
         }
         super::source::check_static_endpoints_unique(self)?;
@@ -303,14 +310,14 @@ impl PickerConfig {
             ("index.maxEndpoints", self.index.max_endpoints),
         ] {
             if v == 0 {
-                return Err(format!("{name} must be positive"));
+                return Err(PickerError::Invalid(format!("{name} must be positive")));
             }
         }
         if l.body_buffer_bytes < l.max_body_bytes {
-            return Err(format!(
+            return Err(PickerError::Invalid(format!(
                 "limits.bodyBufferBytes ({}) must be at least limits.maxBodyBytes ({})",
                 l.body_buffer_bytes, l.max_body_bytes
-            ));
+            )));
         }
         if l.tokenizer_cache_tokens > 1 << 28 {
             return Err(
@@ -335,9 +342,9 @@ impl PickerConfig {
             ("index.approximateTtl", self.index.approximate_ttl),
         ] {
             if d.is_zero() {
-                return Err(format!(
+                return Err(PickerError::Invalid(format!(
                     "{name} must be positive (0s would fail every request)"
-                ));
+                )));
             }
         }
         if let Some(tls) = &self.listen.ext_proc_tls {
@@ -353,7 +360,7 @@ impl PickerConfig {
                 ),
             ] {
                 if v.is_some_and(|p| p.trim().is_empty()) {
-                    return Err(format!("{name} must name a file"));
+                    return Err(PickerError::Invalid(format!("{name} must name a file")));
                 }
             }
         }
@@ -410,21 +417,21 @@ limits:
     fn errors_name_the_field() {
         let bad = SAMPLE.replace("modelConfig: llama", "modelConfig: mistral");
         let e = PickerConfig::from_yaml(&bad).expect_err("dangling");
-        assert!(e.contains("endpoints[0].modelConfig"), "{e}");
+        assert!(e.to_string().contains("endpoints[0].modelConfig"), "{e}");
         let bad = SAMPLE.replace("queue: 2", "queue: -2");
         let e = PickerConfig::from_yaml(&bad).expect_err("negative");
-        assert!(e.contains("routing.weights.queue"), "{e}");
+        assert!(e.to_string().contains("routing.weights.queue"), "{e}");
         let bad = SAMPLE.replace("upstreamTimeout: 30s", "upstreamTimeout: soon");
         let e = PickerConfig::from_yaml(&bad).expect_err("duration");
         assert!(
-            e.contains("upstreamTimeout") || e.contains("invalid duration"),
+            e.to_string().contains("upstreamTimeout") || e.to_string().contains("invalid duration"),
             "{e}"
         );
         let bad = SAMPLE.replace("port: 8000", "port: 8000\n    blockSize: 12");
         let e = PickerConfig::from_yaml(&bad).expect_err("block");
-        assert!(e.contains("modelConfigs[0].blockSize"), "{e}");
+        assert!(e.to_string().contains("modelConfigs[0].blockSize"), "{e}");
         let e = PickerConfig::from_yaml("modelConfigs: []").expect_err("empty");
-        assert!(e.contains("modelConfigs"), "{e}");
+        assert!(e.to_string().contains("modelConfigs"), "{e}");
     }
 
     #[test]
@@ -440,19 +447,20 @@ limits:
             let bad = SAMPLE.replace("upstreamTimeout: 30s", &format!("{field}: 0s"));
             let e = PickerConfig::from_yaml(&bad).expect_err(field);
             assert!(
-                e.contains(&format!("limits.{field} must be positive")),
+                e.to_string()
+                    .contains(&format!("limits.{field} must be positive")),
                 "{e}"
             );
         }
         let bad = format!("{SAMPLE}\nindex: {{approximateTtl: 0s}}\n");
         let e = PickerConfig::from_yaml(&bad).expect_err("ttl");
-        assert!(e.contains("index.approximateTtl"), "{e}");
+        assert!(e.to_string().contains("index.approximateTtl"), "{e}");
         let bad = SAMPLE.replace(
             "upstreamTimeout: 30s",
             "maxBodyBytes: 2048\n  bodyBufferBytes: 1024",
         );
         let e = PickerConfig::from_yaml(&bad).expect_err("buffer");
-        assert!(e.contains("limits.bodyBufferBytes"), "{e}");
+        assert!(e.to_string().contains("limits.bodyBufferBytes"), "{e}");
     }
 
     #[test]

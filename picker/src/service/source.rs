@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::pool_view::{EndpointView, KvPorts, PoolView};
 use super::settings::PickerConfig;
 use crate::endpoint::EndpointId;
+use crate::error::PickerError;
 
 pub trait EndpointSource: Send + 'static {
     fn name(&self) -> &'static str;
@@ -70,7 +71,7 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
 /// Static endpoints must not overlap: the same address and port listed twice (with
 /// conflicting labels or model configs, the first would win in routing and the last in the
 /// labels). The error names both entries.
-pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), String> {
+pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), PickerError> {
     let mut owners: BTreeMap<SocketAddr, usize> = BTreeMap::new();
     for (i, e) in c.endpoints.iter().enumerate() {
         let Some(spec) = c.model_configs.iter().find(|m| m.name == e.model_config) else {
@@ -84,10 +85,10 @@ pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), String> {
             let socket = SocketAddr::new(e.address, port);
             match owners.get(&socket) {
                 Some(&first) if first != i => {
-                    return Err(format!(
+                    return Err(PickerError::Invalid(format!(
                         "endpoints[{i}] and endpoints[{first}] both serve {socket}: list each \
                          address and port once"
-                    ));
+                    )));
                 }
                 Some(_) => {}
                 None => {
@@ -102,30 +103,30 @@ pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), String> {
 /// A pool view must list each endpoint once, and one address and port under one model config
 /// only; the error names the conflicting entries. (The Kubernetes source merges the listings
 /// of one pod under one model config, so a duplicate here is always a conflict.)
-pub fn check_view_endpoints_unique(endpoints: &[EndpointView]) -> Result<(), String> {
+pub fn check_view_endpoints_unique(endpoints: &[EndpointView]) -> Result<(), PickerError> {
     let mut by_id: BTreeMap<EndpointId, &EndpointView> = BTreeMap::new();
     let mut by_socket: BTreeMap<SocketAddr, &EndpointView> = BTreeMap::new();
     let describe =
         |v: &EndpointView| format!("model config {:?}, labels {:?}", v.model_config, v.labels);
     for v in endpoints {
         if let Some(first) = by_id.insert(v.id, v) {
-            return Err(format!(
+            return Err(PickerError::Invalid(format!(
                 "endpoint {} is listed twice ({}; and {})",
                 v.id,
                 describe(first),
                 describe(v)
-            ));
+            )));
         }
         let socket = SocketAddr::new(v.id.address, v.id.port);
         match by_socket.get(&socket) {
             Some(first) if first.model_config != v.model_config => {
-                return Err(format!(
+                return Err(PickerError::Invalid(format!(
                     "endpoints {} and {} share {socket} under different model configs ({}; and {})",
                     first.id,
                     v.id,
                     describe(first),
                     describe(v)
-                ));
+                )));
             }
             Some(_) => {}
             None => {
@@ -255,9 +256,9 @@ endpoints:
         ] {
             let e = PickerConfig::from_yaml(&format!("{TWO}{dup}\n")).expect_err(dup);
             assert!(
-                e.contains("endpoints[2]")
-                    && e.contains("endpoints[0]")
-                    && e.contains("127.0.0.2:8000"),
+                e.to_string().contains("endpoints[2]")
+                    && e.to_string().contains("endpoints[0]")
+                    && e.to_string().contains("127.0.0.2:8000"),
                 "{dup}: {e}"
             );
         }
@@ -281,10 +282,10 @@ endpoints:
         bad.endpoints.push(twin);
         let e = picker.apply_pool(&bad).expect_err("duplicate");
         assert!(
-            e.contains("127.0.0.2:8000#0")
-                && e.contains("\"a\"")
-                && e.contains("\"b\"")
-                && e.contains("globex"),
+            e.to_string().contains("127.0.0.2:8000#0")
+                && e.to_string().contains("\"a\"")
+                && e.to_string().contains("\"b\"")
+                && e.to_string().contains("globex"),
             "{e}"
         );
         // the same id listed twice under one model config, labels differing
@@ -294,7 +295,7 @@ endpoints:
         bad.endpoints.push(twin);
         let e = picker.apply_pool(&bad).expect_err("duplicate");
         assert!(
-            e.contains("127.0.0.3:8000#0") && e.contains("listed twice"),
+            e.to_string().contains("127.0.0.3:8000#0") && e.to_string().contains("listed twice"),
             "{e}"
         );
         assert_eq!(picker.pool.endpoints().endpoints(), before.endpoints());

@@ -26,6 +26,7 @@ use crate::config::RoutingConfig;
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
+use crate::error::PickerError;
 use crate::index::IndexConfig;
 use crate::inflight::{InflightGuard, InflightTracker};
 use crate::plan::{PlanInput, RequestPlan, Scope};
@@ -168,14 +169,14 @@ impl std::fmt::Debug for PickerState {
 }
 
 impl PickerState {
-    pub fn new(limits: Limits, index_settings: IndexSettings) -> Result<Self, String> {
+    pub fn new(limits: Limits, index_settings: IndexSettings) -> Result<Self, PickerError> {
         let http = reqwest::Client::builder()
             .connect_timeout(limits.connect_timeout)
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
             .tcp_nodelay(true)
             .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+            .map_err(PickerError::HttpClient)?;
         Ok(Self {
             pool: PoolState::new(
                 IndexConfig {
@@ -209,6 +210,16 @@ impl PickerState {
             kv_ports: RwLock::new(BTreeMap::new()),
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
         })
+    }
+
+    /// Counts a rejected pool view or secret reload by its error.
+    pub fn count_rejection(&self, error: &PickerError) {
+        self.metrics
+            .config_rejections
+            .get_or_create(&super::metrics::ErrorLabels {
+                error: error.metric_label().to_owned(),
+            })
+            .inc();
     }
 
     /// Reports what [`Diagnostics`] found: a warning (once, since a finding is raised once)
@@ -278,7 +289,7 @@ impl PickerState {
 
     /// Apply what a source reports. Invalid views are rejected whole and the previous one
     /// stays in force, so a bad edit never drops traffic.
-    pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, String> {
+    pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, PickerError> {
         let routing_changed = **self.routing.load() != view.routing;
         view.routing.validate()?;
         view.tenancy.validate()?;
@@ -300,10 +311,10 @@ impl PickerState {
         let mut kv_ports = BTreeMap::new();
         for ev in &view.endpoints {
             let Some(entry) = catalog.get(&ev.model_config) else {
-                return Err(format!(
-                    "endpoint {} names unknown model config {:?}",
-                    ev.id, ev.model_config
-                ));
+                return Err(PickerError::UnknownModelConfig {
+                    endpoint: ev.id.to_string(),
+                    config: ev.model_config.clone(),
+                });
             };
             let mut e = Endpoint::new(ev.id, entry.config.clone());
             e.labels = ev.labels.clone();
@@ -321,20 +332,17 @@ impl PickerState {
             });
         }
         // what the new endpoints refer to is in place before they appear
-        let Membership { added, removed } = self
-            .pool
-            .apply_view(members, || {
-                self.catalog.store(Arc::new(catalog));
-                self.tenancy.store(Arc::new(tenancy));
-                if routing_changed {
-                    self.router
-                        .store(Arc::new(Router::new(view.routing.clone())));
-                    self.routing.store(Arc::new(view.routing.clone()));
-                }
-                *self.labels.write() = labels;
-                *self.kv_ports.write() = kv_ports;
-            })
-            .map_err(|err| err.to_string())?;
+        let Membership { added, removed } = self.pool.apply_view(members, || {
+            self.catalog.store(Arc::new(catalog));
+            self.tenancy.store(Arc::new(tenancy));
+            if routing_changed {
+                self.router
+                    .store(Arc::new(Router::new(view.routing.clone())));
+                self.routing.store(Arc::new(view.routing.clone()));
+            }
+            *self.labels.write() = labels;
+            *self.kv_ports.write() = kv_ports;
+        })?;
         let router = self.router.load();
         for id in &removed {
             self.inflight.remove(id);
@@ -357,7 +365,7 @@ impl PickerState {
     /// Re-read the tenancy salt secret; `true` when it changed and the new salts apply.
     /// Requests routed after this carry salts under the new secret (so the engines start
     /// cold for every tenant, as they should after a rotation).
-    pub fn reload_tenancy_secret(&self) -> Result<bool, String> {
+    pub fn reload_tenancy_secret(&self) -> Result<bool, PickerError> {
         let current = self.tenancy.load_full();
         match current.reloaded()? {
             Some(next) => {
@@ -824,6 +832,49 @@ endpoints:
                 .pick_bodyless(&h, Some(&[addr("127.0.0.2", 9000)]))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_rejected_view_changes_nothing_and_its_error_labels_the_metric() {
+        let picker = PickerState::new(
+            Limits::default(),
+            IndexSettings {
+                max_endpoints: 2,
+                ..IndexSettings::default()
+            },
+        )
+        .expect("picker");
+        let config = PickerConfig::from_yaml(POOL).expect("valid");
+        let good = view_from_config(&config);
+        picker.apply_pool(&good).expect("applied");
+        let before = picker.pool.endpoints();
+
+        // a third endpoint is more than the index may track: refused whole
+        let mut too_many = good.clone();
+        let mut third = good.endpoints[0].clone();
+        third.id.address = "127.0.0.4".parse().expect("ip");
+        too_many.endpoints.push(third);
+        let e = picker.apply_pool(&too_many).expect_err("past maxEndpoints");
+        assert_eq!(e.metric_label(), "index", "{e}");
+        // an endpoint naming a model config the view lacks
+        let mut unknown = good.clone();
+        unknown.endpoints[1].model_config = "nope".into();
+        let e = picker.apply_pool(&unknown).expect_err("unknown config");
+        assert_eq!(e.metric_label(), "unknown_model_config", "{e}");
+        assert!(e.to_string().contains("\"nope\""), "{e}");
+        picker.count_rejection(&e);
+        assert_eq!(
+            picker
+                .metrics
+                .config_rejections
+                .get_or_create(&crate::service::metrics::ErrorLabels {
+                    error: "unknown_model_config".into()
+                })
+                .get(),
+            1
+        );
+        assert_eq!(picker.pool.endpoints().endpoints(), before.endpoints());
+        assert_eq!(picker.pool.endpoints().version(), before.version());
     }
 
     #[tokio::test]

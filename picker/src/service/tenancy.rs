@@ -7,6 +7,7 @@ use sha2::Sha256;
 
 use super::errors::ApiError;
 use crate::endpoint::Endpoint;
+use crate::error::PickerError;
 use crate::pool::{Isolation, TenancySpec};
 
 /// Longest tenant name accepted in the tenant header.
@@ -30,7 +31,7 @@ impl std::fmt::Debug for Tenancy {
 }
 
 impl Tenancy {
-    pub fn new(spec: TenancySpec) -> Result<Self, String> {
+    pub fn new(spec: TenancySpec) -> Result<Self, PickerError> {
         let secret = match &spec.salt_secret_file {
             Some(p) => Self::read_secret(p)?,
             None => Vec::new(),
@@ -38,20 +39,21 @@ impl Tenancy {
         Ok(Self { spec, secret })
     }
 
-    fn read_secret(p: &str) -> Result<Vec<u8>, String> {
-        let s = std::fs::read(p).map_err(|e| format!("tenancy.saltSecretFile {p}: {e}"))?;
+    fn read_secret(p: &str) -> Result<Vec<u8>, PickerError> {
+        let s =
+            std::fs::read(p).map_err(|e| PickerError::read_file("tenancy.saltSecretFile", p, e))?;
         let trimmed = s.trim_ascii().to_vec();
         if trimmed.len() < 16 {
-            return Err(format!(
+            return Err(PickerError::Invalid(format!(
                 "tenancy.saltSecretFile {p}: the secret must be at least 16 bytes"
-            ));
+            )));
         }
         Ok(trimmed)
     }
 
     /// Re-read the secret file; `Some` with the new tenancy when its content changed (a
     /// rotated Kubernetes Secret is swapped in place under the mount).
-    pub fn reloaded(&self) -> Result<Option<Self>, String> {
+    pub fn reloaded(&self) -> Result<Option<Self>, PickerError> {
         let Some(p) = &self.spec.salt_secret_file else {
             return Ok(None);
         };
