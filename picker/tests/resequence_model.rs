@@ -30,7 +30,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use kvroute_picker::kv_events::resequence::{
-    Action, Input, Item, Resequencer, ResequencerConfig, Wants,
+    Action, Input, Item, ReplayError, Resequencer, ResequencerConfig, Wants,
 };
 use kvroute_picker::kv_events::{DecodeError, EventBatch};
 use proptest::prelude::*;
@@ -238,8 +238,10 @@ impl World {
                 self.take_fault()
             };
             if matches!(fault, Fault::OpenFails) {
-                self.machine
-                    .handle(Input::ReplayFailed("refused".into()), now);
+                self.machine.handle(
+                    Input::ReplayFailed(ReplayError::Connect("refused".into())),
+                    now,
+                );
                 self.apply()?;
                 continue;
             }
@@ -259,7 +261,7 @@ impl World {
                     && sent == n
                 {
                     self.machine
-                        .handle(Input::ReplayFailed("timed out".into()), now);
+                        .handle(Input::ReplayFailed(ReplayError::ReceiveTimeout), now);
                     self.apply()?;
                     break;
                 }

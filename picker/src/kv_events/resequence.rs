@@ -88,7 +88,51 @@ pub enum Input<'a> {
     /// The open replay request's end marker.
     ReplayEnd,
     /// Opening, sending or reading the replay request failed or timed out.
-    ReplayFailed(String),
+    ReplayFailed(ReplayError),
+}
+
+/// Why a replay request failed. A socket error is kept as its message (the socket library's
+/// errors are not comparable), so that a reason can be compared and cloned.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ReplayError {
+    /// No replay endpoint is configured.
+    #[error("no replay endpoint")]
+    NoEndpoint,
+    /// A read was asked for while no request was open.
+    #[error("no replay request is open")]
+    NotOpen,
+    #[error("connect: {0}")]
+    Connect(String),
+    #[error("connect timed out")]
+    ConnectTimeout,
+    /// The request message could not be built.
+    #[error("request: {0}")]
+    Request(String),
+    #[error("send: {0}")]
+    Send(String),
+    #[error("send timed out")]
+    SendTimeout,
+    #[error("receive: {0}")]
+    Receive(String),
+    #[error("no reply within the replay timeout")]
+    ReceiveTimeout,
+}
+
+impl ReplayError {
+    /// A metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::NoEndpoint => "no_endpoint",
+            Self::NotOpen => "not_open",
+            Self::Connect(_) => "connect",
+            Self::ConnectTimeout => "connect_timeout",
+            Self::Request(_) => "request",
+            Self::Send(_) => "send",
+            Self::SendTimeout => "send_timeout",
+            Self::Receive(_) => "receive",
+            Self::ReceiveTimeout => "receive_timeout",
+        }
+    }
 }
 
 /// What the socket loop reads next.
@@ -178,7 +222,7 @@ pub enum ResyncReason {
         /// First number asked for.
         requested: u64,
         /// Why.
-        error: String,
+        error: ReplayError,
     },
     /// The replay ended before reaching the batch that revealed the gap (dropped replies).
     ReplayIncomplete {
@@ -285,7 +329,7 @@ enum FillEnd {
     /// Gave up after [`MAX_REPLAY_PAGES`] requests without reaching the end.
     GaveUp,
     /// A request failed.
-    Failed(String),
+    Failed(ReplayError),
 }
 
 /// Where a replayed number stands relative to what was delivered.

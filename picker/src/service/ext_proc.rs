@@ -605,7 +605,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         }
         let head = match parse_request_head(headers.headers.as_ref()) {
             Ok(head) => head,
-            Err(message) => return Ok(self.refuse(Refusal::bad_request(message)).await),
+            Err(refusal) => return Ok(self.refuse(refusal).await),
         };
         let limit = self.shared.limits.max_body_bytes;
         if head
@@ -832,7 +832,7 @@ impl<P: EndpointPicker> StreamTask<P> {
 
 /// Reads the head of a request off Envoy's header list (values in `raw_value`, or `value` from
 /// older proxies).
-fn parse_request_head(headers: Option<&ProtoHeaderMap>) -> Result<RequestHead, String> {
+fn parse_request_head(headers: Option<&ProtoHeaderMap>) -> Result<RequestHead, Refusal> {
     let mut head = RequestHead {
         headers: http::HeaderMap::new(),
         path: String::new(),
@@ -847,8 +847,9 @@ fn parse_request_head(headers: Option<&ProtoHeaderMap>) -> Result<RequestHead, S
         };
         match header.key.as_str() {
             ":path" => {
-                head.path = String::from_utf8(raw.to_vec())
-                    .map_err(|_| "the request path is not valid UTF-8".to_string())?;
+                head.path = String::from_utf8(raw.to_vec()).map_err(|_| {
+                    Refusal::bad_request("the request path is not valid UTF-8".into())
+                })?;
             }
             ":authority" => authority = HeaderValue::from_bytes(raw).ok(),
             key if key.starts_with(':') => {}
@@ -864,7 +865,9 @@ fn parse_request_head(headers: Option<&ProtoHeaderMap>) -> Result<RequestHead, S
                     let length = std::str::from_utf8(raw)
                         .ok()
                         .and_then(|text| text.trim().parse::<u64>().ok())
-                        .ok_or_else(|| "the content-length header is not a number".to_string())?;
+                        .ok_or_else(|| {
+                            Refusal::bad_request("the content-length header is not a number".into())
+                        })?;
                     head.content_length = Some(length);
                 }
                 head.headers.append(name, value);

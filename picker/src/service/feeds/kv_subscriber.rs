@@ -91,7 +91,7 @@ use zeromq::{
 };
 
 use crate::kv_events::resequence::{Action, Input, Item, Resequencer, ResequencerConfig, Wants};
-pub use crate::kv_events::resequence::{MAX_REPLAY_PAGES, MessageError, ResyncReason};
+pub use crate::kv_events::resequence::{MAX_REPLAY_PAGES, MessageError, ReplayError, ResyncReason};
 use crate::kv_events::{
     DecodeError, DecodeLimits, EventBatch, REPLAY_END_SEQ, SequenceTracker, decode_event_batch,
     is_replay_end, parse_seq, replay_frames, seq_frame, split_topic_epoch,
@@ -501,7 +501,7 @@ impl Feed {
                         }
                         Err(error) => Input::ReplayFailed(error),
                     },
-                    None => Input::ReplayFailed("no replay request is open".to_owned()),
+                    None => Input::ReplayFailed(ReplayError::NotOpen),
                 },
             };
             if matches!(input, Input::ReplayFailed(_)) {
@@ -555,9 +555,9 @@ impl Feed {
     }
 
     /// Connects a fresh DEALER to the replay ROUTER and sends the request for `from` on.
-    async fn open_replay(&self, from: u64) -> Step<Result<DealerSocket, String>> {
+    async fn open_replay(&self, from: u64) -> Step<Result<DealerSocket, ReplayError>> {
         let Some(endpoint) = self.cfg.replay.as_deref() else {
-            return Ok(Err("no replay endpoint".to_owned()));
+            return Ok(Err(ReplayError::NoEndpoint));
         };
         let mut options = SocketOptions::default();
         options.connect_timeout(self.cfg.replay_timeout);
@@ -568,8 +568,8 @@ impl Feed {
             .await?
         {
             Ok(Ok(())) => {}
-            Ok(Err(error)) => return Ok(Err(format!("connect: {error}"))),
-            Err(_) => return Ok(Err("connect timed out".to_owned())),
+            Ok(Err(error)) => return Ok(Err(ReplayError::Connect(error.to_string()))),
+            Err(_) => return Ok(Err(ReplayError::ConnectTimeout)),
         }
         // The empty delimiter makes the ROUTER see (identity, "", start) as a REQ would send.
         let request = match ZmqMessage::try_from(vec![
@@ -577,27 +577,30 @@ impl Feed {
             Bytes::copy_from_slice(&seq_frame(from)),
         ]) {
             Ok(request) => request,
-            Err(error) => return Ok(Err(format!("request: {error:?}"))),
+            Err(error) => return Ok(Err(ReplayError::Request(format!("{error:?}")))),
         };
         match self
             .guard(tokio::time::timeout(timeout, dealer.send(request)))
             .await?
         {
             Ok(Ok(())) => Ok(Ok(dealer)),
-            Ok(Err(error)) => Ok(Err(format!("send: {error}"))),
-            Err(_) => Ok(Err("send timed out".to_owned())),
+            Ok(Err(error)) => Ok(Err(ReplayError::Send(error.to_string()))),
+            Err(_) => Ok(Err(ReplayError::SendTimeout)),
         }
     }
 
-    async fn recv_replay(&self, socket: &mut DealerSocket) -> Step<Result<ZmqMessage, String>> {
+    async fn recv_replay(
+        &self,
+        socket: &mut DealerSocket,
+    ) -> Step<Result<ZmqMessage, ReplayError>> {
         Ok(
             match self
                 .guard(tokio::time::timeout(self.cfg.replay_timeout, socket.recv()))
                 .await?
             {
                 Ok(Ok(message)) => Ok(message),
-                Ok(Err(error)) => Err(error.to_string()),
-                Err(_) => Err("no reply within the replay timeout".to_owned()),
+                Ok(Err(error)) => Err(ReplayError::Receive(error.to_string())),
+                Err(_) => Err(ReplayError::ReceiveTimeout),
             },
         )
     }
