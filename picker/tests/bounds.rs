@@ -12,18 +12,7 @@ use serde_json::{Value, json};
 use support::*;
 
 fn yaml(port: u16, limits: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-limits: {limits}
-"#
-    )
+    one_engine_pool(port, &format!("limits: {limits}\n"))
 }
 
 async fn error_of(resp: reqwest::Response) -> (u16, String) {

@@ -195,19 +195,9 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
 async fn a_single_failing_engine_answers_its_own_error_and_stays() {
     let bad = FakeEngine::start("127.0.0.1").await;
     bad.state.fail_status.store(503, Ordering::SeqCst);
-    let yaml = format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-limits:
-  outlierDetection: {{consecutive5xx: 1}}
-"#,
-        bad.addr.port()
+    let yaml = one_engine_pool(
+        bad.addr.port(),
+        "limits:\n  outlierDetection: {consecutive5xx: 1}\n",
     );
     let picker = start_picker(&yaml).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);

@@ -30,22 +30,12 @@ async fn send(url: &str, tenant: Option<&str>, body: Value) -> reqwest::Response
 }
 
 fn salted_yaml(port: u16, secret: &std::path::Path, default_tenant: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-tenancy:
-  isolation: SaltedCache
-  header: x-tenant
-  saltSecretFile: {}
-{default_tenant}
-"#,
-        secret.display()
+    one_engine_pool(
+        port,
+        &format!(
+            "tenancy:\n  isolation: SaltedCache\n  header: x-tenant\n  saltSecretFile: {}\n{default_tenant}\n",
+            secret.display()
+        ),
     )
 }
 
@@ -161,19 +151,7 @@ async fn salted_cache_gives_prefix_credit_within_a_tenant_only() {
 #[tokio::test]
 async fn a_client_cache_salt_is_hashed_like_the_engine_does_without_tenancy() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let picker = start_picker(&format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-"#,
-        engine.addr.port()
-    ))
-    .await;
+    let picker = start_picker(&one_engine_pool(engine.addr.port(), "")).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     let pick_url = format!("http://{}/v1/pick", picker.addrs.admin);
     let prompt = long_prompt("doc");

@@ -200,6 +200,22 @@ pub fn loopback_listen(yaml: &str) -> String {
     )
 }
 
+/// The pool most tests start from: model config `llama` (model `llama`) on `port`, one
+/// endpoint on 127.0.0.1, a one-minute staleness threshold; `rest` adds sections.
+pub fn one_engine_pool(port: u16, rest: &str) -> String {
+    format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {port}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+routing: {{stalenessThreshold: 1m}}
+{rest}"#
+    )
+}
+
 /// Start a picker from YAML (listen section added) with a static source.
 pub async fn start_picker(yaml: &str) -> Running {
     let config = PickerConfig::from_yaml(&loopback_listen(yaml)).expect("valid config");
