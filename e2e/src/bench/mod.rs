@@ -1,7 +1,7 @@
 //! `kvroute-bench`: replay workloads through routing policies and compare them.
 //!
 //! Two modes share the workloads ([`workload`]), the session player ([`driver::Driver`]), the
-//! engine model ([`crate::sim::engine::Rank`]), the routing core (`kvroute_picker::router`) and
+//! engine model ([`kvroute_sim::engine::Rank`]), the routing core (`kvroute_picker::router`) and
 //! the report ([`report`]):
 //! * [`offline`]: a deterministic discrete-event simulation in virtual time, for sweeps;
 //! * [`live`]: simulator processes, the picker (or any OpenAI-compatible router) and streaming
@@ -19,8 +19,8 @@ pub mod stats;
 pub mod workload;
 
 use kvroute_picker::config::{RoutingConfig, Strategy};
+use kvroute_sim::engine::EngineConfig;
 
-use crate::sim::engine::EngineConfig;
 pub use stats::{RunDetail, Slo, Summary};
 
 /// The served model name of the simulated cluster.

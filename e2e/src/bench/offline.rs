@@ -32,6 +32,7 @@ use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
 use kvroute_picker::router::{RouteContext, Router};
 use kvroute_picker::service::settings::Limits;
 use kvroute_picker::tokenize::TokenKind;
+use kvroute_sim::engine::{Rank, Request, StepOutcome};
 use rustc_hash::FxHashMap;
 
 use super::ceiling::Ceilings;
@@ -40,7 +41,6 @@ use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
 use super::workload::tokens::{mix64, prompt_tokens};
 use super::{BenchOptions, MODEL, PolicyRun, PolicySpec};
-use crate::sim::engine::{Rank, Request, StepOutcome};
 
 /// Load samples kept per endpoint for the report (downsampled beyond this).
 const MAX_SERIES_POINTS: usize = 2_000;

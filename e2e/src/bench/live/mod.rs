@@ -31,6 +31,7 @@ use kvroute_picker::pool::{
 use kvroute_picker::service::settings::{
     IndexSettings, Limits, Listen, PickerConfig, ScrapeSettings, StaticEndpoint,
 };
+use kvroute_sim::server::{PortSpec, SimConfig};
 use serde::Deserialize;
 use tokio::sync::{Semaphore, mpsc};
 
@@ -40,7 +41,6 @@ use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
 use super::workload::tokens::prompt_tokens;
 use super::{BenchOptions, ClusterConfig, MODEL, PolicyRun, PolicySpec};
-use crate::sim::server::{PortSpec, SimConfig};
 use client::SimClock;
 use procs::ChildGuard;
 
@@ -711,7 +711,7 @@ pub async fn run_engines(
     exit_on_stdin_close: bool,
 ) -> anyhow::Result<()> {
     use std::io::Write as _;
-    let handle = crate::sim::server::start(sim_config(cluster, seed, kv_base)).await?;
+    let handle = kvroute_sim::server::start(sim_config(cluster, seed, kv_base)).await?;
     {
         // the simulator's own address JSON, plus ready-made URLs for other routers
         let mut v = handle.ports_json();

@@ -1,5 +1,6 @@
-//! `kvroute-sim`: vLLM-compatible engine simulator. Prints one JSON line with the bound
-//! addresses on stdout once every engine listens; logs go to stderr.
+//! The command line of `kvroute-sim`, the vLLM-compatible engine simulator: flags into a
+//! [`SimConfig`], the engines started, one JSON line with the bound addresses on stdout once
+//! every engine listens; logs go to stderr.
 
 use std::io::Write as _;
 use std::net::IpAddr;
@@ -7,9 +8,10 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use kvroute_e2e::sim::engine::{EngineConfig, StepTimeModel};
-use kvroute_e2e::sim::server::{self, FaultSpec, Flavor, PortSpec, SimConfig};
 use kvroute_picker::kv_events::EventEncoding;
+
+use crate::engine::{EngineConfig, StepTimeModel};
+use crate::server::{self, FaultSpec, Flavor, PortSpec, SimConfig};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum FlavorArg {
@@ -189,8 +191,10 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
     })
 }
 
+/// Entry point of the binary: runs the simulator until SIGINT or SIGTERM, or until every
+/// engine has stopped.
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+pub async fn main() -> anyhow::Result<()> {
     kvroute_process::init_logging(false, "info");
     let cfg = config(Args::parse())?;
     let handle = server::start(cfg).await?;

@@ -21,7 +21,7 @@ use super::fault::{Fault, FaultSpec};
 use super::metrics::{Exposition, RankMetrics};
 use super::rank::{Delta, RankState, Rejected};
 use super::{EngineSlot, Runtime, apply_fault, schedule_fault};
-use crate::sim::engine::{self, FinishedRequest, RequestId};
+use crate::engine::{self, FinishedRequest, RequestId};
 use kvroute_picker::tokenize::PromptInput;
 
 #[derive(Clone)]

@@ -7,9 +7,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvroute_e2e::sim::server::{self, EngineAddrs, PortSpec, SimConfig, SimHandle};
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
+use kvroute_sim::server::{self, EngineAddrs, PortSpec, SimConfig, SimHandle};
 use serde_json::{Value, json};
 
 pub use crate::contract::{PickerView, Sub, cached, client, metrics_text, post, replay, url};

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::events::{PublishCmd, PublisherState};
 use super::metrics::Histogram;
-use crate::sim::engine::{FinishedRequest, Rank, Request, RequestId, SubmitError};
+use crate::engine::{FinishedRequest, Rank, Request, RequestId, SubmitError};
 
 /// What a request's HTTP handler receives.
 #[derive(Debug, Clone)]

@@ -1,9 +1,10 @@
 //! The contract kvroute-sim keeps with vLLM, written once against an [`Target`] (an engine under
 //! test: its HTTP address, KV-event and replay sockets, block size, model and tokenizer) and run
-//! by two entry points: `sim_contract.rs` against the simulator, `vllm_contract.rs` against one
-//! real vLLM engine. Where the two legitimately differ the property states what both must
-//! satisfy (the text an engine makes of its tokens, when events arrive, how large the cache is);
-//! everything else is exact.
+//! by two entry points: `sim_contract.rs` (here) against the simulator, and
+//! `e2e/tests/vllm_contract.rs` (which includes this file by path; it starts the engine with
+//! kvroute-e2e's harness) against one real vLLM engine. Where the two legitimately differ the
+//! property states what both must satisfy (the text an engine makes of its tokens, when events
+//! arrive, how large the cache is); everything else is exact.
 //!
 //! On the real engine every property runs against the same process, one after the other, so
 //! each uses its own prompts (its own token seeds) and reads counters as deltas.

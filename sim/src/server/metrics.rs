@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use crate::sim::engine::EngineStats;
+use crate::engine::EngineStats;
 
 /// Reads one number out of a rank's stats.
 type Stat = fn(&EngineStats) -> f64;

@@ -1,9 +1,9 @@
 //! The simulator's contract with routers: vLLM's HTTP API, metrics and KV events.
 //!
 //! The properties shared with real vLLM live in `contract/mod.rs` and run here against the
-//! simulator (fast, in process) and in `vllm_contract.rs` against a real vLLM engine, so the
-//! simulator cannot drift from the engine. The tests below them are simulator-only: they need
-//! what one real CPU engine cannot give here (fault injection, a waiting-queue bound, LoRA
+//! simulator (fast, in process) and in `e2e/tests/vllm_contract.rs` against a real vLLM engine,
+//! so the simulator cannot drift from the engine. The tests below them are simulator-only: they
+//! need what one real CPU engine cannot give here (fault injection, a waiting-queue bound, LoRA
 //! adapters, data-parallel ranks, the SGLang flavor, other engines' event encodings), and each
 //! says why.
 
@@ -16,9 +16,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use contract::Target;
-use kvroute_e2e::sim::server::{EngineAddrs, SimConfig, SimHandle};
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::kv_events::{EventEncoding, KvEvent};
+use kvroute_sim::server::{EngineAddrs, SimConfig, SimHandle};
 use serde_json::{Value, json};
 use sim_support::*;
 
@@ -352,7 +352,7 @@ fn stored(msgs: &[(u64, kvroute_picker::kv_events::EventBatch)]) -> Vec<u64> {
 async fn sglang_flavor_metrics() {
     bounded(async {
         let (_h, a) = start(|c| {
-            c.flavor = kvroute_e2e::sim::server::Flavor::Sglang;
+            c.flavor = kvroute_sim::server::Flavor::Sglang;
             c.dp_size = 2;
         })
         .await;

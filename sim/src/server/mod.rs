@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use zeromq::{PubSocket, RouterSocket, Socket};
 
-use crate::sim::engine::{EngineConfig, Rank};
+use crate::engine::{EngineConfig, Rank};
 use events::{DropPolicy, GarbagePolicy, PublisherConfig, PublisherState};
 pub use fault::{CrashMode, Fault, FaultSpec, SeqMode};
 pub use metrics::Flavor;
