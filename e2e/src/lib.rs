@@ -1,7 +1,6 @@
-//! kvroute's instruments: the trace replay benchmark and the end-to-end harness. The engine
-//! simulator is its own crate, kvroute-sim.
+//! kvroute's end-to-end harness: a local Kubernetes control plane ([`cluster`]) and real vLLM
+//! engines for tests ([`real_engine`], on kvroute-bench's `real_vllm`). The engine simulator
+//! and the trace replay benchmark are crates of their own, kvroute-sim and kvroute-bench.
 
-pub mod bench;
 pub mod cluster;
 pub mod real_engine;
-pub mod real_vllm;

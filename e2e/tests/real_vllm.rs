@@ -184,7 +184,7 @@ fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     let tok = tokenizer(&model);
     let len = |text: &str| tok.tokenize(PromptInput::Text(text)).unwrap().ids.len();
     let base = len("the");
-    let longer: Vec<&str> = kvroute_e2e::bench::live::chat::WORDS
+    let longer: Vec<&str> = kvroute_bench::live::chat::WORDS
         .iter()
         .copied()
         .filter(|w| len(&format!("the {w}")) != base + 1)
@@ -193,7 +193,7 @@ fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     // and n ids after a word are n more tokens (a message's first word, with no space before
     // it, may take one more)
     let ids: Vec<u32> = (0..500).collect();
-    let text = kvroute_e2e::bench::live::chat::text_of(&ids);
+    let text = kvroute_bench::live::chat::text_of(&ids);
     assert_eq!(len(&format!("the {text}")) - base, 500);
 }
 

@@ -3,13 +3,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kvroute_e2e::bench::cli::{Mode, run_policies_with};
-use kvroute_e2e::bench::live;
-use kvroute_e2e::bench::workload::generated::{GeneratorConfig, generate};
-use kvroute_e2e::bench::{BenchOptions, ClusterConfig};
+use kvroute_bench::cli::{Mode, run_policies_with};
+use kvroute_bench::live;
+use kvroute_bench::workload::generated::{GeneratorConfig, generate};
+use kvroute_bench::{BenchOptions, ClusterConfig};
 use kvroute_picker::config::Strategy;
 
-fn small_workload() -> kvroute_e2e::bench::workload::Workload {
+fn small_workload() -> kvroute_bench::workload::Workload {
     generate(
         &GeneratorConfig {
             groups: 2,

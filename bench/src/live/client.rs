@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use serde::Serialize;
 
-use crate::bench::stats::RequestRecord;
+use crate::stats::RequestRecord;
 
 /// Longest SSE event accepted (a usage chunk is a few hundred bytes).
 const MAX_EVENT_BYTES: usize = 1 << 20;

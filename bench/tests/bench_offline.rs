@@ -1,7 +1,7 @@
 //! Offline replay: deterministic, and cache-aware routing pays off on shared prefixes.
 
-use kvroute_e2e::bench::workload::generated::{GeneratorConfig, generate};
-use kvroute_e2e::bench::{BenchOptions, ClusterConfig, offline};
+use kvroute_bench::workload::generated::{GeneratorConfig, generate};
+use kvroute_bench::{BenchOptions, ClusterConfig, offline};
 use kvroute_picker::config::Strategy;
 
 fn small_options() -> BenchOptions {
@@ -18,7 +18,7 @@ fn small_options() -> BenchOptions {
     }
 }
 
-fn small_workload() -> kvroute_e2e::bench::workload::Workload {
+fn small_workload() -> kvroute_bench::workload::Workload {
     generate(
         &GeneratorConfig {
             groups: 4,

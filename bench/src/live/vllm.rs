@@ -3,7 +3,7 @@
 //!
 //! The engines serve the bench's model name ([`MODEL`]) so that the workload's requests need
 //! no change; prompts are token-id arrays folded into the model's vocabulary
-//! ([`crate::bench::workload::tokens::fold_into_vocab`]), so the picker needs no tokenizer. The
+//! ([`crate::workload::tokens::fold_into_vocab`]), so the picker needs no tokenizer. The
 //! engines publish KV events without a replay socket, as in the measured runs of
 //! `e2e/BENCHMARKS.md` §6 (made before the picker read vLLM 0.32's four-frame replay).
 
@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 
 use super::{EngineAddrs, EnginesInfo};
-use crate::bench::{ClusterConfig, MODEL, VllmOptions};
 use crate::real_vllm::{self, EngineLaunch, VllmEngine};
+use crate::{ClusterConfig, MODEL, VllmOptions};
 
 /// Real engines and what the picker must know about them.
 pub struct RealEngines {

@@ -41,7 +41,7 @@ impl Message {
 }
 
 /// The words token ids become (each one token, with its leading space, in the tiny model's
-/// tokenizer: checked in `tests/real_vllm.rs`).
+/// tokenizer: checked in `e2e/tests/real_vllm.rs`).
 pub const WORDS: &[&str] = &[
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
     "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",

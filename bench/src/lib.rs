@@ -14,6 +14,7 @@ pub mod cli;
 pub mod driver;
 pub mod live;
 pub mod offline;
+pub mod real_vllm;
 pub mod report;
 pub mod stats;
 pub mod workload;

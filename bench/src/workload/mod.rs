@@ -5,7 +5,7 @@
 //! grouped into sessions. A session is a list of [`Node`]s: requests sent one after another,
 //! each after the previous response plus a think time (closed loop), and sub-agents that run
 //! beside their parent. An open-loop trace (Mooncake, Azure) is a list of one-request sessions
-//! started at the trace's timestamps. The [`crate::bench::driver::Driver`] plays a [`Plan`]
+//! started at the trace's timestamps. The [`crate::driver::Driver`] plays a [`Plan`]
 //! against either clock (virtual or real), so both benchmark modes replay exactly the same
 //! thing.
 

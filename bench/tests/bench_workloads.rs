@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use kvroute_e2e::bench::driver::{Driver, Issue};
-use kvroute_e2e::bench::workload::generated::{GeneratorConfig, generate};
-use kvroute_e2e::bench::workload::tokens::prompt_tokens;
-use kvroute_e2e::bench::workload::{
+use kvroute_bench::driver::{Driver, Issue};
+use kvroute_bench::workload::generated::{GeneratorConfig, generate};
+use kvroute_bench::workload::tokens::prompt_tokens;
+use kvroute_bench::workload::{
     self, LoadOptions, Node, Plan, WorkloadError, azure, mooncake, weka,
 };
 
