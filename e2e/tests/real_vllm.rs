@@ -174,7 +174,7 @@ fn tokenizer(model: &Path) -> PromptTokenizer {
 
 /// The live bench's chat mode turns each token id into one of these words and counts on each
 /// being one token after a space: when they were not (1.76 tokens a word), its "1k-token"
-/// prompts were 1.8k and the engines overloaded (e2e/BENCHMARKS.md §7).
+/// prompts were 1.8k and the engines overloaded (bench/BENCHMARKS.md §7).
 #[test]
 fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     let _venv = vllm_venv();

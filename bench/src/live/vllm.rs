@@ -5,7 +5,7 @@
 //! no change; prompts are token-id arrays folded into the model's vocabulary
 //! ([`crate::workload::tokens::fold_into_vocab`]), so the picker needs no tokenizer. The
 //! engines publish KV events without a replay socket, as in the measured runs of
-//! `e2e/BENCHMARKS.md` §6 (made before the picker read vLLM 0.32's four-frame replay).
+//! `bench/BENCHMARKS.md` §6 (made before the picker read vLLM 0.32's four-frame replay).
 
 use std::time::{Duration, Instant};
 
