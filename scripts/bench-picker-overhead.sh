@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-10}
 command -v wrk >/dev/null || { echo "wrk is required: apt-get install wrk" >&2; exit 1; }
-cargo build --release -q -p kvroute-picker -p kvroute-e2e --bin kvroute-picker --bin kvroute-sim
+cargo build --release -q -p kvroute-picker -p kvroute-sim --bin kvroute-picker --bin kvroute-sim
 TMP=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }

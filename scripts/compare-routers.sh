@@ -47,7 +47,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 echo "== building kvroute-bench"
-cargo build --release -q -p kvroute-e2e --bin kvroute-bench
+cargo build --release -q -p kvroute-bench
 
 if want vllm-round_robin || want vllm-kv_aware || want vllm-cache_aware || want sglang-cache_aware; then
   echo "== installing peers into $VENV"

@@ -20,7 +20,7 @@ BURSTS=${BURSTS:-28}
 IDLE_S=${IDLE_S:-"95 200"}
 BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release}
 if [[ -z ${SKIP_BUILD:-} ]]; then
-  cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-e2e --bin kvroute-sim
+  cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
 ulimit -n $((2 * BURST + 1024)) 2>/dev/null || true
 TMP=$(mktemp -d)

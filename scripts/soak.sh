@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 command -v wrk >/dev/null || { echo "wrk is required (apt-get install wrk)" >&2; exit 2; }
 if [[ -z ${SKIP_BUILD:-} ]]; then
   (cd "$ROOT" && cargo build --release -p kvroute-picker --bin kvroute-picker \
-     -p kvroute-e2e --bin kvroute-bench)
+     -p kvroute-bench)
 fi
 
 pids=()

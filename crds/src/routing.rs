@@ -201,7 +201,7 @@ pub struct CostModelCalibration {
     /// this request's latency, but it also takes engine time from every request queued behind
     /// it and puts a second copy of the prefix in a cache, evicting others; near saturation
     /// that feeds on itself. 0 = the greedy TTFT estimate. Default 8 (see
-    /// e2e/BENCHMARKS.md: best or near best on every Mooncake load tested).
+    /// bench/BENCHMARKS.md: best or near best on every Mooncake load tested).
     #[schemars(range(min = 0.0))]
     pub recompute_weight: f64,
     /// Learn each endpoint's prefill cost (per step and per token) and decode step time

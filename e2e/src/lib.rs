@@ -1,8 +1,6 @@
-//! kvroute's instruments: a vLLM-compatible engine simulator, the trace replay benchmark, and
-//! the end-to-end harness.
+//! kvroute's end-to-end harness: a local Kubernetes control plane ([`cluster`]) and real vLLM
+//! engines for tests ([`real_engine`], on kvroute-bench's `real_vllm`). The engine simulator
+//! and the trace replay benchmark are crates of their own, kvroute-sim and kvroute-bench.
 
-pub mod bench;
 pub mod cluster;
 pub mod real_engine;
-pub mod real_vllm;
-pub mod sim;

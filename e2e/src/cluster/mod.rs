@@ -26,7 +26,7 @@ use kube::{Api, Client};
 use serde_json::json;
 
 pub use agent::AgentHandle;
-pub use bins::{K8sBins, WorkspaceBins};
+pub use bins::{K8sBins, WorkspaceBins, sim_binary};
 pub use control_plane::{ControlPlane, Credential, client_from, write_kubeconfig};
 pub use process::Proc;
 
@@ -61,7 +61,7 @@ static SHARED: OnceLock<Result<Cluster, String>> = OnceLock::new();
 
 impl Cluster {
     /// The test binary's cluster, started on first use. `sim` is the path of the
-    /// `kvroute-sim` binary (`env!("CARGO_BIN_EXE_kvroute-sim")`).
+    /// `kvroute-sim` binary ([`sim_binary`]).
     pub fn shared(sim: &Path) -> anyhow::Result<&'static Cluster> {
         let result = SHARED.get_or_init(|| Self::start_shared(sim).map_err(|e| format!("{e:#}")));
         result.as_ref().map_err(|e| anyhow::anyhow!("{e}"))

@@ -3,8 +3,6 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
-
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -12,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, Client};
 use kvroute_crds::InferencePool;
-use kvroute_e2e::cluster::{Cluster, repo_root, wait};
+use kvroute_e2e::cluster::{Cluster, repo_root, sim_binary, wait};
 use serde_json::{Value, json};
 
 /// Long enough for a cold API server, a pod start, a picker start on a busy 2-core machine.
@@ -20,7 +18,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The test binary's cluster (started by the first test that asks).
 pub fn cluster() -> &'static Cluster {
-    match Cluster::shared(Path::new(env!("CARGO_BIN_EXE_kvroute-sim"))) {
+    match sim_binary().and_then(|sim| Cluster::shared(&sim)) {
         Ok(c) => c,
         Err(e) => panic!("the end-to-end cluster did not start: {e:#}"),
     }

@@ -102,7 +102,7 @@ pub trait Policy: Send + Sync {
     /// Such a policy already sends a session's next turn to the endpoint holding its blocks
     /// and weighs that against the queue there, so a session pin only breaks its ties (an
     /// unconditional pin would keep the session on a busy endpoint it should leave, and
-    /// measured on real vLLM it cost hit rate and balance: `e2e/BENCHMARKS.md` §7). For the
+    /// measured on real vLLM it cost hit rate and balance: `bench/BENCHMARKS.md` §7). For the
     /// load-only baselines the pin is the session's stickiness: it holds unless the endpoint
     /// is overloaded.
     fn places_by_cache(&self) -> bool {

@@ -1,0 +1,308 @@
+//! `kvroute-bench`: replay workloads through routing policies and compare them.
+//!
+//! Two modes share the workloads ([`workload`]), the session player ([`driver::Driver`]), the
+//! engine model ([`kvroute_sim::engine::Rank`]), the routing core (`kvroute_picker::router`) and
+//! the report ([`report`]):
+//! * [`offline`]: a deterministic discrete-event simulation in virtual time, for sweeps;
+//! * [`live`]: simulator processes, the picker (or any OpenAI-compatible router) and streaming
+//!   HTTP clients on loopback, in (scaled) real time.
+//!
+//! The binary `kvroute-bench` is a thin wrapper over [`cli`].
+
+pub mod ceiling;
+pub mod cli;
+pub mod driver;
+pub mod live;
+pub mod offline;
+pub mod real_vllm;
+pub mod report;
+pub mod stats;
+pub mod workload;
+
+use kvroute_picker::config::{RoutingConfig, Strategy};
+use kvroute_sim::engine::EngineConfig;
+
+pub use stats::{RunDetail, Slo, Summary};
+
+/// The served model name of the simulated cluster.
+pub const MODEL: &str = "sim-model";
+
+/// Default KV capacity per engine rank, in tokens: an 8B-class model on an 80 GB GPU.
+pub const DEFAULT_KV_TOKENS: u32 = 500_000;
+
+/// The simulated cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterConfig {
+    pub engines: usize,
+    pub dp_size: u32,
+    /// The engine model of every rank (`hash_seed` is set per engine).
+    pub engine: EngineConfig,
+    /// Simulated time runs this many times faster than real time (live mode).
+    pub speedup: f64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            engines: 8,
+            dp_size: 1,
+            engine: EngineConfig {
+                block_size: 16,
+                num_blocks: DEFAULT_KV_TOKENS / 16,
+                ..EngineConfig::default()
+            },
+            speedup: 1.0,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Endpoints (engine ranks) in the cluster.
+    pub fn endpoints(&self) -> usize {
+        self.engines * self.dp_size as usize
+    }
+
+    /// KV capacity of the whole cluster in tokens.
+    pub fn capacity_tokens(&self) -> u64 {
+        self.endpoints() as u64
+            * u64::from(self.engine.num_blocks)
+            * u64::from(self.engine.block_size)
+    }
+}
+
+/// Options of one comparison, shared by both modes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchOptions {
+    pub cluster: ClusterConfig,
+    /// Routing settings; the strategy is replaced by each policy compared.
+    pub routing: RoutingConfig,
+    /// How often engine metrics are sampled into the router's load view (ms of simulated
+    /// time in offline mode; the picker's scrape interval in live mode).
+    pub scrape_ms: f64,
+    pub slo: Slo,
+    pub max_requests: Option<usize>,
+    /// Release no request after this many simulated ms.
+    pub max_duration_ms: Option<f64>,
+    /// Send each request's session id in the routing config's session header.
+    pub session_header: bool,
+    pub seed: u64,
+    /// Measure decision latency with the wall clock (offline). Off, `decision_us_p99` is
+    /// `null` and the JSON is byte-for-byte reproducible.
+    pub time_decisions: bool,
+    /// Live mode: what serves the requests.
+    pub backend: Backend,
+    /// Fold the prompts' token ids into a vocabulary of this size (a small real model's);
+    /// `None` sends them as generated (`1000..121000`, inside a 128k vocabulary).
+    pub token_vocab: Option<u32>,
+    /// Live mode: replay sessions as chat conversations ([`live::chat`]) through
+    /// `/v1/chat/completions`, the engines' replies carried into later turns as text.
+    pub chat: bool,
+    /// Chat mode: the model folder whose `tokenizer.json` and `tokenizer_config.json` the
+    /// picker tokenizes with (set from the real engines' model).
+    pub chat_tokenizer: Option<std::path::PathBuf>,
+    /// Times the policy list runs, interleaved.
+    pub repeat: usize,
+}
+
+/// The engines of live mode.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Backend {
+    /// kvroute-sim engines in a child process, a fresh set per policy.
+    #[default]
+    Sim,
+    /// Real vLLM CPU engines ([`crate::real_vllm`]), started once and shared by the policies
+    /// (their prefix caches are reset between policies).
+    Vllm(VllmOptions),
+}
+
+/// The real-engine cluster of [`Backend::Vllm`] (the engine count, block size, running-batch
+/// size and batched-token budget come from the [`ClusterConfig`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmOptions {
+    /// The model folder; default: the tiny model of `make_tiny_model.py` in the cache.
+    pub model: Option<std::path::PathBuf>,
+    /// `--kv-cache-memory-bytes` per engine.
+    pub kv_cache_bytes: u64,
+    pub max_model_len: u32,
+    /// Cores to pin engines to (engine i on core i mod cores); default: the CPUs available.
+    pub cores: Option<usize>,
+}
+
+impl Default for VllmOptions {
+    fn default() -> Self {
+        Self {
+            model: None,
+            kv_cache_bytes: 16 << 20,
+            max_model_len: 8192,
+            cores: None,
+        }
+    }
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self {
+            cluster: ClusterConfig::default(),
+            routing: RoutingConfig::default(),
+            scrape_ms: 100.0,
+            slo: Slo {
+                ttft_ms: 2_000.0,
+                tpot_ms: 100.0,
+            },
+            max_requests: None,
+            max_duration_ms: None,
+            session_header: false,
+            seed: 0,
+            time_decisions: true,
+            backend: Backend::Sim,
+            token_vocab: None,
+            chat: false,
+            chat_tokenizer: None,
+            repeat: 1,
+        }
+    }
+}
+
+/// One policy's results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyRun {
+    pub summary: Summary,
+    pub detail: RunDetail,
+}
+
+/// A policy to compare: one of the picker's strategies, optionally with the cost model's
+/// `recomputeWeight` overridden (`cost-model:W`), so that weights can be swept on the same
+/// trace. Every spec is a routing configuration the picker itself runs, offline and live.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicySpec {
+    pub strategy: Strategy,
+    /// `routing.costModel.recomputeWeight` for this run; `None` keeps the configured one.
+    pub recompute_weight: Option<f64>,
+    /// `routing.costModel.calibrate` for this run (`cost-model-static`: off); `None` keeps
+    /// the configured one.
+    pub calibrate: Option<bool>,
+}
+
+impl From<Strategy> for PolicySpec {
+    fn from(strategy: Strategy) -> Self {
+        Self {
+            strategy,
+            recompute_weight: None,
+            calibrate: None,
+        }
+    }
+}
+
+impl PolicySpec {
+    /// The name in reports (`cost-model`, `cost-model:0`, `least-load`...).
+    pub fn name(&self) -> String {
+        let base = match self.calibrate {
+            Some(false) => format!("{}-static", self.strategy.as_str()),
+            _ => self.strategy.as_str().into(),
+        };
+        match self.recompute_weight {
+            Some(w) => format!("{base}:{w}"),
+            None => base,
+        }
+    }
+
+    /// `base` with this spec's strategy and overrides applied.
+    pub fn routing(
+        &self,
+        base: &kvroute_picker::config::RoutingConfig,
+    ) -> kvroute_picker::config::RoutingConfig {
+        let mut r = kvroute_picker::config::RoutingConfig {
+            strategy: self.strategy,
+            ..base.clone()
+        };
+        if let Some(w) = self.recompute_weight {
+            r.cost_model.recompute_weight = w;
+        }
+        if let Some(c) = self.calibrate {
+            r.cost_model.calibrate = c;
+        }
+        r
+    }
+
+    /// The policy object for the routing core.
+    pub fn build(
+        &self,
+        base: &kvroute_picker::config::RoutingConfig,
+        seed: u64,
+    ) -> Box<dyn kvroute_picker::policy::Policy> {
+        kvroute_picker::policy::build(&self.routing(base), seed)
+    }
+}
+
+/// Parse a comma-separated policy list (`cost-model,least-load,...`).
+pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
+    let mut out = Vec::new();
+    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (strategy, weight) = match name.split_once(':') {
+            Some((s, w)) => (s, Some(w)),
+            None => (name, None),
+        };
+        // `cost-model-static`: the cost model with the configured constants only
+        let (strategy, calibrate) = match strategy.strip_suffix("-static") {
+            Some(s) if Strategy::from_cli(s) == Some(Strategy::CostModel) => (s, Some(false)),
+            _ => (strategy, None),
+        };
+        let strategy = Strategy::from_cli(strategy).ok_or_else(|| {
+            format!(
+                "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], \
+                 cost-model-static[:RECOMPUTE_WEIGHT] (not calibrated), weighted, cache-aware, \
+                 kv-cost, least-load, round-robin, random"
+            )
+        })?;
+        let recompute_weight = match weight {
+            None => None,
+            Some(_) if strategy != Strategy::CostModel => {
+                return Err(format!(
+                    "{name:?}: only cost-model takes a weight (its recomputeWeight)"
+                ));
+            }
+            Some(w) => Some(
+                w.parse::<f64>()
+                    .ok()
+                    .filter(|w| w.is_finite() && *w >= 0.0)
+                    .ok_or_else(|| format!("bad recompute weight in {name:?}"))?,
+            ),
+        };
+        let spec = PolicySpec {
+            strategy,
+            recompute_weight,
+            calibrate,
+        };
+        if !out.contains(&spec) {
+            out.push(spec);
+        }
+    }
+    if out.is_empty() {
+        return Err("--policies names no policy".into());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_lists_parse_weights_and_the_static_cost_model() {
+        let p = parse_policies("cost-model, cost-model-static:0,least-load,cost-model")
+            .expect("valid list");
+        assert_eq!(p.len(), 3, "duplicates dropped: {p:?}");
+        assert_eq!(p[0].name(), "cost-model");
+        assert_eq!(p[1].name(), "cost-model-static:0");
+        let base = kvroute_picker::config::RoutingConfig::default();
+        assert!(p[0].routing(&base).cost_model.calibrate);
+        let r = p[1].routing(&base);
+        assert!(!r.cost_model.calibrate);
+        assert_eq!(r.cost_model.recompute_weight, 0.0);
+        assert_eq!(p[2].strategy, Strategy::LeastLoad);
+        assert!(parse_policies("least-load-static").is_err());
+        assert!(parse_policies("least-load:3").is_err());
+        assert!(parse_policies("cost-model:-1").is_err());
+        assert!(parse_policies(" , ").is_err());
+    }
+}

@@ -1,0 +1,566 @@
+//! Offline mode: a deterministic discrete-event simulation in virtual time.
+//!
+//! `engines × dp_size` ranks of the engine model ([`Rank`]) and the picker's routing core run
+//! in one thread on one virtual clock:
+//! * the router decides with [`Router::decide`] over a [`KvIndex`] fed by the ranks' own KV
+//!   events through [`apply_batch`] (precise mode), a [`LoadView`] sampled from the ranks'
+//!   statistics once per scrape interval (so it is as stale as a real scrape), and an
+//!   [`InflightTracker`] updated at send, first token and finish — exactly the inputs the live
+//!   picker has;
+//! * each rank runs step after step while it has work; a step's tokens, finished requests and
+//!   KV events take effect at the step's end.
+//!
+//! Events at the same instant are processed in a fixed order (step ends and scrapes in the
+//! order they were scheduled, then the driver's releases), and nothing reads the wall clock
+//! except the optional decision timing, so the same inputs give the same results.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use kvroute_picker::block_keys::BlockHasher;
+use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSnapshot, ModelConfig};
+use kvroute_picker::index::{IndexMode, KvIndex, Slot};
+use kvroute_picker::inflight::{InflightGuard, InflightTracker};
+use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::kv_events::{EventBatch, KvEvent};
+use kvroute_picker::load::{EndpointLoad, LoadView};
+use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
+use kvroute_picker::router::{RouteContext, Router};
+use kvroute_picker::service::settings::Limits;
+use kvroute_picker::tokenize::TokenKind;
+use kvroute_sim::engine::{Rank, Request, StepOutcome};
+use rustc_hash::FxHashMap;
+
+use super::ceiling::Ceilings;
+use super::driver::{Driver, Issue};
+use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
+use super::workload::Workload;
+use super::workload::tokens::{mix64, prompt_tokens};
+use super::{BenchOptions, MODEL, PolicyRun, PolicySpec};
+
+/// Load samples kept per endpoint for the report (downsampled beyond this).
+const MAX_SERIES_POINTS: usize = 2_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    StepEnd(usize),
+    Scrape,
+}
+
+struct Engine {
+    rank: Rank,
+    id: EndpointId,
+    slot: Slot,
+    /// The step in progress: its results apply at its end.
+    pending: Option<StepOutcome>,
+    prefill_ms: f64,
+    prefill_tokens: u64,
+    series: Vec<(f64, f64)>,
+}
+
+struct InFlight {
+    guard: InflightGuard,
+    engine: usize,
+}
+
+fn key(t: f64) -> u64 {
+    t.max(0.0).to_bits()
+}
+
+/// The simulation of one policy.
+struct Sim<'a> {
+    opts: &'a BenchOptions,
+    block_tokens: u32,
+    engines: Vec<Engine>,
+    by_id: FxHashMap<EndpointId, usize>,
+    snapshot: EndpointSnapshot,
+    model_config: Arc<ModelConfig>,
+    router: Router,
+    index: KvIndex,
+    loads: LoadView,
+    tracker: InflightTracker,
+    hasher: BlockHasher,
+    /// The service's bounds on a request (prompt length, in-flight per endpoint).
+    limits: Limits,
+    queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    seq: u64,
+    inflight: FxHashMap<u64, InFlight>,
+    records: Vec<RequestRecord>,
+    decision_ns: Vec<u64>,
+    ceilings: Ceilings,
+    scrapes: u64,
+    series_every: u64,
+}
+
+impl<'a> Sim<'a> {
+    fn new(
+        workload: &Workload,
+        policy: PolicySpec,
+        opts: &'a BenchOptions,
+    ) -> anyhow::Result<Self> {
+        let c = &opts.cluster;
+        anyhow::ensure!(
+            c.engines >= 1 && c.dp_size >= 1,
+            "need at least one engine rank"
+        );
+        let block = c.engine.block_size.max(1);
+        let mut mc = ModelConfig::new("sim", MODEL);
+        mc.block_size = block;
+        mc.dp_size = c.dp_size;
+        let mc = Arc::new(mc);
+        let mut index = KvIndex::default();
+        let mut engines = Vec::new();
+        let mut by_id = FxHashMap::default();
+        let mut endpoints = Vec::new();
+        for e in 0..c.engines {
+            for r in 0..c.dp_size {
+                let port = u16::try_from(8000 + e).context("too many engines")?;
+                let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port, r);
+                let slot = index
+                    .add_endpoint(id, IndexMode::Precise, c.engine.num_blocks as usize * 2)
+                    .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+                let mut cfg = c.engine.clone();
+                cfg.hash_seed = mix64(opts.seed ^ mix64(e as u64 + 1));
+                by_id.insert(id, engines.len());
+                endpoints.push(Endpoint::new(id, mc.clone()));
+                engines.push(Engine {
+                    rank: Rank::new(cfg),
+                    id,
+                    slot,
+                    pending: None,
+                    prefill_ms: 0.0,
+                    prefill_tokens: 0,
+                    series: Vec::new(),
+                });
+            }
+        }
+        let mut routing = policy.routing(&opts.routing);
+        routing.cost_model.max_batched_tokens = c.engine.max_num_batched_tokens;
+        routing.validate().map_err(anyhow::Error::msg)?;
+        let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
+        let series_every = ((1000.0 / opts.scrape_ms.max(1.0)).round() as u64).max(1);
+        Ok(Self {
+            opts,
+            block_tokens: workload.block_tokens,
+            engines,
+            by_id,
+            snapshot: EndpointSnapshot::new(endpoints),
+            model_config: mc,
+            router,
+            index,
+            loads: LoadView::new(),
+            tracker: InflightTracker::new(),
+            hasher: BlockHasher::new(block),
+            limits: Limits::default(),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            inflight: FxHashMap::default(),
+            records: Vec::new(),
+            decision_ns: Vec::new(),
+            ceilings: Ceilings::new(workload.block_tokens, block, c.capacity_tokens()),
+            scrapes: 0,
+            series_every,
+        })
+    }
+
+    fn push(&mut self, t: f64, e: Event) {
+        self.seq += 1;
+        self.queue.push(Reverse((key(t), self.seq, e)));
+    }
+
+    fn fail(&mut self, issue: &Issue, t: f64, error: String) {
+        self.records.push(RequestRecord {
+            release_ms: issue.release_ms,
+            prompt_tokens: issue.input_len,
+            ttft_ms: None,
+            e2e_ms: None,
+            tpot_ms: None,
+            output_tokens: 0,
+            cached_tokens: None,
+            end_ms: t,
+            error: Some(error),
+        });
+    }
+
+    /// Route and submit one request at `t`. Returns `false` when it failed (and must be
+    /// completed in the driver right away).
+    fn dispatch(&mut self, issue: &Issue, t: f64) -> bool {
+        let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
+        self.ceilings.observe(&issue.hash_ids, issue.input_len);
+        let session = self
+            .opts
+            .session_header
+            .then(|| format!("s{}", issue.session));
+        let started = self.opts.time_decisions.then(Instant::now);
+        // the request as the service would plan it: no tenant or client salt, no adapter
+        let plan = RequestPlan::new(PlanInput {
+            config: &self.model_config,
+            lora: None,
+            tokens: &tokens,
+            token_kind: TokenKind::Tokens,
+            char_chunk_tokens: self.model_config.block_size,
+            tenant_salt: None,
+            client_salt: None,
+            session: session.as_deref(),
+            request_bytes: &issue.id.to_le_bytes(),
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+        });
+        let decision = plan.map_err(|e| e.to_string()).and_then(|plan| {
+            let ctx = RouteContext {
+                endpoints: &self.snapshot,
+                index: &self.index,
+                loads: &self.loads,
+                inflight: &self.tracker,
+                now_ms: t as u64,
+                ejected: &[],
+                // the simulator's engines follow the configured step model: nothing to learn
+                calibration: None,
+            };
+            let req = plan.route_request(&self.model_config, Scope::default(), false);
+            let d = self.router.decide(&ctx, &req).map_err(|e| e.to_string())?;
+            let cap = self.limits.max_inflight_per_endpoint;
+            let d = d.within_inflight_cap(&self.tracker, cap).ok_or_else(|| {
+                format!("shed: every eligible endpoint has {cap} requests in flight")
+            })?;
+            Ok((d, plan))
+        });
+        if let Some(s) = started {
+            self.decision_ns.push(s.elapsed().as_nanos() as u64);
+        }
+        let (d, plan) = match decision {
+            Ok(d) => d,
+            Err(e) => {
+                self.fail(issue, t, format!("routing: {e}"));
+                return false;
+            }
+        };
+        // what the service records for a forwarded request (a no-op on a precise index)
+        if let Some(slot) = self.index.slot(&d.endpoint) {
+            self.index.record_routed(slot, &plan.keys, t as u64);
+        }
+        let Some(&e) = self.by_id.get(&d.endpoint) else {
+            self.fail(
+                issue,
+                t,
+                format!("routing chose unknown endpoint {}", d.endpoint),
+            );
+            return false;
+        };
+        let prompt = tokens.len() as u64;
+        let guard = self.tracker.begin(
+            d.endpoint,
+            prompt,
+            prompt.saturating_sub(u64::from(d.cached_tokens)),
+        );
+        let eng = &mut self.engines[e];
+        let submitted = eng.rank.submit_at(
+            Request {
+                id: issue.id,
+                token_ids: tokens,
+                max_tokens: issue.output_len,
+                cache_salt: None,
+                lora: None,
+            },
+            t,
+        );
+        if let Err(err) = submitted {
+            drop(guard);
+            self.fail(issue, t, format!("engine rejected the request: {err}"));
+            return false;
+        }
+        self.inflight
+            .insert(issue.id, InFlight { guard, engine: e });
+        if self.engines[e].pending.is_none() {
+            self.engines[e].rank.advance_to(t);
+            self.start_step(e);
+        }
+        true
+    }
+
+    fn start_step(&mut self, e: usize) {
+        if let Some(out) = self.engines[e].rank.next_step() {
+            let end = out.end_ms;
+            self.engines[e].pending = Some(out);
+            self.push(end, Event::StepEnd(e));
+        }
+    }
+
+    /// Apply the step that ended at `t` on engine `e`; returns the finished request ids.
+    fn step_end(&mut self, e: usize, t: f64, done: &mut Vec<u64>) {
+        let Some(out) = self.engines[e].pending.take() else {
+            return;
+        };
+        let eng = &mut self.engines[e];
+        let model = &eng.rank.config().step_time;
+        let prefill = (model.prefill_ms(u64::from(out.prefill_tokens), 0.0) * eng.rank.slowdown())
+            .min(out.duration_ms);
+        eng.prefill_ms += prefill;
+        eng.prefill_tokens += u64::from(out.prefill_tokens);
+        if !out.kv_events.is_empty() {
+            let batch = EventBatch {
+                ts: t / 1000.0,
+                events: coalesce_removals(out.kv_events),
+                data_parallel_rank: Some(eng.id.rank),
+                skipped_unknown: 0,
+            };
+            let keys = IngestKeys {
+                hasher: self.hasher,
+                model: MODEL,
+            };
+            let stats = apply_batch(&mut self.index, eng.slot, keys, &batch);
+            if stats.needs_resync() {
+                tracing::warn!(endpoint = %eng.id, ?stats, "offline index lost track of an engine");
+            }
+        }
+        for id in &out.first_tokens {
+            if let Some(f) = self.inflight.get_mut(id) {
+                f.guard.first_token();
+            }
+        }
+        for f in out.finished {
+            let Some(fl) = self.inflight.remove(&f.id) else {
+                continue;
+            };
+            debug_assert_eq!(fl.engine, e);
+            drop(fl.guard);
+            let tpot = (f.output_tokens > 1)
+                .then(|| (f.finish_ms - f.first_token_ms) / f64::from(f.output_tokens - 1));
+            self.records.push(RequestRecord {
+                release_ms: f.arrival_ms,
+                prompt_tokens: f.prompt_tokens,
+                ttft_ms: Some(f.first_token_ms - f.arrival_ms),
+                e2e_ms: Some(f.finish_ms - f.arrival_ms),
+                tpot_ms: tpot,
+                output_tokens: f.output_tokens,
+                cached_tokens: Some(f.cached_tokens),
+                end_ms: f.finish_ms,
+                error: None,
+            });
+            done.push(f.id);
+        }
+        if self.engines[e].rank.has_work() {
+            self.start_step(e);
+        }
+    }
+
+    fn scrape(&mut self, t: f64) {
+        let record = self.scrapes.is_multiple_of(self.series_every);
+        self.scrapes += 1;
+        for eng in &mut self.engines {
+            let s = eng.rank.stats();
+            self.loads.update(
+                eng.id,
+                EndpointLoad {
+                    waiting: s.waiting as f64,
+                    running: s.running as f64,
+                    kv_usage: s.kv_usage,
+                    kv_capacity_blocks: Some(u64::from(s.num_blocks)),
+                    sampled_at_ms: t as u64,
+                },
+            );
+            if record {
+                eng.series
+                    .push((t / 1000.0, (s.waiting + s.running) as f64));
+            }
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.engines.iter().any(|e| e.pending.is_some())
+    }
+}
+
+/// Replay `workload` through `strategy` on a fresh simulated cluster. `progress` is called
+/// with (completed, total) as requests finish.
+pub fn run(
+    workload: &Workload,
+    policy: impl Into<PolicySpec>,
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> anyhow::Result<PolicyRun> {
+    let policy = policy.into();
+    let mut sim = Sim::new(workload, policy, opts)?;
+    let mut driver = Driver::new(workload, opts.max_requests).with_deadline(opts.max_duration_ms);
+    let total = driver.total_requests();
+    let mut issues: Vec<Issue> = Vec::new();
+    let mut done: Vec<u64> = Vec::new();
+    let mut completed = 0usize;
+    sim.push(0.0, Event::Scrape);
+    loop {
+        let tq = sim
+            .queue
+            .peek()
+            .map(|Reverse((k, _, _))| f64::from_bits(*k));
+        let td = driver.next_due();
+        let t = match (tq, td) {
+            (None, None) => break,
+            (Some(q), Some(d)) if d < q => {
+                driver.release_due(d, &mut issues);
+                d
+            }
+            (None, Some(d)) => {
+                driver.release_due(d, &mut issues);
+                d
+            }
+            (Some(_), _) => {
+                let Some(Reverse((k, _, ev))) = sim.queue.pop() else {
+                    break;
+                };
+                let t = f64::from_bits(k);
+                match ev {
+                    Event::StepEnd(e) => sim.step_end(e, t, &mut done),
+                    Event::Scrape => {
+                        sim.scrape(t);
+                        if !driver.finished() || sim.busy() {
+                            sim.push(t + opts.scrape_ms.max(1.0), Event::Scrape);
+                        }
+                    }
+                }
+                t
+            }
+        };
+        for id in done.drain(..) {
+            completed += 1;
+            driver.complete(id, t, &mut issues);
+        }
+        // dispatching may fail a request, which completes it and may release the next one
+        while !issues.is_empty() {
+            let batch: Vec<Issue> = std::mem::take(&mut issues);
+            for issue in batch {
+                if !sim.dispatch(&issue, t) {
+                    completed += 1;
+                    driver.complete(issue.id, t, &mut issues);
+                }
+            }
+        }
+        progress(completed, total);
+        if !sim.busy() && driver.next_due().is_none() && !sim.inflight.is_empty() {
+            anyhow::bail!(
+                "the simulated engines stopped with {} requests unfinished (a request that \
+                 can never be scheduled)",
+                sim.inflight.len()
+            );
+        }
+        if driver.finished()
+            && !sim.busy()
+            && sim
+                .queue
+                .iter()
+                .all(|Reverse((_, _, e))| *e == Event::Scrape)
+        {
+            break;
+        }
+    }
+    progress(completed, total);
+    Ok(finish(sim, &policy.name()))
+}
+
+fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
+    let start = sim
+        .records
+        .iter()
+        .map(|r| r.release_ms)
+        .fold(f64::INFINITY, f64::min);
+    let end = sim.records.iter().map(|r| r.end_ms).fold(0.0, f64::max);
+    let span = if end > start { end - start } else { 0.0 };
+    let (mut hits, mut queries) = (0u64, 0u64);
+    for e in &sim.engines {
+        let s = e.rank.stats();
+        hits += s.prefix_cache_hits;
+        queries += s.prefix_cache_queries;
+    }
+    let prefill_tokens: Vec<f64> = sim
+        .engines
+        .iter()
+        .map(|e| e.prefill_tokens as f64)
+        .collect();
+    let prefill_util = if span > 0.0 {
+        sim.engines
+            .iter()
+            .map(|e| (e.prefill_ms / span).min(1.0))
+            .sum::<f64>()
+            / sim.engines.len() as f64
+    } else {
+        0.0
+    };
+    let decision_us_p99 = if sim.decision_ns.is_empty() {
+        None
+    } else {
+        let mut v: Vec<f64> = sim.decision_ns.iter().map(|&n| n as f64 / 1000.0).collect();
+        v.sort_by(f64::total_cmp);
+        Some((stats::percentile(&v, 99.0) * 10.0).round() / 10.0)
+    };
+    let figures = EngineFigures {
+        hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+        load_cv: stats::coefficient_of_variation(&prefill_tokens),
+        prefill_util,
+        decision_us_p99,
+    };
+    let (summary, ttfts, errors) = stats::summarize(
+        name,
+        &sim.records,
+        sim.ceilings.ceiling(),
+        figures,
+        sim.opts.slo,
+    );
+    let load_series = sim
+        .engines
+        .iter()
+        .map(|e| (e.id.to_string(), downsample(&e.series, MAX_SERIES_POINTS)))
+        .collect();
+    PolicyRun {
+        summary,
+        detail: RunDetail {
+            ttfts_sorted: ttfts,
+            load_series,
+            hit_rate_ideal: sim.ceilings.ideal(),
+            error_samples: errors,
+            picker: None,
+            engine_prefill_tokens: prefill_tokens,
+        },
+    }
+}
+
+/// Merge runs of consecutive `BlockRemoved` events into one. The engine model reports each
+/// evicted block on its own; the index removes a batch with its memory accesses overlapped,
+/// which is most of the offline run time on long traces. Order is preserved.
+fn coalesce_removals(events: Vec<KvEvent>) -> Vec<KvEvent> {
+    let mut out: Vec<KvEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        if let KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+        } = e
+        {
+            if let Some(KvEvent::BlockRemoved {
+                block_hashes: prev,
+                medium: prev_medium,
+            }) = out.last_mut()
+                && *prev_medium == medium
+            {
+                prev.extend_from_slice(&block_hashes);
+                continue;
+            }
+            out.push(KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            });
+        } else {
+            out.push(e);
+        }
+    }
+    out
+}
+
+/// Keep at most `max` points, evenly spaced.
+pub(crate) fn downsample(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
+    if points.len() <= max || max == 0 {
+        return points.to_vec();
+    }
+    let step = points.len().div_ceil(max);
+    points.iter().step_by(step).copied().collect()
+}

@@ -1,0 +1,132 @@
+//! One short live replay: two simulated engines in a child process, the picker in another,
+//! streaming requests over loopback. Seconds, not minutes.
+
+#![allow(clippy::unwrap_used)]
+
+use kvroute_bench::cli::{Mode, run_policies_with};
+use kvroute_bench::live;
+use kvroute_bench::workload::generated::{GeneratorConfig, generate};
+use kvroute_bench::{BenchOptions, ClusterConfig};
+use kvroute_picker::config::Strategy;
+
+fn small_workload() -> kvroute_bench::workload::Workload {
+    generate(
+        &GeneratorConfig {
+            groups: 2,
+            system_tokens: 600,
+            session_rate: 8.0,
+            duration_s: 3.0,
+            turns: 3.0,
+            user_tokens: 120,
+            output_tokens: 8,
+            think_ms: 200.0,
+            ..GeneratorConfig::default()
+        },
+        5,
+    )
+}
+
+/// Two engines, fast enough for a test.
+fn small_cluster() -> ClusterConfig {
+    let mut cluster = ClusterConfig {
+        engines: 2,
+        speedup: 2.0,
+        ..ClusterConfig::default()
+    };
+    cluster.engine.num_blocks = 4_096;
+    cluster
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_live_replay_has_no_errors_and_a_sane_report() {
+    let w = small_workload();
+    let cluster = small_cluster();
+    let opts = BenchOptions {
+        cluster,
+        max_requests: Some(50),
+        ..BenchOptions::default()
+    };
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    let runs = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        run_policies_with(
+            exe,
+            &w,
+            Mode::Live,
+            &[Strategy::CostModel.into()],
+            &opts,
+            true,
+        ),
+    )
+    .await
+    .expect("finishes in time")
+    .expect("runs");
+    let s = &runs[0].summary;
+    assert_eq!(s.errors, 0, "{:?}", runs[0].detail.error_samples);
+    assert!(s.requests >= 40 && s.requests <= 50, "{}", s.requests);
+    assert!(s.ttft_ms_p50 > 0.0 && s.ttft_ms_p50 <= s.ttft_ms_p99);
+    assert!(s.e2e_ms_p50 >= s.ttft_ms_p50);
+    assert!(s.output_tok_s > 0.0);
+    assert!(
+        s.hit_rate > 0.0 && s.hit_rate <= 1.0,
+        "engines reported their cache hits: {}",
+        s.hit_rate
+    );
+    assert!(s.hit_rate_ceiling > 0.0);
+    assert!(
+        s.decision_us_p99.is_some_and(|d| d > 0.0),
+        "the picker's histogram was read"
+    );
+}
+
+/// The null router (`--router direct`): requests go straight to the engines, round robin,
+/// with no router process and no decision timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_replay_spreads_requests_over_the_engines_without_a_router() {
+    let w = small_workload();
+    let cluster = small_cluster();
+    let opts = BenchOptions {
+        cluster: cluster.clone(),
+        max_requests: Some(40),
+        ..BenchOptions::default()
+    };
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    let (guard, engines) = live::start_engines(exe, &cluster, 7, "direct")
+        .await
+        .expect("engines start");
+    let target = live::Target {
+        router: live::DIRECT.into(),
+        name: "direct".into(),
+        picker_metrics: None,
+        engines: engines.engines.clone(),
+    };
+    let http = live::http_client().unwrap();
+    let run = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        live::replay(&w, &target, &opts, &http, &|_, _, _| {}),
+    )
+    .await
+    .expect("finishes in time")
+    .expect("runs");
+    // round robin by request id: each engine received prompts
+    for e in &engines.engines {
+        let text = http
+            .get(format!("http://{}/metrics", e.http))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let prompt_tokens: f64 = live::prom::engine_counters(&text)
+            .values()
+            .map(|c| c.prompt_tokens)
+            .sum();
+        assert!(prompt_tokens > 0.0, "engine {} got no request", e.http);
+    }
+    guard.stop().await;
+    let s = &run.summary;
+    assert_eq!(s.errors, 0, "{:?}", run.detail.error_samples);
+    assert!(s.requests >= 30 && s.requests <= 40, "{}", s.requests);
+    assert!(s.decision_us_p99.is_none(), "no router, no decisions");
+}
