@@ -3,7 +3,7 @@
 //! `engines × dp_size` ranks of the engine model ([`Rank`]) and the picker's routing core run
 //! in one thread on one virtual clock:
 //! * the router decides with [`Router::decide`] over a [`KvIndex`] fed by the ranks' own KV
-//!   events through [`apply_batch`] (precise mode), a [`LoadView`] sampled from the ranks'
+//!   events through [`apply_batch`] (precise mode), a [`LoadTable`] sampled from the ranks'
 //!   statistics once per scrape interval (so it is as stale as a real scrape), and an
 //!   [`InflightTracker`] updated at send, first token and finish — exactly the inputs the live
 //!   picker has;
@@ -27,7 +27,7 @@ use kvroute_picker::index::{IndexMode, KvIndex, Slot};
 use kvroute_picker::inflight::{InflightGuard, InflightTracker};
 use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
-use kvroute_picker::load::{EndpointLoad, LoadView};
+use kvroute_picker::load::{EndpointLoad, LoadTable};
 use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
 use kvroute_picker::router::{RouteContext, Router};
 use kvroute_picker::service::settings::Limits;
@@ -81,7 +81,7 @@ struct Sim<'a> {
     model_config: Arc<ModelConfig>,
     router: Router,
     index: KvIndex,
-    loads: LoadView,
+    loads: LoadTable,
     tracker: InflightTracker,
     hasher: BlockHasher,
     /// The service's bounds on a request (prompt length, in-flight per endpoint).
@@ -152,7 +152,7 @@ impl<'a> Sim<'a> {
             model_config: mc,
             router,
             index,
-            loads: LoadView::new(),
+            loads: LoadTable::new(),
             tracker: InflightTracker::new(),
             hasher: BlockHasher::new(block),
             limits: Limits::default(),

@@ -12,7 +12,7 @@ use kvroute_picker::config::{RoutingConfig, Strategy};
 use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
 use kvroute_picker::index::{IndexMode, KvIndex, PrefixMatch};
 use kvroute_picker::inflight::InflightTracker;
-use kvroute_picker::load::{EndpointLoad, LoadView};
+use kvroute_picker::load::{EndpointLoad, LoadTable};
 use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
 use kvroute_picker::router::{RouteContext, Router};
 use kvroute_picker::service::settings::Limits;
@@ -131,7 +131,7 @@ fn bench_decision(c: &mut Criterion) {
                 .map(|i| Endpoint::new(endpoint(i), mc.clone()))
                 .collect(),
         );
-        let mut loads = LoadView::new();
+        let mut loads = LoadTable::new();
         for i in 0..n {
             loads.update(
                 endpoint(i),

@@ -47,11 +47,11 @@ impl EndpointLoad {
 /// Latest sample per endpoint. Bounded by the endpoint set: the service removes entries of
 /// endpoints that leave it.
 #[derive(Debug, Clone, Default)]
-pub struct LoadView {
+pub struct LoadTable {
     samples: HashMap<EndpointId, EndpointLoad>,
 }
 
-impl LoadView {
+impl LoadTable {
     pub fn new() -> Self {
         Self::default()
     }
@@ -105,7 +105,7 @@ mod tests {
         assert_eq!((l.waiting, l.running), (s.waiting, s.running));
         assert_eq!(l.kv_capacity_blocks, s.kv_capacity_blocks);
         let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 1);
-        let mut v = LoadView::new();
+        let mut v = LoadTable::new();
         assert!(!v.is_stale(&id, 10_000, 2000), "never sampled is not stale");
         v.update(id, l);
         assert!(!v.is_stale(&id, 3000, 2000));

@@ -22,7 +22,7 @@ use crate::endpoint::{
 use crate::index::{IndexConfig, IndexError, IndexMode, KvIndex};
 use crate::kv_events::EventBatch;
 use crate::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
-use crate::load::{EndpointLoad, LoadView};
+use crate::load::{EndpointLoad, LoadTable};
 
 /// How many blocks the index keeps per endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +137,7 @@ pub struct StalenessChange {
 
 struct Inner {
     index: KvIndex,
-    loads: LoadView,
+    loads: LoadTable,
     /// The model config's capacity and mode of each member, for re-budgeting when its engine
     /// reports another capacity.
     members: hashbrown::HashMap<EndpointId, (bool, Option<u64>)>,
@@ -154,7 +154,7 @@ impl PoolRead<'_> {
         &self.guard.index
     }
 
-    pub fn loads(&self) -> &LoadView {
+    pub fn loads(&self) -> &LoadTable {
         &self.guard.loads
     }
 }
@@ -185,7 +185,7 @@ impl PoolState {
             endpoints: EndpointSet::default(),
             inner: RwLock::new(Inner {
                 index: KvIndex::new(index),
-                loads: LoadView::new(),
+                loads: LoadTable::new(),
                 members: hashbrown::HashMap::new(),
             }),
             budget,

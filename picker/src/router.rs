@@ -17,7 +17,7 @@ use crate::config::{FailureMode, RoutingConfig};
 use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
 use crate::index::{KvIndex, PrefixMatch};
 use crate::inflight::InflightTracker;
-use crate::load::LoadView;
+use crate::load::LoadTable;
 use crate::policy::{self, Candidate, Features, Policy, RequestFacts};
 use crate::session::SessionTable;
 
@@ -137,7 +137,7 @@ pub struct RouteRequest<'a> {
 pub struct RouteContext<'a> {
     pub endpoints: &'a EndpointSnapshot,
     pub index: &'a KvIndex,
-    pub loads: &'a LoadView,
+    pub loads: &'a LoadTable,
     pub inflight: &'a InflightTracker,
     pub now_ms: u64,
     /// Endpoints passive health ejected (sorted): skipped unless nothing else is eligible.
@@ -509,7 +509,7 @@ mod tests {
         mc: Arc<ModelConfig>,
         set: EndpointSet,
         index: KvIndex,
-        loads: LoadView,
+        loads: LoadTable,
         inflight: InflightTracker,
         calibration: Calibration,
     }
@@ -523,7 +523,7 @@ mod tests {
             let mc = Arc::new(ModelConfig::new("default", "llama"));
             let set = EndpointSet::new(ids.iter().map(|i| Endpoint::new(*i, mc.clone())).collect());
             let mut index = KvIndex::default();
-            let mut loads = LoadView::new();
+            let mut loads = LoadTable::new();
             for i in ids {
                 index
                     .add_endpoint(*i, IndexMode::Approximate { ttl_ms: 60_000 }, 100_000)

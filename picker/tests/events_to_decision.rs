@@ -14,7 +14,7 @@ use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
 use kvroute_picker::kv_events::{
     DecodeLimits, EventBatch, EventEncoding, KvEvent, decode_message, encode_event_batch, seq_frame,
 };
-use kvroute_picker::load::LoadView;
+use kvroute_picker::load::LoadTable;
 use kvroute_picker::router::{RouteContext, RouteRequest, Router};
 
 fn id(n: u8) -> EndpointId {
@@ -30,7 +30,7 @@ fn decide(
 ) -> EndpointId {
     let keys = BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), prompt);
     let snap = set.load();
-    let (loads, inflight) = (LoadView::new(), InflightTracker::new());
+    let (loads, inflight) = (LoadTable::new(), InflightTracker::new());
     let ctx = RouteContext {
         endpoints: &snap,
         index: ix,

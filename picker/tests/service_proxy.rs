@@ -641,7 +641,7 @@ impl kvroute_picker::service::source::EndpointSource for SilentSource {
 
     fn run(
         self: Box<Self>,
-        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::pool_view::PoolView>>,
+        tx: tokio::sync::watch::Sender<Option<kvroute_picker::service::declared::DeclaredPool>>,
         cancel: CancellationToken,
     ) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(async move {

@@ -56,13 +56,13 @@ pub struct IngestKeys<'a> {
 /// models the adapter and the salt (in the chain root, exactly as requests are hashed); a
 /// block with any other extra key cannot be matched by a request hashed from its tokens alone.
 #[derive(Debug, Default, PartialEq, Eq)]
-struct ExtraView<'a> {
+struct ExtraKeyMeaning<'a> {
     salt: Option<&'a str>,
     /// Index of the first block whose extra keys the picker does not model.
     opaque_from: Option<usize>,
 }
 
-impl<'a> ExtraView<'a> {
+impl<'a> ExtraKeyMeaning<'a> {
     fn of(
         extra: &'a [Option<Vec<ExtraKey>>],
         lora_name: Option<&str>,
@@ -138,7 +138,7 @@ pub fn apply_batch(
                     }
                     continue;
                 }
-                let extra = ExtraView::of(
+                let extra = ExtraKeyMeaning::of(
                     extra_keys,
                     lora_name.as_deref(),
                     *lora_id,

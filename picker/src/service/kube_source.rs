@@ -4,7 +4,7 @@
 //! Model configs, routing and tenancy come from the resource's spec; endpoints from the
 //! slices labelled `kvroute.dev/pool=NAME`, one `(address, port, rank)` per slice endpoint
 //! and `rank-<k>` port (see `kvroute_crds::contract`). Both are watched (read-only) and every
-//! change is republished as a whole [`PoolView`], so weight edits and endpoint changes apply
+//! change is republished as a whole [`DeclaredPool`], so weight edits and endpoint changes apply
 //! live. A malformed resource is logged and skipped: the last good view stays in force.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,7 +24,7 @@ use kvroute_crds::inference_pool::{InferencePool, InferencePoolSpec};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::pool_view::{EndpointView, PoolView};
+use super::declared::{DeclaredEndpoint, DeclaredPool};
 use super::source::EndpointSource;
 use crate::endpoint::EndpointId;
 use crate::error::PickerError;
@@ -62,9 +62,9 @@ impl KubeSourceOptions {
 pub fn endpoints_from_slices<'a>(
     spec: &InferencePoolSpec,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
-) -> Vec<EndpointView> {
+) -> Vec<DeclaredEndpoint> {
     let configs: BTreeSet<&str> = spec.model_configs.iter().map(|m| m.name.as_str()).collect();
-    let mut out: BTreeMap<(String, EndpointId), EndpointView> = BTreeMap::new();
+    let mut out: BTreeMap<(String, EndpointId), DeclaredEndpoint> = BTreeMap::new();
     for slice in slices {
         let Some(mc) = slice.labels().get(contract::LABEL_MODEL_CONFIG) else {
             continue;
@@ -104,7 +104,7 @@ pub fn endpoints_from_slices<'a>(
                 let id = EndpointId::new(address, port, rank);
                 out.entry((mc.clone(), id))
                     .and_modify(|v| v.serving |= serving)
-                    .or_insert_with(|| EndpointView {
+                    .or_insert_with(|| DeclaredEndpoint {
                         id,
                         model_config: mc.clone(),
                         labels: labels.clone(),
@@ -120,15 +120,15 @@ pub fn endpoints_from_slices<'a>(
 
 /// The pool as the resource and its slices describe it. `exists` tells whether an optional
 /// mounted file (a tokenizer's `tokenizer_config.json`) is there.
-pub fn pool_view<'a>(
+pub fn declared<'a>(
     spec: &InferencePoolSpec,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     tokenizer_root: &Path,
     salt_dir: &Path,
     exists: &dyn Fn(&Path) -> bool,
-) -> PoolView {
+) -> DeclaredPool {
     let (model_configs, tenancy) = spec.for_picker(tokenizer_root, salt_dir, exists);
-    PoolView {
+    DeclaredPool {
         model_configs,
         routing: spec.routing.clone(),
         tenancy,
@@ -167,7 +167,7 @@ impl KubeSource {
         &self,
         pools: &Store<DynamicObject>,
         slices: &Store<EndpointSlice>,
-    ) -> Option<PoolView> {
+    ) -> Option<DeclaredPool> {
         let o = &self.options;
         let pool = pools.state().into_iter().find(|p| p.name_any() == o.pool)?;
         let spec = match pool
@@ -192,7 +192,7 @@ impl KubeSource {
             .filter(|s| s.labels().get(contract::LABEL_POOL) == Some(&o.pool))
             .collect();
         slices.sort_by_key(|s| s.name_any());
-        Some(pool_view(
+        Some(declared(
             &spec,
             slices.iter().map(|s| s.as_ref()),
             &o.tokenizer_root,
@@ -209,7 +209,7 @@ impl EndpointSource for KubeSource {
 
     fn run(
         self: Box<Self>,
-        tx: watch::Sender<Option<PoolView>>,
+        tx: watch::Sender<Option<DeclaredPool>>,
         cancel: CancellationToken,
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move {
@@ -238,7 +238,7 @@ impl EndpointSource for KubeSource {
             .reflect(slices_writer)
             .map(|e| e.map(|_| ()));
             let mut events = std::pin::pin!(stream::select(pool_events, slice_events));
-            let mut last: Option<PoolView> = None;
+            let mut last: Option<DeclaredPool> = None;
             let mut dirty = false;
             tracing::info!(pool = %o.pool, namespace = %o.namespace, "watching the pool and its EndpointSlices");
             loop {
@@ -487,7 +487,7 @@ mod tests {
     fn the_view_carries_the_spec_with_mounted_paths() {
         let s = spec();
         let root = Path::new("/tok");
-        let view = pool_view(&s, [], root, Path::new("/salt"), &|p| {
+        let view = declared(&s, [], root, Path::new("/salt"), &|p| {
             p == Path::new("/tok/llama-tok/tokenizer_config.json")
         });
         assert_eq!(view.routing, s.routing);

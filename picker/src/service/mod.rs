@@ -1,6 +1,7 @@
 //! The picker service: listeners, feeds and the endpoint source around the routing core.
 
 pub mod calibration;
+pub mod declared;
 pub mod diagnostics;
 pub mod errors;
 pub mod ext_proc;
@@ -11,7 +12,6 @@ pub mod kube_source;
 pub mod listener;
 pub mod metrics;
 pub mod passive_health;
-pub mod pool_view;
 pub mod request;
 pub mod settings;
 pub mod source;
@@ -27,8 +27,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use self::declared::DeclaredPool;
 use self::http::{AppState, admin_app, inference_app, metrics_app};
-use self::pool_view::PoolView;
 use self::settings::PickerConfig;
 use self::source::EndpointSource;
 use self::state::PickerState;
@@ -256,7 +256,7 @@ pub async fn start(
     }
 
     // the endpoint source and the task applying its views
-    let (tx, mut rx) = watch::channel::<Option<PoolView>>(None);
+    let (tx, mut rx) = watch::channel::<Option<DeclaredPool>>(None);
     tracing::info!(source = source.name(), "starting endpoint source");
     tasks.spawn(source.run(tx, cancel.clone()));
     let applier_picker = picker.clone();

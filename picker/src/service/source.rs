@@ -1,6 +1,6 @@
 //! Endpoint sources: where the pool's model configs, routing and endpoints come from.
 //!
-//! A source publishes whole [`PoolView`]s on a watch channel; the service applies each one.
+//! A source publishes whole [`DeclaredPool`]s on a watch channel; the service applies each one.
 //! The config file source and the Kubernetes source (the pool resource plus the operator's
 //! EndpointSlices) implement the same trait, so the rest of the picker does not know which
 //! one runs.
@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::pool_view::{EndpointView, KvPorts, PoolView};
+use super::declared::{DeclaredEndpoint, DeclaredPool, KvPorts};
 use super::settings::PickerConfig;
 use crate::endpoint::EndpointId;
 use crate::error::PickerError;
@@ -26,13 +26,13 @@ pub trait EndpointSource: Send + 'static {
     /// the last good one stays in force.
     fn run(
         self: Box<Self>,
-        tx: watch::Sender<Option<PoolView>>,
+        tx: watch::Sender<Option<DeclaredPool>>,
         cancel: CancellationToken,
     ) -> BoxFuture<'static, ()>;
 }
 
 /// The pool as a config file describes it (standalone mode).
-pub fn view_from_config(c: &PickerConfig) -> PoolView {
+pub fn view_from_config(c: &PickerConfig) -> DeclaredPool {
     let mut endpoints = Vec::new();
     for e in &c.endpoints {
         let Some(spec) = c.model_configs.iter().find(|m| m.name == e.model_config) else {
@@ -51,7 +51,7 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
                     .or(spec.kv_events.as_ref().and_then(|k| k.replay_port))
                     .map(|r| r.saturating_add(rank)),
             });
-            endpoints.push(EndpointView {
+            endpoints.push(DeclaredEndpoint {
                 id,
                 model_config: spec.name.clone(),
                 labels: e.labels.clone(),
@@ -60,7 +60,7 @@ pub fn view_from_config(c: &PickerConfig) -> PoolView {
             });
         }
     }
-    PoolView {
+    DeclaredPool {
         model_configs: c.model_configs.clone(),
         routing: c.routing.clone(),
         tenancy: c.tenancy.clone(),
@@ -103,11 +103,11 @@ pub fn check_static_endpoints_unique(c: &PickerConfig) -> Result<(), PickerError
 /// A pool view must list each endpoint once, and one address and port under one model config
 /// only; the error names the conflicting entries. (The Kubernetes source merges the listings
 /// of one pod under one model config, so a duplicate here is always a conflict.)
-pub fn check_view_endpoints_unique(endpoints: &[EndpointView]) -> Result<(), PickerError> {
-    let mut by_id: BTreeMap<EndpointId, &EndpointView> = BTreeMap::new();
-    let mut by_socket: BTreeMap<SocketAddr, &EndpointView> = BTreeMap::new();
+pub fn check_view_endpoints_unique(endpoints: &[DeclaredEndpoint]) -> Result<(), PickerError> {
+    let mut by_id: BTreeMap<EndpointId, &DeclaredEndpoint> = BTreeMap::new();
+    let mut by_socket: BTreeMap<SocketAddr, &DeclaredEndpoint> = BTreeMap::new();
     let describe =
-        |v: &EndpointView| format!("model config {:?}, labels {:?}", v.model_config, v.labels);
+        |v: &DeclaredEndpoint| format!("model config {:?}, labels {:?}", v.model_config, v.labels);
     for v in endpoints {
         if let Some(first) = by_id.insert(v.id, v) {
             return Err(PickerError::Invalid(format!(
@@ -157,7 +157,7 @@ impl EndpointSource for FileSource {
 
     fn run(
         self: Box<Self>,
-        tx: watch::Sender<Option<PoolView>>,
+        tx: watch::Sender<Option<DeclaredPool>>,
         cancel: CancellationToken,
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move {
@@ -209,7 +209,7 @@ impl EndpointSource for FileSource {
 
 /// A fixed pool view (embedding, tests).
 #[derive(Debug)]
-pub struct StaticSource(pub PoolView);
+pub struct StaticSource(pub DeclaredPool);
 
 impl EndpointSource for StaticSource {
     fn name(&self) -> &'static str {
@@ -218,7 +218,7 @@ impl EndpointSource for StaticSource {
 
     fn run(
         self: Box<Self>,
-        tx: watch::Sender<Option<PoolView>>,
+        tx: watch::Sender<Option<DeclaredPool>>,
         cancel: CancellationToken,
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move {

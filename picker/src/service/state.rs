@@ -14,10 +14,10 @@ use parking_lot::RwLock;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
+use super::declared::{DeclaredPool, KvPorts, ModelEntry, PoolChange};
 use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
 use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
-use super::pool_view::{KvPorts, ModelEntry, PoolChange, PoolView};
 use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
@@ -289,7 +289,7 @@ impl PickerState {
 
     /// Apply what a source reports. Invalid views are rejected whole and the previous one
     /// stays in force, so a bad edit never drops traffic.
-    pub fn apply_pool(&self, view: &PoolView) -> Result<PoolChange, PickerError> {
+    pub fn apply_pool(&self, view: &DeclaredPool) -> Result<PoolChange, PickerError> {
         let routing_changed = **self.routing.load() != view.routing;
         view.routing.validate()?;
         view.tenancy.validate()?;

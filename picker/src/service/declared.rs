@@ -78,7 +78,7 @@ impl ModelEntry {
 
 /// An endpoint as a source reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EndpointView {
+pub struct DeclaredEndpoint {
     pub id: EndpointId,
     pub model_config: String,
     pub labels: BTreeMap<String, String>,
@@ -98,11 +98,11 @@ pub struct KvPorts {
 
 /// Everything a source (config file or Kubernetes) says about the pool.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PoolView {
+pub struct DeclaredPool {
     pub model_configs: Vec<ModelConfigSpec>,
     pub routing: RoutingConfig,
     pub tenancy: TenancySpec,
-    pub endpoints: Vec<EndpointView>,
+    pub endpoints: Vec<DeclaredEndpoint>,
 }
 
 /// What changed when a view was applied.
