@@ -37,16 +37,6 @@ pub struct IndexBudget {
     pub approximate_ttl_ms: u64,
 }
 
-impl Default for IndexBudget {
-    fn default() -> Self {
-        Self {
-            default_kv_capacity_blocks: 32_768,
-            precise_slack: 2,
-            approximate_ttl_ms: 600_000,
-        }
-    }
-}
-
 impl IndexBudget {
     /// The index mode and block budget of an endpoint. Its capacity is, in this order, what
     /// its engine reported (`learned`), what its model config says (`configured`), the
