@@ -843,10 +843,23 @@ impl KvIndex {
             if changed {
                 self.clear_endpoint(slot);
             }
+            let mut over = false;
             if let Some(e) = self.endpoints[slot as usize].as_mut() {
                 e.mode = mode;
                 e.max_blocks = max_blocks;
                 e.by_engine_hash.limit = max_blocks;
+                // a smaller budget holds at once: approximate entries go least recently used
+                // first; a precise view over it cannot be trimmed (removals are the engine's)
+                // and is dropped, to be rebuilt from the events that follow
+                while e.approx.len() > max_blocks {
+                    if let Some((_, t)) = e.approx.pop_front() {
+                        self.chains.release(t.place, slot);
+                    }
+                }
+                over = e.by_engine_hash.len() > max_blocks;
+            }
+            if over {
+                self.clear_endpoint(slot);
             }
             return Ok(slot);
         }

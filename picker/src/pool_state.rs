@@ -35,12 +35,17 @@ pub struct IndexBudget {
     pub precise_slack: u64,
     /// Approximate entries expire after this long without use.
     pub approximate_ttl_ms: u64,
+    /// The most blocks one endpoint's entry may hold, whatever its engine reports (slack
+    /// included): an engine's metrics are not trusted to size the picker's memory.
+    pub max_blocks_per_endpoint: u64,
 }
 
 impl IndexBudget {
     /// The index mode and block budget of an endpoint. Its capacity is, in this order, what
     /// its engine reported (`learned`), what its model config says (`configured`), the
-    /// default; a precise endpoint may hold `precise_slack` times that.
+    /// default; a precise endpoint may hold `precise_slack` times that; no endpoint more than
+    /// `max_blocks_per_endpoint`. A budget smaller than what the entry holds takes effect at
+    /// once ([`KvIndex::add_endpoint`]).
     pub fn for_endpoint(
         &self,
         precise: bool,
@@ -63,6 +68,7 @@ impl IndexBudget {
                 cap,
             )
         };
+        let blocks = blocks.min(self.max_blocks_per_endpoint.max(1));
         (mode, usize::try_from(blocks).unwrap_or(usize::MAX))
     }
 }

@@ -149,3 +149,83 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
     assert_eq!(resp.status(), 200);
     picker.shutdown().await;
 }
+
+/// An engine that reports an absurd KV capacity (`num_gpu_blocks="1000000000000"`) and then
+/// floods `BlockStored` batches of many blocks each: the capacity is believed only up to
+/// `index.maxBlocksPerEndpoint`, so the endpoint's view is cleared at that bound instead of
+/// growing with the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_capacity_and_a_block_flood_stay_within_the_per_endpoint_bound() {
+    use kvroute_picker::endpoint::EndpointId;
+    use std::sync::atomic::Ordering;
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.block_size.store(16, Ordering::SeqCst);
+    engine
+        .state
+        .num_gpu_blocks
+        .store(1_000_000_000_000, Ordering::SeqCst);
+    let mut publisher = PubSocket::new();
+    let ep = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
+    let port: u16 = ep.to_string().rsplit(':').next().unwrap().parse().unwrap();
+    let picker = start_picker(&format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {}
+    blockSize: 16
+    kvEvents: {{port: 1}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama, kvEventsPort: {port}}}
+routing: {{stalenessThreshold: 1m}}
+index: {{preciseSlack: 2, maxBlocksPerEndpoint: 300}}
+scrape: {{interval: 50ms}}
+"#,
+        engine.addr.port()
+    ))
+    .await;
+    let state = picker.state.clone();
+    let id = EndpointId::new("127.0.0.1".parse().unwrap(), engine.addr.port(), 0);
+    let learned = || {
+        state
+            .pool
+            .read()
+            .loads()
+            .get(&id)
+            .and_then(|l| l.kv_capacity_blocks)
+    };
+    eventually(Duration::from_secs(10), || {
+        learned().is_some_and(|c| c >= 1_000_000_000_000)
+    })
+    .await;
+    // wait until the subscriber is connected: batches start landing in the index
+    let mut seq = 0u64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while state.pool.live_blocks() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never connected");
+        publisher
+            .send(frames(seq, stored_batch(seq, 1)))
+            .await
+            .unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut most = 0;
+    for _ in 0..200u64 {
+        publisher
+            .send(frames(seq, stored_batch(seq, 64)))
+            .await
+            .unwrap();
+        seq += 1;
+        most = most.max(state.pool.live_blocks());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    most = most.max(state.pool.live_blocks());
+    assert!(most > 0, "batches were ingested");
+    assert!(
+        most <= 300,
+        "{most} blocks held: the engine's capacity was believed past the bound"
+    );
+    picker.shutdown().await;
+}

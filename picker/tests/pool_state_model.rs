@@ -28,6 +28,8 @@ const BUDGET: IndexBudget = IndexBudget {
     default_kv_capacity_blocks: 5,
     precise_slack: 2,
     approximate_ttl_ms: 50,
+    // below the default's 5 × 2: precise endpoints are often clamped
+    max_blocks_per_endpoint: 8,
 };
 
 fn id(n: u8) -> EndpointId {
@@ -117,7 +119,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => prop::collection::vec(member(), 0..5).prop_map(Op::View),
         6 => (0..ENDPOINTS, prop::collection::vec(ev(), 1..4)).prop_map(|(n, e)| Op::Batch(n, e)),
         1 => (0..ENDPOINTS, cause).prop_map(|(n, c)| Op::Clear(n, c)),
-        2 => (0..ENDPOINTS, prop_oneof![Just(None), Just(Some(1u64)), Just(Some(3u64)), Just(Some(6u64))])
+        2 => (0..ENDPOINTS, prop_oneof![Just(None), Just(Some(1u64)), Just(Some(3u64)), Just(Some(6u64)), Just(Some(1_000_000_000_000u64))])
             .prop_map(|(n, c)| Op::Learn(n, c)),
         2 => (0..ENDPOINTS, any::<bool>()).prop_map(|(n, s)| Op::Stale(n, s)),
         4 => (0..ENDPOINTS, 0..DOCS, 1..=BLOCKS).prop_map(|(n, d, len)| Op::Routed(n, d, len)),
@@ -173,7 +175,20 @@ impl Model {
             .or(m.configured)
             .unwrap_or(BUDGET.default_kv_capacity_blocks);
         let factor = if m.precise { BUDGET.precise_slack } else { 1 };
-        (cap * factor) as usize
+        (cap * factor).min(BUDGET.max_blocks_per_endpoint) as usize
+    }
+
+    /// A smaller budget holds at once: approximate blocks go least recently used first, a
+    /// precise view over it is dropped.
+    fn rebudget(&mut self, n: u8) {
+        let budget = self.budget(n);
+        let m = self.members.get_mut(&n).expect("a member");
+        if m.stored.len() > budget {
+            m.stored.clear();
+        }
+        while m.lru.len() > budget {
+            m.lru.remove(0);
+        }
     }
 
     fn expire(lru: &mut Vec<((u8, u8), u64)>, now: u64) {
@@ -230,6 +245,9 @@ impl Model {
             .collect();
         self.members = next;
         self.loads.retain(|n, _| self.members.contains_key(n));
+        for n in self.members.keys().copied().collect::<Vec<_>>() {
+            self.rebudget(n);
+        }
         Some(Membership { added, removed })
     }
 
@@ -404,6 +422,7 @@ proptest! {
                     pool.learn_loads([(id(n), load)]);
                     if model.members.contains_key(&n) {
                         model.loads.insert(n, capacity);
+                        model.rebudget(n);
                     }
                 }
                 Op::Stale(n, stale) => {

@@ -72,6 +72,22 @@ pub struct EventBatch {
     pub skipped_unknown: u32,
 }
 
+impl EventBatch {
+    /// What the batch costs against a publisher's event budget: one per event, plus one per
+    /// block it stores or removes (a batch of one event naming 512 blocks does the index work
+    /// of 512 events).
+    pub fn budget_cost(&self) -> usize {
+        self.events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored { block_hashes, .. }
+                | KvEvent::BlockRemoved { block_hashes, .. } => 1 + block_hashes.len(),
+                KvEvent::AllBlocksCleared => 1,
+            })
+            .sum()
+    }
+}
+
 /// A KV-cache event, as the engine reports it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {

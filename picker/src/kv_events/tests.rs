@@ -1063,3 +1063,32 @@ fn seen_ranges_are_bounded() {
     // an old range fell out: its number is no longer a known duplicate
     assert!(matches!(t.observe(2), SeqOutcome::Restart { .. }));
 }
+
+#[test]
+fn a_batch_costs_one_per_event_plus_one_per_block_it_names() {
+    let stored = |n: u64| KvEvent::BlockStored {
+        block_hashes: (0..n).collect(),
+        parent_block_hash: None,
+        token_ids: vec![0; (n * 16) as usize],
+        block_size: 16,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+        extra_keys: Vec::new(),
+        cache_salt: None,
+    };
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![
+            stored(512),
+            KvEvent::BlockRemoved {
+                block_hashes: vec![1, 2, 3],
+                medium: None,
+            },
+            KvEvent::AllBlocksCleared,
+        ],
+        data_parallel_rank: None,
+        skipped_unknown: 0,
+    };
+    assert_eq!(batch.budget_cost(), 513 + 4 + 1);
+}

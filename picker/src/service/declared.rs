@@ -36,6 +36,7 @@ impl ModelEntry {
             max_prompt_bytes: limits.max_body_bytes,
             max_tokens: limits.max_prompt_tokens,
             max_messages: limits.max_messages,
+            max_encode_bytes_at_once: limits.tokenize_bytes_at_once,
             ..TokenizeLimits::default()
         };
         let options = PromptTokenizerOptions {

@@ -112,6 +112,11 @@ pub struct Limits {
     /// documents, earlier turns), so that they are not encoded again; 0 turns it off. About
     /// 4 bytes per id.
     pub tokenizer_cache_tokens: usize,
+    /// Bytes of prompt text (runs of 64 KiB or more that the tokenizer cache does not hold)
+    /// tokenized at once, all requests together: encoding costs about 150 bytes of memory per
+    /// byte of text while it runs. A prompt that would pass it while others are being
+    /// tokenized gets 429 `overloaded`; one alone is always tokenized.
+    pub tokenize_bytes_at_once: usize,
     /// Concurrent calls to engines' render endpoints for tokenization.
     pub max_render_concurrency: usize,
     #[serde(with = "duration_str")]
@@ -162,6 +167,7 @@ impl Default for Limits {
             max_inflight_per_endpoint: 2048,
             max_inflight_total: 16_384,
             tokenizer_cache_tokens: 1 << 22,
+            tokenize_bytes_at_once: 16 << 20,
             max_render_concurrency: 64,
             render_timeout: Duration::from_millis(500),
             max_connections: 8192,
@@ -214,6 +220,9 @@ pub struct IndexSettings {
     /// Approximate entries expire after this long without use.
     #[serde(with = "duration_str")]
     pub approximate_ttl: Duration,
+    /// The most blocks the index keeps for one endpoint, slack included, whatever capacity
+    /// its engine reports or its model config names (about 66 bytes each).
+    pub max_blocks_per_endpoint: u64,
 }
 
 impl Default for IndexSettings {
@@ -223,6 +232,7 @@ impl Default for IndexSettings {
             default_kv_capacity_blocks: 32_768,
             precise_slack: 2,
             approximate_ttl: Duration::from_secs(600),
+            max_blocks_per_endpoint: 2 << 20,
         }
     }
 }
@@ -303,11 +313,16 @@ impl PickerConfig {
             ("limits.maxMessages", l.max_messages),
             ("limits.maxInflightTotal", l.max_inflight_total),
             ("limits.maxRenderConcurrency", l.max_render_concurrency),
+            ("limits.tokenizeBytesAtOnce", l.tokenize_bytes_at_once),
             ("limits.maxConnections", l.max_connections),
             ("limits.maxHeaderBytes", l.max_header_bytes),
             ("limits.maxEventPayloadBytes", l.max_event_payload_bytes),
             ("limits.maxEventsPerBatch", l.max_events_per_batch),
             ("index.maxEndpoints", self.index.max_endpoints),
+            (
+                "index.maxBlocksPerEndpoint",
+                usize::try_from(self.index.max_blocks_per_endpoint).unwrap_or(usize::MAX),
+            ),
         ] {
             if v == 0 {
                 return Err(PickerError::Invalid(format!("{name} must be positive")));

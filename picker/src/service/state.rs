@@ -186,6 +186,7 @@ impl PickerState {
                     default_kv_capacity_blocks: index_settings.default_kv_capacity_blocks,
                     precise_slack: index_settings.precise_slack,
                     approximate_ttl_ms: index_settings.approximate_ttl.as_millis() as u64,
+                    max_blocks_per_endpoint: index_settings.max_blocks_per_endpoint,
                 },
             ),
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
@@ -725,6 +726,9 @@ impl Drop for Admission {
 }
 
 fn tokenize_error(e: TokenizeError) -> ApiError {
+    if let TokenizeError::Busy { .. } = e {
+        return ApiError::shed(e.to_string());
+    }
     let code = match &e {
         TokenizeError::InputLimit { .. } => "prompt_too_long",
         TokenizeError::TemplateLimit { .. } => "template_limit",

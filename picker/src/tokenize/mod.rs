@@ -53,6 +53,7 @@ use minijinja::{Environment, Value};
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+pub mod bounded;
 mod fallback;
 pub mod piece_cache;
 mod python;
@@ -60,6 +61,7 @@ mod template;
 #[cfg(test)]
 mod tests;
 
+use self::bounded::{EncodeBound, EncodeFailure, EncodeGate};
 use self::fallback::fallback_render;
 pub use self::piece_cache::{PieceCacheOff, PieceCacheStats, PieceEncoder, PieceEncoding};
 use self::template::*;
@@ -102,6 +104,9 @@ pub struct TokenizeLimits {
     pub template_recursion: usize,
     /// Upper bound on the rendered chat prompt, in bytes.
     pub max_rendered_bytes: usize,
+    /// Bytes of large texts (see [`bounded`]) this process encodes at once; one text alone is
+    /// always admitted.
+    pub max_encode_bytes_at_once: usize,
 }
 
 impl Default for TokenizeLimits {
@@ -113,6 +118,7 @@ impl Default for TokenizeLimits {
             template_fuel: 3_000_000,
             template_recursion: 100,
             max_rendered_bytes: 16 << 20,
+            max_encode_bytes_at_once: 16 << 20,
         }
     }
 }
@@ -339,9 +345,9 @@ pub enum InputLimit {
 impl fmt::Display for InputLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::PromptBytes => "max_prompt_bytes",
-            Self::Tokens => "max_tokens",
-            Self::Messages => "max_messages",
+            Self::PromptBytes => "bytes (limits.maxBodyBytes)",
+            Self::Tokens => "tokens (limits.maxPromptTokens)",
+            Self::Messages => "messages (limits.maxMessages)",
         })
     }
 }
@@ -377,7 +383,7 @@ pub enum TokenizeError {
         max: u64,
     },
     /// The request exceeds one of the input limits.
-    #[error("prompt exceeds the {limit} limit: {actual} > {max}")]
+    #[error("the prompt has at least {actual} {limit}, more than the limit of {max}")]
     InputLimit {
         /// The limit that was exceeded.
         limit: InputLimit,
@@ -402,6 +408,12 @@ pub enum TokenizeError {
     /// The tokenizer failed on the text.
     #[error("tokenizer failed to encode the prompt: {0}")]
     Encode(String),
+    /// Other large prompts are being tokenized; this one would take the text being encoded at
+    /// once past its limit.
+    #[error(
+        "the picker is tokenizing other large prompts: this one's {bytes} bytes would take the text being tokenized at once past limits.tokenizeBytesAtOnce ({limit}); retry"
+    )]
+    Busy { bytes: usize, limit: usize },
 }
 
 /// Converts requests into token ids; build once per model and share (it is `Send + Sync`).
@@ -626,24 +638,34 @@ impl PromptTokenizer {
                 cached_tokens: 0,
             });
         };
-        // `encode_fast` skips offset tracking, which the router never needs.
+        // `encode_fast` skips offset tracking, which the router never needs; the bound stops
+        // a text far over the token limit before it is encoded whole.
+        let bound = EncodeBound {
+            max_tokens: self.limits.max_tokens,
+            max_bytes_at_once: self.limits.max_encode_bytes_at_once,
+            gate: EncodeGate::global(),
+        };
         let encoded = match &self.pieces {
-            Ok(pieces) => pieces.encode(tokenizer, text, add_special_tokens),
-            Err(_) => tokenizer
-                .encode_fast(text, add_special_tokens)
-                .map(|e| PieceEncoding {
-                    ids: e.get_ids().to_vec(),
-                    cached_tokens: 0,
-                }),
+            Ok(pieces) => pieces.encode_bounded(tokenizer, text, add_special_tokens, &bound),
+            Err(_) => {
+                let mut ids = Vec::new();
+                bound
+                    .encode_into(tokenizer, text, add_special_tokens, &mut ids)
+                    .map(|()| PieceEncoding {
+                        ids,
+                        cached_tokens: 0,
+                    })
+            }
         }
-        .map_err(|err| TokenizeError::Encode(err.to_string()))?;
-        if encoded.ids.len() > self.limits.max_tokens {
-            return Err(TokenizeError::InputLimit {
+        .map_err(|failure| match failure {
+            EncodeFailure::Tokenizer(err) => TokenizeError::Encode(err.to_string()),
+            EncodeFailure::OverLimit { at_least } => TokenizeError::InputLimit {
                 limit: InputLimit::Tokens,
-                actual: encoded.ids.len(),
+                actual: at_least,
                 max: self.limits.max_tokens,
-            });
-        }
+            },
+            EncodeFailure::Busy { bytes, limit } => TokenizeError::Busy { bytes, limit },
+        })?;
         Ok(TokenizedPrompt {
             ids: encoded.ids,
             kind: TokenKind::Tokens,

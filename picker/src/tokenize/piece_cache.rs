@@ -35,6 +35,8 @@ use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
+use super::bounded::{EncodeBound, EncodeFailure};
+
 /// Shortest run (in bytes, about 128 tokens of English) before the next cut. A call into the
 /// tokenizer costs microseconds however short its text, so a chat's many short pieces (role
 /// names, blank lines, short turns) are encoded, and cached, together; and a cold prompt costs
@@ -186,7 +188,39 @@ impl PieceEncoder {
         text: &str,
         add_special_tokens: bool,
     ) -> tokenizers::Result<PieceEncoding> {
-        self.encode_with(tokenizer, text, add_special_tokens, MIN_RUN_BYTES, true)
+        self.encode_with(
+            tokenizer,
+            text,
+            add_special_tokens,
+            MIN_RUN_BYTES,
+            true,
+            None,
+        )
+        .map_err(|e| match e {
+            EncodeFailure::Tokenizer(e) => e,
+            // without a bound nothing else fails
+            other => format!("{other:?}").into(),
+        })
+    }
+
+    /// As [`PieceEncoder::encode`], under `bound`: runs the cache does not hold are encoded
+    /// as [`EncodeBound::encode_into`] does, and the prompt is refused once its ids pass the
+    /// bound's token limit.
+    pub fn encode_bounded(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+        bound: &EncodeBound<'_>,
+    ) -> Result<PieceEncoding, EncodeFailure> {
+        self.encode_with(
+            tokenizer,
+            text,
+            add_special_tokens,
+            MIN_RUN_BYTES,
+            true,
+            Some(bound),
+        )
     }
 
     /// Cuts `text` into runs of at least `min_run` bytes ending where the tokenizer cuts, and
@@ -198,12 +232,14 @@ impl PieceEncoder {
         add_special_tokens: bool,
         min_run: usize,
         cached: bool,
-    ) -> tokenizers::Result<PieceEncoding> {
+        bound: Option<&EncodeBound<'_>>,
+    ) -> Result<PieceEncoding, EncodeFailure> {
         let (prefix, suffix) = match (&self.wrap, add_special_tokens) {
             (_, false) => (&[][..], &[][..]),
             (Some((p, s)), true) => (&p[..], &s[..]),
             (None, true) => {
-                let ids = tokenizer.encode_fast(text, true)?.get_ids().to_vec();
+                let mut ids = Vec::new();
+                encode_text(tokenizer, text, true, bound, &mut ids)?;
                 return Ok(PieceEncoding {
                     ids,
                     cached_tokens: 0,
@@ -220,14 +256,21 @@ impl PieceEncoder {
             for m in splitter.find_iter(text) {
                 for cut in [m.start(), m.end()] {
                     if cut - run >= min_run.max(1) {
-                        self.encode_part(tokenizer, &text[run..cut], cached, &mut out)?;
+                        self.encode_part(tokenizer, &text[run..cut], cached, bound, &mut out)?;
                         run = cut;
                     }
                 }
             }
         }
-        self.encode_part(tokenizer, &text[run..], cached, &mut out)?;
+        self.encode_part(tokenizer, &text[run..], cached, bound, &mut out)?;
         out.ids.extend_from_slice(suffix);
+        if let Some(b) = bound
+            && out.ids.len() > b.max_tokens
+        {
+            return Err(EncodeFailure::OverLimit {
+                at_least: out.ids.len(),
+            });
+        }
         Ok(out)
     }
 
@@ -237,25 +280,28 @@ impl PieceEncoder {
         tokenizer: &Tokenizer,
         part: &str,
         cached: bool,
+        bound: Option<&EncodeBound<'_>>,
         out: &mut PieceEncoding,
-    ) -> tokenizers::Result<()> {
+    ) -> Result<(), EncodeFailure> {
         if part.is_empty() {
             return Ok(());
         }
         if !cached {
-            out.ids
-                .extend_from_slice(tokenizer.encode_fast(part, false)?.get_ids());
-            return Ok(());
+            return encode_text(tokenizer, part, false, bound, &mut out.ids);
         }
         let key = xxh3_128_with_seed(part.as_bytes(), self.seed);
         if let Some(ids) = self.lookup(key) {
             out.ids.extend_from_slice(&ids);
             out.cached_tokens += ids.len();
-            return Ok(());
+            return match bound {
+                Some(b) if out.ids.len() > b.max_tokens => Err(EncodeFailure::OverLimit {
+                    at_least: out.ids.len(),
+                }),
+                _ => Ok(()),
+            };
         }
         let from = out.ids.len();
-        out.ids
-            .extend_from_slice(tokenizer.encode_fast(part, false)?.get_ids());
+        encode_text(tokenizer, part, false, bound, &mut out.ids)?;
         self.insert(key, &out.ids[from..]);
         Ok(())
     }
@@ -298,14 +344,31 @@ impl PieceEncoder {
                     .encode_fast(probe.as_str(), add)
                     .map_err(|e| PieceCacheOff::ProbeFailed(n, e.to_string()))?;
                 let pieces = self
-                    .encode_with(tokenizer, probe, add, 1, false)
-                    .map_err(|e| PieceCacheOff::ProbeFailed(n, e.to_string()))?;
+                    .encode_with(tokenizer, probe, add, 1, false, None)
+                    .map_err(|e| PieceCacheOff::ProbeFailed(n, format!("{e:?}")))?;
                 if whole.get_ids() != pieces.ids {
                     return Err(PieceCacheOff::ProbeMismatch(n));
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// Appends `text`'s ids to `out`, under `bound` when there is one.
+fn encode_text(
+    tokenizer: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+    bound: Option<&EncodeBound<'_>>,
+    out: &mut Vec<u32>,
+) -> Result<(), EncodeFailure> {
+    match bound {
+        Some(b) => b.encode_into(tokenizer, text, add_special_tokens, out),
+        None => {
+            out.extend_from_slice(tokenizer.encode_fast(text, add_special_tokens)?.get_ids());
+            Ok(())
+        }
     }
 }
 

@@ -528,7 +528,7 @@ fn input_limits_name_the_limit() {
             max: 10
         }
     );
-    assert!(err.to_string().contains("max_prompt_bytes"), "{err}");
+    assert!(err.to_string().contains("limits.maxBodyBytes"), "{err}");
 
     let err = tok.tokenize(PromptInput::Text("Hello, world")).unwrap_err();
     assert!(matches!(
@@ -550,7 +550,8 @@ fn input_limits_name_the_limit() {
         ),
         "{err:?}"
     );
-    assert!(err.to_string().contains("max_tokens"), "{err}");
+    // the picker's setting, not the request's `max_tokens`
+    assert!(err.to_string().contains("limits.maxPromptTokens"), "{err}");
     let err = tok
         .tokenize(PromptInput::TokenIds(&[1, 2, 3, 4]))
         .unwrap_err();
@@ -577,7 +578,7 @@ fn input_limits_name_the_limit() {
             max: 2
         }
     );
-    assert!(err.to_string().contains("max_messages"), "{err}");
+    assert!(err.to_string().contains("limits.maxMessages"), "{err}");
 
     let big = json!([{"role": "user", "content": "this is longer than ten bytes"}]);
     let err = tok.render_chat(&big, None, false, None).unwrap_err();
@@ -857,4 +858,51 @@ fn a_template_nesting_values_as_deep_as_fuel_allows_does_not_overflow() {
     )
     .expect("compiles");
     let _ = tok.render_chat(&messages, None, true, None);
+}
+
+/// A text far over the token limit is refused after counting a little past the limit, not
+/// after encoding it whole (which cost 3.3 GB for a 14 MiB prompt); with the piece cache on
+/// and off, as a completion and as a chat.
+#[test]
+fn a_text_far_over_the_token_limit_is_refused_after_counting_past_the_limit() {
+    let words = "route the cache of alpha beta gamma to the engine\n".repeat(20_000);
+    let whole = tokenizers::Tokenizer::from_bytes(TOKENIZER_JSON)
+        .unwrap()
+        .encode_fast(words.as_str(), false)
+        .unwrap()
+        .len();
+    let max_tokens = 2_000;
+    for piece_cache_tokens in [0, 1 << 20] {
+        let tok = PromptTokenizer::new(
+            Some(TOKENIZER_JSON),
+            Some(template(CHATML)),
+            PromptTokenizerOptions {
+                limits: TokenizeLimits {
+                    max_tokens,
+                    ..Default::default()
+                },
+                piece_cache_tokens,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let chat_messages = json!([{"role": "user", "content": words}]);
+        for input in [PromptInput::Text(&words), chat(&chat_messages, true)] {
+            match tok.tokenize(input).unwrap_err() {
+                TokenizeError::InputLimit {
+                    limit: InputLimit::Tokens,
+                    actual,
+                    max,
+                } => {
+                    assert_eq!(max, max_tokens);
+                    assert!(actual > max_tokens);
+                    assert!(
+                        actual < whole / 10,
+                        "counted {actual} of the text's {whole} tokens"
+                    );
+                }
+                other => panic!("expected the token limit, got {other:?}"),
+            }
+        }
+    }
 }

@@ -43,6 +43,8 @@ pub struct EngineState {
     pub waiting: AtomicU64,
     /// `vllm:cache_config_info{block_size=...}` reported while non-zero.
     pub block_size: AtomicU64,
+    /// `num_gpu_blocks` of each engine core in `vllm:cache_config_info` (512 while zero).
+    pub num_gpu_blocks: AtomicU64,
     /// Completions answer this status (with an error body) at once while non-zero: an engine
     /// that fails fast while its metrics look healthy.
     pub fail_status: AtomicU16,
@@ -137,13 +139,17 @@ async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
     }
     let w = s.waiting.load(Ordering::SeqCst);
     let bs = s.block_size.load(Ordering::SeqCst);
+    let blocks = match s.num_gpu_blocks.load(Ordering::SeqCst) {
+        0 => 512,
+        n => n,
+    };
     let cache_config = if bs == 0 {
         String::new()
     } else {
         format!(
             "# TYPE vllm:cache_config_info gauge\n\
-             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"0\",num_gpu_blocks=\"512\"}} 1.0\n\
-             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"1\",num_gpu_blocks=\"512\"}} 1.0\n"
+             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"0\",num_gpu_blocks=\"{blocks}\"}} 1.0\n\
+             vllm:cache_config_info{{block_size=\"{bs}\",engine=\"1\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
         )
     };
     let extra = s.extra_metrics.lock().clone();

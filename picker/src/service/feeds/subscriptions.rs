@@ -67,7 +67,9 @@ fn desired(picker: &PickerState) -> HashMap<EndpointId, SubscriptionKey> {
     out
 }
 
-/// A token bucket over events, per publisher: `rate` events per second sustained, `burst` at
+/// A token bucket over events and the blocks they name
+/// ([`crate::kv_events::EventBatch::budget_cost`]), per
+/// publisher: `rate` events per second sustained, `burst` at
 /// once. Once a batch is refused, batches stay refused until half the burst has refilled, so
 /// a publisher hovering at the limit makes one episode (one clear of the endpoint's view),
 /// not one per batch. Time is passed in so that it is tested without a clock.
@@ -136,7 +138,7 @@ async fn consume(
                 if !std::mem::replace(&mut received, true) {
                     picker.report(picker.diagnostics.lock().kv_batch(key.endpoint));
                 }
-                if !budget.take(batch.events.len(), Instant::now()) {
+                if !budget.take(batch.budget_cost(), Instant::now()) {
                     picker.metrics.event_problem("rate_limited");
                     if !std::mem::replace(&mut over_budget, true) {
                         tracing::warn!(endpoint = %key.endpoint, "KV event publisher over its rate limit: dropping batches, clearing the endpoint's blocks");
