@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${MIB:-14}
+# chat: one message of that size; text: a completion prompt of that size
+KIND=${KIND:-chat}
 COUNTS=${COUNTS:-"1 3"}
 BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release}
 if [[ -z ${SKIP_BUILD:-} ]]; then
@@ -48,28 +50,34 @@ sleep 1
 hwm() { awk '/^VmHWM/ {print $2}' "/proc/$PICKER/status"; }
 cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$PICKER/stat"; }
 
-python3 - "$MIB" "$TMP/body.json" <<'PY'
+python3 - "$MIB" "$TMP/body.json" "$KIND" <<'PY'
 import json, sys
-mib, path = int(sys.argv[1]), sys.argv[2]
+mib, path, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 words = "route the cache of alpha beta gamma to the engine that holds its prefix".split()
 parts, size, i = [], 0, 0
 while size < mib * 1024 * 1024 - 256:
     w = words[(i * 7) % len(words)]
     parts.append(w); size += len(w) + 1; i += 1
-body = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": " ".join(parts)}]}
+text = " ".join(parts)
+body = {"model": "sim", "max_tokens": 4}
+if kind == "chat":
+    body["messages"] = [{"role": "user", "content": text}]
+else:
+    body["prompt"] = text
 open(path, "w").write(json.dumps(body))
 PY
 echo "body: $(stat -c %s "$TMP/body.json") bytes; picker peak before: $(hwm) kB"
 for n in $COUNTS; do
   before=$(cpu_s)
-  python3 - "$HTTP" "$TMP/body.json" "$n" <<'PY'
+  python3 - "$HTTP" "$TMP/body.json" "$n" "$KIND" <<'PY'
 import asyncio, json, sys
 host, port = sys.argv[1].rsplit(":", 1)
 body = open(sys.argv[2], "rb").read()
 n = int(sys.argv[3])
+path = "/v1/chat/completions" if sys.argv[4] == "chat" else "/v1/completions"
 async def one():
     r, w = await asyncio.open_connection(host, int(port))
-    w.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    w.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
     await w.drain()
     data = await r.read()

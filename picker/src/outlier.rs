@@ -9,6 +9,17 @@
 //! `maxEjectionPercent` of a model config's endpoints, and never all of them, are ejected at
 //! once: detection alone can never empty a pool.
 //!
+//! Failures are charged to an endpoint only when they are its own. A request can fail by
+//! itself (a body the engine answers with 500, a generation longer than `upstreamTimeout`),
+//! and a client repeating one would otherwise eject healthy endpoints. So, besides what the
+//! callers leave out (a request that failed on every endpoint it was tried on; the timeout of
+//! a non-streamed request, whose response head waits for its whole generation), a trigger
+//! ejects only while the endpoint is failing against its pool: when at least half of the
+//! other endpoints of its group in rotation have also failed within `baseEjectionTime`
+//! without a success since, the failures are the traffic's, and nobody is ejected (the
+//! counters stay, and count again once the others recover). This is the pool-relative idea of
+//! Envoy's success-rate detection, applied to the consecutive triggers.
+//!
 //! This is a state machine without I/O or clocks: results and the time go in, ejections come
 //! out, so every rule is a unit or property test.
 
@@ -148,6 +159,8 @@ struct Health {
     ejections: u32,
     /// End of the current or the last ejection.
     ejected_until_ms: Option<u64>,
+    /// When the current run of failures last grew.
+    last_failure_ms: u64,
 }
 
 impl Health {
@@ -158,7 +171,13 @@ impl Health {
             consecutive_gateway: 0,
             ejections: 0,
             ejected_until_ms: None,
+            last_failure_ms: 0,
         }
+    }
+
+    /// Whether the endpoint has failed within `window_ms` of `now_ms` with no success since.
+    fn failing(&self, now_ms: u64, window_ms: u64) -> bool {
+        self.consecutive_5xx > 0 && now_ms.saturating_sub(self.last_failure_ms) < window_ms
     }
 
     fn is_ejected(&self, now_ms: u64) -> bool {
@@ -228,6 +247,23 @@ impl OutlierDetector {
         by_percent.min(size.saturating_sub(1))
     }
 
+    /// Whether at least half of the other endpoints of `group` in rotation are failing too
+    /// (see the module docs): then the failures are the traffic's.
+    fn pool_failing(&self, group: &str, except: &EndpointId, now_ms: u64) -> bool {
+        let window = duration_ms(self.settings.base_ejection_time);
+        let (mut others, mut failing) = (0usize, 0usize);
+        for (id, h) in &self.endpoints {
+            if id == except || &*h.group != group || h.is_ejected(now_ms) {
+                continue;
+            }
+            others += 1;
+            if h.failing(now_ms, window) {
+                failing += 1;
+            }
+        }
+        others > 0 && failing * 2 >= others
+    }
+
     fn ejected_in(&self, group: &str, now_ms: u64) -> usize {
         self.endpoints
             .values()
@@ -257,10 +293,12 @@ impl OutlierDetector {
             Outcome::ServerError => {
                 h.consecutive_5xx += 1;
                 h.consecutive_gateway = 0;
+                h.last_failure_ms = now_ms;
             }
             Outcome::GatewayError => {
                 h.consecutive_5xx += 1;
                 h.consecutive_gateway += 1;
+                h.last_failure_ms = now_ms;
             }
         }
         let trigger = if s.consecutive_gateway_failure > 0
@@ -273,8 +311,11 @@ impl OutlierDetector {
             return None;
         };
         let group = h.group.clone();
-        if self.ejected_in(&group, now_ms) >= self.max_ejected(&group) {
-            // the counters stay: the next failure ejects it once there is room
+        if self.ejected_in(&group, now_ms) >= self.max_ejected(&group)
+            || self.pool_failing(&group, &endpoint, now_ms)
+        {
+            // the counters stay: the next failure ejects it once there is room, or once the
+            // rest of the pool is healthy again
             return None;
         }
         let base_ms = duration_ms(self.settings.base_ejection_time);
@@ -477,6 +518,34 @@ mod tests {
         assert_eq!(all.ejected(0).len(), 2);
     }
 
+    /// Ten poisoned requests spread over a pool of four fail on every endpoint they reach:
+    /// that is the traffic, and nobody is ejected; an endpoint failing while the others
+    /// succeed is.
+    #[test]
+    fn failures_across_the_pool_eject_nobody_and_one_endpoint_failing_alone_is_ejected() {
+        let mut d = detector(4, OutlierDetection::default());
+        let mut ejected = 0;
+        for i in 0..40u64 {
+            let ep = id((i % 4) as u8 + 1);
+            ejected += usize::from(d.on_result(ep, Outcome::ServerError, i).is_some());
+        }
+        assert_eq!(ejected, 0);
+        assert!(d.ejected(40).is_empty());
+        // the others recover (or their failures age out); the one still failing goes
+        for n in 2..=4 {
+            d.on_result(id(n), Outcome::Success, 50);
+        }
+        let e = d.on_result(id(1), Outcome::ServerError, 60);
+        assert!(e.is_some(), "its count was kept while the pool was failing");
+        // aged failures of the others do not protect a failing endpoint either
+        let mut d = detector(4, OutlierDetection::default());
+        for n in 2..=4 {
+            d.on_result(id(n), Outcome::ServerError, 0);
+        }
+        assert_eq!(fail_n(&mut d, id(1), Outcome::ServerError, 4, 20_000), None);
+        assert!(d.on_result(id(1), Outcome::ServerError, 20_000).is_some());
+    }
+
     #[test]
     fn groups_are_counted_apart_and_departed_endpoints_are_forgotten() {
         let s = OutlierDetection {
@@ -590,8 +659,10 @@ mod tests {
     proptest! {
         /// Against a reference model of the counting rule: an endpoint is ejected exactly
         /// when it saw the threshold of errors in a row since it was last ejected (or came
-        /// in) and its group had room; ejections last between the base and the max time;
-        /// no group is ever ejected past its share, nor whole.
+        /// in), its group had room, and fewer than half of the rest of its group in rotation
+        /// were failing too (an error within the base ejection time and no success since);
+        /// ejections last between the base and the max time; no group is ever ejected past
+        /// its share, nor whole.
         #[test]
         fn the_detector_follows_the_reference_model(ops in proptest::collection::vec(op(), 1..300)) {
             let s = OutlierDetection {
@@ -608,6 +679,7 @@ mod tests {
             // reference: errors in a row per endpoint, and the end of its ejection
             let mut runs: BTreeMap<u8, (u32, u32)> = BTreeMap::new();
             let mut until: BTreeMap<u8, u64> = BTreeMap::new();
+            let mut last_error: BTreeMap<u8, u64> = BTreeMap::new();
             let mut now = 0u64;
             for op in ops {
                 match op {
@@ -617,6 +689,7 @@ mod tests {
                         d.set_pool(members.iter().map(|&m| (id(m), group(m))));
                         runs.remove(&n);
                         until.remove(&n);
+                        last_error.remove(&n);
                     }
                     Op::Result(n, o) => {
                         let member = members.contains(&n);
@@ -626,24 +699,41 @@ mod tests {
                             prop_assert_eq!(got, None);
                             continue;
                         }
+                        if o != Outcome::Success {
+                            last_error.insert(n, now);
+                        }
                         let r = runs.entry(n).or_default();
                         match o {
                             Outcome::Success => *r = (0, 0),
                             Outcome::ServerError => *r = (r.0 + 1, 0),
                             Outcome::GatewayError => *r = (r.0 + 1, r.1 + 1),
                         }
+                        let r = *r;
                         let tripped = r.0 >= 3 || r.1 >= 2;
+                        let rotating: Vec<u8> = members
+                            .iter()
+                            .copied()
+                            .filter(|&m| m != n && group(m) == group(n) && until.get(&m).is_none_or(|&u| now >= u))
+                            .collect();
+                        let failing = rotating
+                            .iter()
+                            .filter(|m| {
+                                runs.get(m).is_some_and(|r| r.0 > 0)
+                                    && last_error.get(m).is_some_and(|&t| now - t < 1_000)
+                            })
+                            .count();
+                        let pool_failing = !rotating.is_empty() && failing * 2 >= rotating.len();
                         let size = members.iter().filter(|&&m| group(m) == group(n)).count();
                         let ejected_now = members
                             .iter()
                             .filter(|&&m| group(m) == group(n) && until.get(&m).is_some_and(|&u| now < u))
                             .count();
                         let room = ejected_now < (size / 2).min(size - 1);
-                        prop_assert_eq!(got.is_some(), tripped && room, "endpoint {} runs {:?}", n, r);
+                        prop_assert_eq!(got.is_some(), tripped && room && !pool_failing, "endpoint {} runs {:?}", n, r);
                         if let Some(e) = got {
                             prop_assert!(e.until_ms >= now + 1_000 && e.until_ms <= now + 5_000);
                             until.insert(n, e.until_ms);
-                            *r = (0, 0);
+                            runs.insert(n, (0, 0));
                         }
                     }
                 }

@@ -432,3 +432,61 @@ listen:
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// Streams that open and never send a message (finding 3 of issue 35): they take no
+/// processing place, so the gateway's real requests are served while they are held, and each
+/// is ended after `headerReadTimeout` and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_ext_proc_streams_hold_no_processing_place_and_are_ended() {
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+
+    let engine = FakeEngine::start("127.0.0.1").await;
+    // 8 processing places (twice maxInflightTotal); one connection may hold 8 streams
+    let picker = start_picker(&yaml(
+        engine.addr.port(),
+        "{maxInflightTotal: 4, extProcStreamsPerConnection: 8, headerReadTimeout: 2s}",
+    ))
+    .await;
+    let ext = picker.addrs.ext_proc.unwrap();
+    let idle = support::gateway::channel(ext).await;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let stream = tokio::time::timeout(
+            Duration::from_secs(10),
+            ExternalProcessorClient::new(idle.clone())
+                .process(tokio_stream::wrappers::ReceiverStream::new(rx)),
+        )
+        .await
+        .expect("the stream opens")
+        .unwrap()
+        .into_inner();
+        held.push((tx, stream));
+    }
+    // every processing place would be taken if opening a stream took one
+    let gateway = support::gateway::channel(ext).await;
+    for _ in 0..3 {
+        let answer = support::gateway::request(
+            &gateway,
+            "/v1/completions",
+            &[],
+            br#"{"model":"llama","prompt":"served while idle streams are held"}"#,
+        )
+        .await;
+        assert_eq!(answer.destination(), engine.addr.to_string());
+    }
+    // the silent streams are ended, each with an error the gateway can log, and counted
+    for (_tx, stream) in &mut held {
+        let status = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("ended within 10 s")
+            .expect_err("ended with a status");
+        assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    }
+    let text = metrics_text(picker.addrs.metrics).await;
+    assert!(
+        text.contains("kvroute_picker_errors_total{kind=\"silent_stream\"} 8"),
+        "{text}"
+    );
+    picker.shutdown().await;
+}

@@ -249,3 +249,78 @@ async fn statuses_reported_over_ext_proc_eject_the_endpoint() {
     }
     picker.shutdown().await;
 }
+
+/// One client cannot eject healthy endpoints (finding 4 of issue 35): ten concurrent bodies
+/// every engine answers with 500, then ten non-streamed requests slower than
+/// `upstreamTimeout`, against four healthy engines. The first fail wherever they are tried
+/// (the retry included), the second time out on their own generation: neither is the
+/// endpoints' failure, and nobody is ejected. Ordinary requests are then served everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poisoned_or_slow_requests_eject_no_healthy_endpoint() {
+    let mut engines = Vec::new();
+    for _ in 0..4 {
+        let e = FakeEngine::start("127.0.0.1").await;
+        *e.state.poison.lock() = Some("POISON".into());
+        *e.state.slow.lock() = Some(("SLOW".into(), 1_500));
+        engines.push(e);
+    }
+    let endpoints: String = engines
+        .iter()
+        .map(|e| {
+            format!(
+                "  - {{address: 127.0.0.1, modelConfig: llama, port: {}}}\n",
+                e.addr.port()
+            )
+        })
+        .collect();
+    let picker = start_picker(&format!(
+        r#"
+modelConfigs:
+  - {{name: llama, model: llama, port: {}}}
+endpoints:
+{endpoints}routing: {{stalenessThreshold: 1m, strategy: LeastLoad}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+limits:
+  upstreamTimeout: 300ms
+  outlierDetection: {{consecutive5xx: 3, consecutiveGatewayFailure: 3, baseEjectionTime: 30s, maxEjectionTime: 60s}}
+"#,
+        engines[0].addr.port()
+    ))
+    .await;
+    let url = format!("http://{}/v1/completions", picker.addrs.http);
+    for marker in ["POISON", "SLOW"] {
+        let statuses = futures::future::join_all((0..10).map(|i| {
+            let url = url.clone();
+            async move {
+                client()
+                    .post(&url)
+                    .json(&json!({"model": "llama", "prompt": format!("{marker} request {i} with its own words")}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            }
+        }))
+        .await;
+        let want = if marker == "POISON" { 500 } else { 504 };
+        assert!(
+            statuses.iter().all(|&s| s == want),
+            "{marker}: {statuses:?}"
+        );
+    }
+    for e in &engines {
+        let outlier = debug_outlier(picker.addrs.admin, e.addr.port()).await;
+        assert!(
+            outlier["ejected_until_ms"].is_null(),
+            "127.0.0.1:{} ejected: {outlier}",
+            e.addr.port()
+        );
+    }
+    let text = metrics_text(picker.addrs.metrics).await;
+    assert!(
+        !text.contains("kvroute_picker_outlier_ejections_total{"),
+        "{text}"
+    );
+    picker.shutdown().await;
+}

@@ -178,6 +178,12 @@ pub trait EndpointPicker: Send + Sync + 'static {
     /// A request body did not complete within [`ExtProcLimits::body_timeout`] (answered 408;
     /// `pick` was not called).
     fn on_body_timeout(&self) {}
+
+    /// A stream was refused or ended before `pick`, for `why`: `"stream_limit"` (the
+    /// processing limit was reached when its headers came: 503), `"opening_limit"` (too many
+    /// streams waiting for their headers: refused at once) or `"silent_stream"` (no message
+    /// within [`ExtProcLimits::head_timeout`]).
+    fn on_stream_refused(&self, _why: &'static str) {}
 }
 
 /// Body mode to assume when the proxy does not announce one in `protocol_config`.
@@ -197,8 +203,18 @@ pub struct ExtProcLimits {
     /// `content-length` or found while collecting).
     pub max_body_bytes: usize,
     /// Streams (≈ requests in flight through the gateway, since a stream lasts until the
-    /// response ends) served at once; further ones get a 503 `ImmediateResponse`.
+    /// response ends) served at once, counted from their first message; further ones get a
+    /// 503 `ImmediateResponse`. Streams still waiting for their first message take nothing
+    /// from it: they are bounded separately, by twice this number (so that one connection,
+    /// at most `max_streams_per_connection` streams, never fills it), and refused at once
+    /// past it.
     pub max_concurrent_streams: usize,
+    /// Time a stream has from opening to its first message (the request headers); a silent
+    /// stream is ended then, so it cannot hold anything for longer.
+    pub head_timeout: std::time::Duration,
+    /// Streams one HTTP/2 connection may have open at once (advertised in its
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`; a gateway opens more connections past it).
+    pub max_streams_per_connection: u32,
     /// Body mode for both directions when the proxy sends no `protocol_config`.
     pub assumed_body_mode: AssumedBodyMode,
     /// Time from the request headers to the end of the request body; a body still incomplete
@@ -211,6 +227,8 @@ impl Default for ExtProcLimits {
         Self {
             max_body_bytes: 16 << 20,
             max_concurrent_streams: 16_384,
+            head_timeout: std::time::Duration::from_secs(10),
+            max_streams_per_connection: 1024,
             assumed_body_mode: AssumedBodyMode::FullDuplexStreamed,
             body_timeout: std::time::Duration::from_secs(30),
         }
@@ -232,7 +250,10 @@ pub fn ext_proc_server<P: EndpointPicker>(
 /// The ext_proc service; see the module docs for the protocol it speaks.
 pub struct ExtProcService<P> {
     shared: Arc<Shared<P>>,
+    /// Streams past their first message.
     streams: Arc<Semaphore>,
+    /// Streams waiting for their first message.
+    opening: Arc<Semaphore>,
 }
 
 struct Shared<P> {
@@ -244,8 +265,10 @@ struct Shared<P> {
 impl<P: EndpointPicker> ExtProcService<P> {
     /// A service over `picker`; [`ext_proc_server`] wraps it for tonic.
     pub fn new(picker: Arc<P>, limits: ExtProcLimits) -> Self {
-        let streams = Arc::new(Semaphore::new(
-            limits.max_concurrent_streams.min(Semaphore::MAX_PERMITS),
+        let permits = limits.max_concurrent_streams.min(Semaphore::MAX_PERMITS);
+        let streams = Arc::new(Semaphore::new(permits));
+        let opening = Arc::new(Semaphore::new(
+            permits.saturating_mul(2).min(Semaphore::MAX_PERMITS),
         ));
         Self {
             shared: Arc::new(Shared {
@@ -254,6 +277,7 @@ impl<P: EndpointPicker> ExtProcService<P> {
                 next_request_id: AtomicU64::new(1),
             }),
             streams,
+            opening,
         }
     }
 }
@@ -267,44 +291,47 @@ impl<P: EndpointPicker> ExternalProcessor for ExtProcService<P> {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let inbound = request.into_inner();
+        // A stream holds nothing of the processing limit until its first message: one that
+        // never sends one only waits, bounded in number and in time (`head_timeout`).
+        let Ok(opening) = self.opening.clone().try_acquire_owned() else {
+            self.shared.picker.on_stream_refused("opening_limit");
+            return Err(Status::resource_exhausted(format!(
+                "the endpoint picker has {} streams waiting for their request headers",
+                self.shared.limits.max_concurrent_streams.saturating_mul(2)
+            )));
+        };
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let permit = self.streams.clone().try_acquire_owned().ok();
         let shared = self.shared.clone();
+        let streams = self.streams.clone();
         // The stream is driven on its own task so that the response stream can be returned at
         // once, as tonic requires for bidirectional calls.
         tokio::spawn(async move {
-            match permit {
-                Some(permit) => {
-                    let request_id = shared.next_request_id.fetch_add(1, Ordering::Relaxed);
-                    StreamTask::new(shared, request_id, inbound, tx).run().await;
-                    drop(permit);
-                }
-                None => refuse_over_capacity(inbound, tx, &shared.limits).await,
-            }
+            let request_id = shared.next_request_id.fetch_add(1, Ordering::Relaxed);
+            let mut task = StreamTask::new(shared, request_id, inbound, tx);
+            task.admission = Admission::Opening {
+                _opening: opening,
+                streams,
+            };
+            task.run().await;
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
-/// Answers a stream beyond `max_concurrent_streams` with a 503, after its first message so the
-/// answer pairs with something the proxy is waiting on.
-async fn refuse_over_capacity(
-    mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    limits: &ExtProcLimits,
-) {
-    let first = tokio::select! {
-        message = inbound.message() => message,
-        () = tx.closed() => return,
-    };
-    if let Ok(Some(_)) = first {
-        let refusal = Refusal::overloaded(format!(
-            "the endpoint picker is at its limit of {} concurrent requests",
-            limits.max_concurrent_streams
-        ));
-        // Nothing to do if the proxy is gone.
-        let _ = tx.send(Ok(refusal.into_response())).await;
-    }
+/// What a stream holds of the server's stream limits.
+enum Admission {
+    /// Waiting for its first message: a place among the opening streams, and the semaphore to
+    /// take a processing place from when it comes.
+    Opening {
+        _opening: tokio::sync::OwnedSemaphorePermit,
+        streams: Arc<Semaphore>,
+    },
+    /// Past its first message.
+    Processing {
+        _permit: tokio::sync::OwnedSemaphorePermit,
+    },
+    /// Built without limits (tests of the task alone).
+    Unlimited,
 }
 
 /// Whether the stream goes on after a message.
@@ -409,6 +436,9 @@ struct StreamTask<P: EndpointPicker> {
     inflight: Option<InFlight<P>>,
     /// While a body is being collected: when it must be complete.
     body_deadline: Option<tokio::time::Instant>,
+    /// Until the first message: when it must have come.
+    head_deadline: Option<tokio::time::Instant>,
+    admission: Admission,
 }
 
 impl<P: EndpointPicker> StreamTask<P> {
@@ -419,6 +449,7 @@ impl<P: EndpointPicker> StreamTask<P> {
         tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     ) -> Self {
         let assumed = shared.limits.assumed_body_mode;
+        let shared_head_timeout = shared.limits.head_timeout;
         Self {
             shared,
             request_id,
@@ -433,6 +464,8 @@ impl<P: EndpointPicker> StreamTask<P> {
             subset: None,
             inflight: None,
             body_deadline: None,
+            head_deadline: Some(tokio::time::Instant::now() + shared_head_timeout),
+            admission: Admission::Unlimited,
         }
     }
 
@@ -453,9 +486,23 @@ impl<P: EndpointPicker> StreamTask<P> {
                     None => std::future::pending().await,
                 }
             };
+            let head = self.head_deadline;
+            let head_late = async move {
+                match head {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             let next = tokio::select! {
                 message = self.inbound.message() => message,
                 () = self.tx.closed() => return Ok(()),
+                () = head_late => {
+                    self.shared.picker.on_stream_refused("silent_stream");
+                    return Err(Status::deadline_exceeded(format!(
+                        "no request headers within {:?} of the stream opening",
+                        self.shared.limits.head_timeout
+                    )));
+                }
                 () = body_late => {
                     self.shared.picker.on_body_timeout();
                     let timeout = self.shared.limits.body_timeout;
@@ -478,6 +525,22 @@ impl<P: EndpointPicker> StreamTask<P> {
     async fn handle(&mut self, message: ProcessingRequest) -> Result<StreamNext, Status> {
         if !self.seen_first {
             self.seen_first = true;
+            self.head_deadline = None;
+            if let Admission::Opening { streams, .. } = &self.admission {
+                // the opening place is given back whatever happens next
+                match streams.clone().try_acquire_owned() {
+                    Ok(permit) => self.admission = Admission::Processing { _permit: permit },
+                    Err(_) => {
+                        self.admission = Admission::Unlimited;
+                        self.shared.picker.on_stream_refused("stream_limit");
+                        let refusal = Refusal::overloaded(format!(
+                            "the endpoint picker is at its limit of {} concurrent requests",
+                            self.shared.limits.max_concurrent_streams
+                        ));
+                        return Ok(self.refuse(refusal).await);
+                    }
+                }
+            }
             if message.observability_mode {
                 return Err(Status::failed_precondition(
                     "ext_proc observability mode cannot route requests; disable it for the \

@@ -30,6 +30,11 @@ struct Pending {
     /// (set for streamed requests while calibration is on).
     picked: Instant,
     basis: Option<TtftBasis>,
+    /// Whether the response streams (its head comes before the generation).
+    stream: bool,
+    /// Set when the gateway fell back from the chosen endpoint: charged to it once the
+    /// fallback's status shows the request itself was not failing.
+    primary_failed: bool,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -118,6 +123,8 @@ impl EndpointPicker for GatewayPicker {
                 status: None,
                 picked: Instant::now(),
                 basis: routed.ttft_basis.filter(|_| parsed.stream),
+                stream: parsed.stream,
+                primary_failed: false,
             },
         );
         Ok(PickOutput {
@@ -141,26 +148,38 @@ impl EndpointPicker for GatewayPicker {
         p.guard.first_token();
         let at = |id: &EndpointId| SocketAddr::new(id.address, id.port) == endpoint;
         p.served = p.targets.iter().copied().find(at);
-        let primary = p.targets[0];
-        drop(pending);
         // the gateway moves on to a fallback only when the chosen endpoint failed
-        if !at(&primary) {
+        if !at(&p.targets[0]) {
+            p.primary_failed = true;
             self.picker.metrics.gateway_fallbacks.inc();
-            self.picker.record_outcome(primary, Outcome::GatewayError);
         }
     }
 
     fn on_response_status(&self, request_id: u64, status: u16) {
-        let endpoint = {
+        let (endpoint, primary, stream) = {
             let mut pending = self.pending.lock();
             let Some(p) = pending.get_mut(&request_id) else {
                 return;
             };
             p.status = Some(status);
-            p.served.unwrap_or(p.targets[0])
+            let primary = std::mem::take(&mut p.primary_failed).then_some(p.targets[0]);
+            (p.served.unwrap_or(p.targets[0]), primary, p.stream)
         };
-        self.picker
-            .record_outcome(endpoint, Outcome::from_status(status));
+        let outcome = Outcome::from_status(status);
+        if primary.is_some() && outcome != Outcome::Success {
+            // failed on the chosen endpoint and on the fallback: the request's own failure
+            self.picker.metrics.error("failed_on_every_target");
+            return;
+        }
+        if let Some(primary) = primary {
+            self.picker.record_outcome(primary, Outcome::GatewayError);
+        }
+        // a non-streamed response's head waits for its whole generation: its timeout (504
+        // from the gateway) says as much about the request as about the engine
+        if status == 504 && !stream {
+            return;
+        }
+        self.picker.record_outcome(endpoint, outcome);
     }
 
     fn on_first_response_body(&self, request_id: u64) {
@@ -189,7 +208,16 @@ impl EndpointPicker for GatewayPicker {
         self.picker.metrics.error("body_timeout");
     }
 
+    fn on_stream_refused(&self, why: &'static str) {
+        self.picker.metrics.error(why);
+    }
+
     fn on_response_complete(&self, request_id: u64) {
-        self.pending.lock().remove(&request_id);
+        let pending = self.pending.lock().remove(&request_id);
+        // fell back, and no status came to settle whose failure it was: the chosen endpoint's
+        if let Some(p) = pending.filter(|p| p.primary_failed) {
+            self.picker
+                .record_outcome(p.targets[0], Outcome::GatewayError);
+        }
     }
 }

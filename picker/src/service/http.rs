@@ -240,6 +240,9 @@ async fn proxy_inner(
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = routed.targets().take(2).collect();
     let mut last_err = ApiError::bad_gateway("no upstream attempted");
+    // a 5xx answer waits for the retry before it counts against its endpoint: a request that
+    // fails everywhere it is tried is failing by itself (outlier module docs)
+    let mut unsettled: Option<(EndpointId, Outcome)> = None;
     for (attempt, &ep) in targets.iter().enumerate() {
         let upstream = if ep == d.endpoint {
             routed.upstream.clone()
@@ -265,8 +268,23 @@ async fn proxy_inner(
         }
         let sent = Instant::now();
         let result = tokio::time::timeout(picker.limits.upstream_timeout, req.send()).await;
-        if let Some(outcome) = outcome_of(&result) {
-            picker.record_outcome(ep, outcome);
+        let answered_5xx = matches!(&result, Ok(Ok(r)) if r.status().is_server_error());
+        match (unsettled.take(), outcome_of(&result, parsed.stream)) {
+            (Some(_), _) if answered_5xx => {
+                picker.metrics.error("failed_on_every_target");
+                tracing::debug!(endpoint = %ep, "the request failed on every endpoint it was tried on: charged to none");
+            }
+            (Some((first, failure)), outcome) => {
+                picker.record_outcome(first, failure);
+                if let Some(outcome) = outcome {
+                    picker.record_outcome(ep, outcome);
+                }
+            }
+            (None, Some(outcome)) if answered_5xx && attempt + 1 < targets.len() => {
+                unsettled = Some((ep, outcome));
+            }
+            (None, Some(outcome)) => picker.record_outcome(ep, outcome),
+            (None, None) => {}
         }
         match result {
             Err(_) => {
@@ -323,12 +341,15 @@ async fn proxy_inner(
     Err(last_err)
 }
 
-/// What an attempt tells passive health; `None` for the picker's own failures.
+/// What an attempt tells passive health; `None` for the picker's own failures and for a
+/// non-streamed request's timeout (its response head waits for the whole generation, so the
+/// time says as much about the request as about the engine).
 fn outcome_of(
     result: &Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed>,
+    stream: bool,
 ) -> Option<Outcome> {
     match result {
-        Err(_) => Some(Outcome::GatewayError),
+        Err(_) => stream.then_some(Outcome::GatewayError),
         Ok(Err(e)) if e.is_builder() => None,
         Ok(Err(_)) => Some(Outcome::GatewayError),
         Ok(Ok(resp)) => Some(Outcome::from_status(resp.status().as_u16())),

@@ -210,9 +210,15 @@ pub async fn start(
             // bound, so that overload is the admission's 429 as on the proxy
             max_concurrent_streams: config.limits.max_inflight_total.saturating_mul(2),
             body_timeout: config.limits.body_read_timeout,
+            head_timeout: config.limits.header_read_timeout,
+            max_streams_per_connection: config.limits.ext_proc_streams_per_connection.min(
+                u32::try_from(config.limits.max_inflight_total.saturating_mul(2))
+                    .unwrap_or(u32::MAX),
+            ),
             ..ext_proc::ExtProcLimits::default()
         };
-        let mut server = tonic::transport::Server::builder();
+        let mut server = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(limits.max_streams_per_connection));
         if let Some(tls) = &config.listen.ext_proc_tls {
             server = server
                 .tls_config(ext_proc_tls(tls, config.limits.header_read_timeout)?)

@@ -124,6 +124,11 @@ pub struct Limits {
     /// Open client connections per listener (inference and admin); past it a new connection
     /// gets one 503 `too_many_connections` and is closed.
     pub max_connections: usize,
+    /// Streams one gateway connection to the ext_proc listener may have open at once
+    /// (advertised as HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`: a gateway opens more
+    /// connections past it); never more than twice `maxInflightTotal`, the ext_proc stream
+    /// limit.
+    pub ext_proc_streams_per_connection: u32,
     /// Largest request head (request line plus headers) in bytes; 431 above. At least 8 KiB.
     pub max_header_bytes: usize,
     /// Time a client has to send its request head before the connection is closed (also the
@@ -171,6 +176,7 @@ impl Default for Limits {
             max_render_concurrency: 64,
             render_timeout: Duration::from_millis(500),
             max_connections: 8192,
+            ext_proc_streams_per_connection: 1024,
             max_header_bytes: 64 * 1024,
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
@@ -327,6 +333,9 @@ impl PickerConfig {
             if v == 0 {
                 return Err(PickerError::Invalid(format!("{name} must be positive")));
             }
+        }
+        if l.ext_proc_streams_per_connection == 0 {
+            return Err("limits.extProcStreamsPerConnection must be positive".into());
         }
         if l.body_buffer_bytes < l.max_body_bytes {
             return Err(PickerError::Invalid(format!(

@@ -116,11 +116,12 @@ impl EncodeBound<'_> {
         add_special_tokens: bool,
         out: &mut Vec<u32>,
     ) -> Result<(), EncodeFailure> {
-        let _pass = self.gate.enter(text.len(), self.max_bytes_at_once)?;
         let left = self.max_tokens.saturating_sub(out.len());
         if text.len() > left {
             count_within(tokenizer, text, left)?;
         }
+        // counting holds a window at a time; encoding whole holds the text's weight
+        let _pass = self.gate.enter(text.len(), self.max_bytes_at_once)?;
         let encoding = tokenizer.encode_fast(text, add_special_tokens)?;
         out.extend_from_slice(encoding.get_ids());
         if out.len() > self.max_tokens {

@@ -48,6 +48,11 @@ pub struct EngineState {
     /// Completions answer this status (with an error body) at once while non-zero: an engine
     /// that fails fast while its metrics look healthy.
     pub fail_status: AtomicU16,
+    /// A body containing this text is answered with 500 at once (a request the engine cannot
+    /// serve, on an engine that is healthy).
+    pub poison: Mutex<Option<String>>,
+    /// A body containing this text is answered only after `slow_ms` (a long generation).
+    pub slow: Mutex<Option<(String, u64)>>,
     /// Milliseconds a stream waits before its first chunk (its prefill), beyond the usual 20.
     pub first_chunk_delay_ms: AtomicU64,
     /// More exposition lines `/metrics` serves (histograms, say).
@@ -89,6 +94,20 @@ async fn completion(
     *s.last_body.lock() = Some(v.clone());
     if s.hang.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    let text = String::from_utf8_lossy(&body);
+    if s.poison
+        .lock()
+        .as_ref()
+        .is_some_and(|p| text.contains(p.as_str()))
+    {
+        let body =
+            serde_json::json!({"error": {"message": "cannot serve this request", "code": 500}});
+        return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(body)).into_response();
+    }
+    let slow = s.slow.lock().clone();
+    if let Some((_, ms)) = slow.filter(|(p, _)| text.contains(p.as_str())) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     let fail = s.fail_status.load(Ordering::SeqCst);
     if fail != 0 {
