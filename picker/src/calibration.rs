@@ -46,7 +46,17 @@
 //! are not. Values that are not finite, not positive, longer than an hour or larger than 16M
 //! tokens are ignored.
 //!
-//! Without I/O or clocks: observations go in, estimates come out. Memory is one entry per
+//! # Ageing
+//! Besides the window in observations, everything learned ages in time: [`Calibration::age`]
+//! halves every endpoint's statistics (and its count of recent observations, which sets how
+//! far its own values stand from its pool's, see [`pooled`]) every [`HALF_LIFE_MS`]. An
+//! endpoint priced high gets no traffic, so no new observation of its own would ever correct
+//! a price that has outlived its cause (an engine's absurd histograms, a burst of stalls):
+//! with nothing new, its values fall back to the pool's within a minute, and the traffic that
+//! then comes measures it again. Data that is invalid (non-finite sums) does not stop the
+//! ageing either.
+//!
+//! Without I/O or clocks: observations and the time go in, estimates come out. Memory is one entry per
 //! endpoint of the pool ([`Calibration::set_pool`]); observations of other endpoints are
 //! dropped.
 
@@ -82,6 +92,8 @@ pub const ENGINE_REQUESTS_PER_SCRAPE: f64 = 32.0;
 pub const ENGINE_PRIOR_MULTIPLE: f64 = 1.0;
 /// ... plus this share of the picker's own measurements.
 pub const ENGINE_OWN_SHARE: f64 = 0.5;
+/// Every endpoint's statistics halve in this much time without new observations.
+pub const HALF_LIFE_MS: f64 = 10_000.0;
 /// Observed times beyond this (ms) are ignored.
 pub const MAX_OBSERVED_MS: f64 = 3_600_000.0;
 /// Observed token counts beyond this are ignored.
@@ -147,6 +159,8 @@ pub struct LearnedCost {
     pub decode_step_ms: f64,
     /// Observations behind these values, all sources.
     pub observations: u64,
+    /// The same, aged in time ([`HALF_LIFE_MS`]); what [`pooled`] weighs an endpoint by.
+    pub recent_observations: f64,
 }
 
 /// What became of one observation.
@@ -231,6 +245,19 @@ impl<const N: usize> Default for Moments<N> {
 }
 
 impl<const N: usize> Moments<N> {
+    /// Scale the statistics by `f` (ageing); the winsorizing band stays.
+    fn scale(&mut self, f: f64) {
+        for row in &mut self.zz {
+            for v in row {
+                *v *= f;
+            }
+        }
+        for v in &mut self.zy {
+            *v *= f;
+        }
+        self.weight *= f;
+    }
+
     /// Winsorize `y` towards `predicted` (> 0), update the spread, and add the observation.
     fn add(&mut self, z: [f64; N], y: f64, predicted: f64, w: f64) -> Fed {
         let band = (CLIP_SPREADS * self.spread).clamp(MIN_CLIP_RATIO.ln(), CLIP_RATIO.ln());
@@ -314,6 +341,10 @@ struct EndpointState {
     /// The last scrape's counters, which the next scrape's are compared with.
     baseline: Option<PerfCounters>,
     observations: [u64; 3],
+    /// Observations counted, aged like the statistics.
+    recent: f64,
+    /// When the statistics were last aged (ms on the caller's clock).
+    aged_at_ms: Option<u64>,
     clipped: u64,
     ignored: u64,
     counter_resets: u64,
@@ -334,10 +365,30 @@ impl EndpointState {
             Fed::Clipped => {
                 self.clipped += 1;
                 self.observations[source.index()] += 1;
+                self.recent += 1.0;
             }
-            Fed::Learned => self.observations[source.index()] += 1,
+            Fed::Learned => {
+                self.observations[source.index()] += 1;
+                self.recent += 1.0;
+            }
         }
         fed
+    }
+
+    /// Age the statistics to `now_ms`; `true` when they changed.
+    fn age(&mut self, now_ms: u64) -> bool {
+        let from = self
+            .aged_at_ms
+            .replace(now_ms.max(self.aged_at_ms.unwrap_or(0)));
+        let Some(from) = from.filter(|&f| now_ms > f) else {
+            return false;
+        };
+        let f = 0.5f64.powf((now_ms - from) as f64 / HALF_LIFE_MS);
+        self.own.scale(f);
+        self.engine.scale(f);
+        self.decode.scale(f);
+        self.recent *= f;
+        true
     }
 }
 
@@ -535,6 +586,17 @@ impl Calibration {
         })
     }
 
+    /// Age every endpoint's statistics to `now_ms` (see the module docs) and estimate again.
+    /// The service calls it on every scrape and before every observation of its own.
+    pub fn age(&mut self, now_ms: u64) {
+        let reference = self.reference;
+        for state in self.endpoints.values_mut() {
+            if state.age(now_ms) {
+                state.learned = estimate(&reference, state);
+            }
+        }
+    }
+
     /// Every endpoint's status, in no particular order.
     pub fn statuses(&self) -> impl Iterator<Item = (EndpointId, CalibrationStatus)> + '_ {
         self.endpoints
@@ -679,6 +741,7 @@ fn estimate(reference: &Reference, s: &EndpointState) -> Option<LearnedCost> {
         decode_scale,
         decode_step_ms: decode_scale * reference.decode_ms,
         observations,
+        recent_observations: s.recent,
     })
 }
 
@@ -693,7 +756,8 @@ pub const POOL_SAME_RATIO: f64 = 1.1;
 /// The values the cost model prices each candidate with: the pool's fit (the observation-
 /// weighted geometric mean over the candidates that learned something), which an endpoint
 /// without observations inherits, and each endpoint's own values shrunk towards it (its own
-/// weigh `n / (n + POOL_SHRINK_OBSERVATIONS)` after `n` observations) and kept within
+/// weigh `n / (n + POOL_SHRINK_OBSERVATIONS)` after `n` recent observations, aged in time:
+/// an endpoint that stopped being observed falls back to its pool) and kept within
 /// [`POOL_MAX_RATIO`] of it. Endpoints of one model config are usually alike, and two free
 /// constants per endpoint are poorly determined outside the work sizes observed; priced
 /// alone, an endpoint learned slow is avoided and never corrected, and a new one at the
@@ -702,14 +766,14 @@ pub const POOL_SAME_RATIO: f64 = 1.1;
 pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
     // what counts towards the pool and keeps values of its own
     let usable = |l: &LearnedCost| {
-        l.observations > 0
+        l.recent_observations > 0.0
             && l.overhead_ms > 0.0
             && l.prefill_ms_per_token > 0.0
             && l.decode_scale > 0.0
     };
     let (mut w, mut lo, mut lp, mut ld) = (0.0, 0.0, 0.0, 0.0);
     for l in learned.iter().flatten().filter(|l| usable(l)) {
-        let n = l.observations as f64;
+        let n = l.recent_observations;
         w += n;
         lo += n * l.overhead_ms.ln();
         lp += n * l.prefill_ms_per_token.ln();
@@ -720,10 +784,10 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
     }
     let (po, pp, pd) = (lo / w, lp / w, ld / w);
     let bound = POOL_MAX_RATIO.ln();
+    // the endpoint's own value is held within the bound before it is weighed, so that a
+    // far outlier with few recent observations moves its price only a little
     let mix = |own: f64, pool: f64, a: f64| {
-        (a * own.ln() + (1.0 - a) * pool)
-            .clamp(pool - bound, pool + bound)
-            .exp()
+        (a * own.ln().clamp(pool - bound, pool + bound) + (1.0 - a) * pool).exp()
     };
     // Within the estimator's noise of the pool is the pool: alike endpoints tie exactly, so
     // the tie-break still spreads their requests. The two prefill constants are compared
@@ -743,7 +807,7 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
         .iter()
         .map(|l| match l {
             Some(l) if usable(l) => {
-                let n = l.observations as f64;
+                let n = l.recent_observations;
                 let a = n / (n + POOL_SHRINK_OBSERVATIONS);
                 let (mut overhead_ms, mut prefill_ms_per_token, mut decode_scale) = (
                     mix(l.overhead_ms, po, a),
@@ -760,6 +824,7 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
                     decode_step_ms: l.decode_step_ms / l.decode_scale * decode_scale,
                     decode_scale,
                     observations: l.observations,
+                    recent_observations: l.recent_observations,
                 })
             }
             other => {
@@ -772,6 +837,7 @@ pub fn pooled(learned: &[Option<LearnedCost>]) -> Vec<Option<LearnedCost>> {
                         * decode_scale,
                     decode_scale,
                     observations: 0,
+                    recent_observations: 0.0,
                 })
             }
         })
@@ -1216,6 +1282,82 @@ mod tests {
         }
     }
 
+    /// Finding 5 of issue 35: an endpoint priced high by a burst of slow measurements and
+    /// absurd engine histograms gets no traffic afterwards, so nothing of its own corrects
+    /// the price. Aged in time, its values fall back to its pool's within a minute while its
+    /// identical peer keeps being measured; absurd (non-finite) scrapes do not freeze it.
+    #[test]
+    fn a_skewed_price_falls_back_to_the_pool_once_nothing_new_is_observed() {
+        let cal = CostModelCalibration::default();
+        let (overhead, per_token) = (250.0, 0.6);
+        let mut c = with_pool(2);
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut now = 0u64;
+        let priced = |c: &Calibration| {
+            let pool = pooled(&[c.learned(&ep(1)), c.learned(&ep(2))]);
+            let ms = |l: &Option<LearnedCost>| learned_ms(&cal, l.as_ref().unwrap(), 2000.0);
+            (ms(&pool[0]), ms(&pool[1]))
+        };
+        // a minute of both being measured honestly, one request each every half second
+        while now < 60_000 {
+            for e in [1, 2] {
+                let tokens = rng.random_range(200.0..4000.0);
+                c.age(now);
+                c.observe_ttft(&ep(e), basis(tokens), truth(overhead, per_token, tokens));
+            }
+            now += 500;
+        }
+        let (a, b) = priced(&c);
+        assert!(rel(a, b) < 0.1, "alike at first: {a} vs {b}");
+        // ten seconds of stalls on endpoint 1 (five times the truth), and its engine reports
+        // absurd histograms
+        let mut counters = scrape(0.0, 0.0, 0.0, 0.0);
+        c.observe_engine(&ep(1), &counters, 0.1);
+        while now < 70_000 {
+            let tokens = rng.random_range(200.0..4000.0);
+            c.age(now);
+            c.observe_ttft(
+                &ep(1),
+                basis(tokens),
+                5.0 * truth(overhead, per_token, tokens),
+            );
+            counters = scrape(now as f64, 2000.0, 60_000.0, 500.0);
+            c.observe_engine(&ep(1), &counters, 0.1);
+            now += 100;
+        }
+        let (a, b) = priced(&c);
+        assert!(a > 1.3 * b, "skewed: {a} vs {b}");
+        // then endpoint 1 gets no traffic (its engine's sums turn non-finite for a while),
+        // endpoint 2 is measured every second; scrapes every 100 ms
+        let broken = PerfCounters {
+            prefill_time: Some(SumCount {
+                sum: f64::NAN,
+                count: 1.0,
+            }),
+            ..PerfCounters::default()
+        };
+        let start = now;
+        while now < start + 60_000 {
+            c.age(now);
+            if now.is_multiple_of(1000) {
+                let tokens = rng.random_range(200.0..4000.0);
+                c.observe_ttft(&ep(2), basis(tokens), truth(overhead, per_token, tokens));
+            }
+            let scraped = if now < start + 20_000 {
+                &broken
+            } else {
+                &counters
+            };
+            c.observe_engine(&ep(1), scraped, 0.1);
+            now += 100;
+        }
+        let (a, b) = priced(&c);
+        assert!(
+            rel(a, b) < 0.1,
+            "back with its pool after a minute: {a} vs {b}"
+        );
+    }
+
     fn cost(overhead: f64, per_token: f64, n: u64) -> LearnedCost {
         LearnedCost {
             overhead_ms: overhead,
@@ -1223,6 +1365,7 @@ mod tests {
             decode_scale: 1.0,
             decode_step_ms: 5.7,
             observations: n,
+            recent_observations: n as f64,
         }
     }
 

@@ -205,6 +205,7 @@ mod tests {
             decode_scale: 1.0,
             decode_step_ms: decode_step_ms(&cal, 0.0),
             observations: 1,
+            recent_observations: 1.0,
         };
         // the configured constants in the learned form are the configured model exactly,
         // chunking and quadratic term included

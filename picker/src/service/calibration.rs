@@ -20,9 +20,10 @@ impl PickerState {
     /// was forwarded; `basis` is what the router estimated at the pick.
     pub fn observe_ttft(&self, endpoint: EndpointId, basis: TtftBasis, ttft: Duration) {
         if self.calibrating() {
-            self.calibration
-                .write()
-                .observe_ttft(&endpoint, basis, ttft.as_secs_f64() * 1000.0);
+            let now = self.now_ms();
+            let mut calibration = self.calibration.write();
+            calibration.age(now);
+            calibration.observe_ttft(&endpoint, basis, ttft.as_secs_f64() * 1000.0);
         }
     }
 
@@ -31,7 +32,9 @@ impl PickerState {
         if scraped.is_empty() || !self.calibrating() {
             return;
         }
+        let now = self.now_ms();
         let mut calibration = self.calibration.write();
+        calibration.age(now);
         for (id, counters, kv_usage) in scraped {
             calibration.observe_engine(id, counters, *kv_usage);
         }
