@@ -48,8 +48,14 @@ const MAX_SLOTS: usize = 1 << 20;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum IndexError {
-    #[error("the index already tracks {0} endpoints, its configured maximum")]
-    TooManyEndpoints(usize),
+    #[error(
+        "tracking {adding} more endpoint(s) beside the {tracked} tracked now would pass index.maxEndpoints ({limit})"
+    )]
+    TooManyEndpoints {
+        limit: usize,
+        tracked: usize,
+        adding: usize,
+    },
     #[error("unknown index slot {0}")]
     UnknownSlot(Slot),
 }
@@ -865,7 +871,11 @@ impl KvIndex {
         }
         let limit = self.max_endpoints();
         if self.slot_of.len() >= limit {
-            return Err(IndexError::TooManyEndpoints(limit));
+            return Err(IndexError::TooManyEndpoints {
+                limit,
+                tracked: self.slot_of.len(),
+                adding: 1,
+            });
         }
         let mut by_engine_hash = Table::with_limit(max_blocks);
         let presize = max_blocks.min(PRESIZE_BLOCKS);
@@ -1372,7 +1382,11 @@ mod tests {
             .expect("slot");
         assert_eq!(
             ix.add_endpoint(id(3), IndexMode::Precise, 10),
-            Err(IndexError::TooManyEndpoints(2))
+            Err(IndexError::TooManyEndpoints {
+                limit: 2,
+                tracked: 2,
+                adding: 1
+            })
         );
         ix.remove_endpoint(&id(2));
         assert_eq!(ix.add_endpoint(id(3), IndexMode::Precise, 10), Ok(b));

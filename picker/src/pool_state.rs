@@ -226,8 +226,13 @@ impl PoolState {
             .filter(|m| inner.index.slot(&m.endpoint.id).is_none())
             .count();
         let limit = inner.index.max_endpoints();
-        if inner.index.endpoints().count() + new > limit {
-            return Err(IndexError::TooManyEndpoints(limit));
+        let tracked = inner.index.endpoints().count();
+        if tracked + new > limit {
+            return Err(IndexError::TooManyEndpoints {
+                limit,
+                tracked,
+                adding: new,
+            });
         }
         let current = self.endpoints.load();
         let mut added = Vec::new();

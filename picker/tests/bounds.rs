@@ -88,7 +88,12 @@ async fn oversized_request_heads_get_431() {
 #[tokio::test]
 async fn connections_past_the_bound_get_a_503_naming_the_limit() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let picker = start_picker(&yaml(engine.addr.port(), "{maxConnections: 1}")).await;
+    // a head timeout far longer than the test: a silent refused connection must not wait for it
+    let picker = start_picker(&yaml(
+        engine.addr.port(),
+        "{maxConnections: 1, headerReadTimeout: 60m}",
+    ))
+    .await;
     let url = format!("http://{}/healthz", picker.addrs.http);
     // the first client keeps its connection open (pooled keep-alive)
     let first = client();
@@ -96,6 +101,21 @@ async fn connections_past_the_bound_get_a_503_naming_the_limit() {
     let second = client();
     let (status, code) = error_of(second.get(&url).send().await.unwrap()).await;
     assert_eq!((status, code.as_str()), (503, "too_many_connections"));
+    // a silent connection past the cap is closed once the refusal's short linger is over,
+    // long before headerReadTimeout (finding 6 of issue 35: it used to wait for a head, and
+    // 1,100 of them used up the open files)
+    {
+        use tokio::io::AsyncReadExt;
+        let mut silent = tokio::net::TcpStream::connect(picker.addrs.http)
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), silent.read_to_end(&mut answer))
+            .await
+            .expect("closed long before the head timeout")
+            .unwrap();
+        assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    }
     // once the first connection closes, its slot is free again
     drop(first);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

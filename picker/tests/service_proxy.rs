@@ -673,3 +673,41 @@ async fn before_any_pool_view_requests_get_503_not_ready() {
     }
     picker.shutdown().await;
 }
+
+/// Headers a client names in `Connection` are hop-by-hop (RFC 9110 §7.6.1) and stay with the
+/// picker, as does `HTTP2-Settings`; the others reach the engine (finding 6 of issue 35).
+#[tokio::test]
+async fn headers_named_in_connection_are_not_forwarded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_pool(engine.addr.port(), "")).await;
+    let body = r#"{"model":"llama","prompt":"abc"}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: picker\r\nContent-Type: application/json\r\n\
+         Connection: keep-alive, X-Secret-Hop\r\nConnection: x-other-hop\r\nX-Secret-Hop: s\r\n\
+         X-Other-Hop: o\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nX-Kept: k\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = tokio::net::TcpStream::connect(picker.addrs.http)
+        .await
+        .unwrap();
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = [0u8; 12];
+    conn.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let headers = engine.state.last_headers.lock().clone().unwrap();
+    assert_eq!(headers["x-kept"], "k");
+    for gone in [
+        "x-secret-hop",
+        "x-other-hop",
+        "http2-settings",
+        "connection",
+    ] {
+        assert!(
+            headers.get(gone).is_none(),
+            "{gone} was forwarded: {headers:?}"
+        );
+    }
+    picker.shutdown().await;
+}

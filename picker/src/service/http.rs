@@ -37,6 +37,7 @@ fn hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
+            | "http2-settings"
             | "keep-alive"
             | "proxy-connection"
             | "transfer-encoding"
@@ -48,6 +49,18 @@ fn hop_by_hop(name: &HeaderName) -> bool {
             | "host"
             | "content-length"
     )
+}
+
+/// Whether `name` may be forwarded from `headers` to the next hop: not hop-by-hop, and not
+/// named in a `Connection` header (those are hop-by-hop too, RFC 9110 §7.6.1).
+fn forwardable(headers: &HeaderMap, name: &HeaderName) -> bool {
+    !hop_by_hop(name)
+        && !headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
 }
 
 /// The inference listener: only OpenAI endpoints and health.
@@ -259,7 +272,9 @@ async fn proxy_inner(
             ))
             .body(upstream.body);
         for (name, value) in &headers {
-            if !hop_by_hop(name) && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank") {
+            if forwardable(&headers, name)
+                && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank")
+            {
                 req = req.header(name, value);
             }
         }
@@ -381,7 +396,7 @@ fn stream_back(
     }
     let mut builder = Response::builder().status(status.as_u16());
     for (name, value) in resp.headers() {
-        if !hop_by_hop(name) || name == header::CONTENT_LENGTH {
+        if forwardable(resp.headers(), name) || name == header::CONTENT_LENGTH {
             builder = builder.header(name, value);
         }
     }

@@ -3,8 +3,13 @@
 //! listener of the picker (proxy, admin, metrics, ext_proc) runs behind them.
 //!
 //! Past `max_connections` a new HTTP connection is still accepted, answered with one
-//! OpenAI-style 503 (`too_many_connections`) and closed, so the client learns why instead of
-//! waiting in the kernel's backlog; a gRPC connection is closed. A head larger than
+//! OpenAI-style 503 (`too_many_connections`) as soon as its request starts (clients do not
+//! read an answer that comes before their request) and closed, so the client learns why
+//! instead of waiting in the kernel's backlog; a gRPC connection is closed. Refusing is
+//! bounded apart from the cap: at most [`REFUSED_LINGERING`] refused connections are kept open
+//! at once, each for at most [`REFUSED_LINGER`] to start its request and as long again to be
+//! closed cleanly; one that stays silent, or comes while that many are open, is closed at once
+//! without an answer. So silent connections past the cap cannot use up the open files. A head larger than
 //! `max_header_bytes` gets hyper's 431. A connection that sends nothing within
 //! `header_read_timeout` is closed (`kvroute_picker_errors_total{kind="silent_connection"}`):
 //! hyper's own head timer starts only once it has read enough to tell HTTP/1 from HTTP/2, so
@@ -17,7 +22,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
-use axum::response::IntoResponse;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -67,6 +71,8 @@ pub async fn serve_bounded(
         .keep_alive_interval(Some(H2_KEEPALIVE))
         .keep_alive_timeout(H2_KEEPALIVE);
     let builder = Arc::new(builder);
+    let refusal = Arc::<[u8]>::from(too_many_connections_response());
+    let lingering = Arc::new(Semaphore::new(REFUSED_LINGERING));
     loop {
         let Some((stream, peer)) = accept(&listener, &cancel).await else {
             break;
@@ -78,26 +84,7 @@ pub async fn serve_bounded(
                 c.metrics.error("too_many_connections");
             }
             tracing::debug!(%peer, "connection refused: too many connections");
-            let refuse = hyper::service::service_fn(|_req: hyper::Request<Incoming>| async {
-                let mut resp = ApiError::unavailable(
-                    "too_many_connections",
-                    "the picker has too many open connections; retry later",
-                )
-                .into_response();
-                resp.headers_mut().insert(
-                    http::header::CONNECTION,
-                    http::HeaderValue::from_static("close"),
-                );
-                Ok::<_, std::convert::Infallible>(resp)
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .keep_alive(false)
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(TokioIo::new(stream), refuse);
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-            });
+            refuse_now(stream, &refusal, &lingering);
             continue;
         };
         let svc = hyper::service::service_fn({
@@ -122,6 +109,54 @@ pub async fn serve_bounded(
     }
     drop(listener);
     let _ = tokio::time::timeout(drain, graceful.shutdown()).await;
+}
+
+/// Refused connections kept open at once to close them cleanly.
+pub const REFUSED_LINGERING: usize = 64;
+/// How long a refused connection is kept open to read what its client sent.
+pub const REFUSED_LINGER: Duration = Duration::from_secs(1);
+
+/// The whole HTTP/1.1 answer to a connection past the cap.
+fn too_many_connections_response() -> Vec<u8> {
+    let error = ApiError::unavailable(
+        "too_many_connections",
+        "the picker has too many open connections; retry later",
+    );
+    let body = serde_json::to_vec(&error.body()).unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Answer a connection past the cap once its request starts, then close it (see the module
+/// docs); closed at once when [`REFUSED_LINGERING`] refused connections are open already.
+fn refuse_now(stream: TcpStream, answer: &Arc<[u8]>, lingering: &Arc<Semaphore>) {
+    let Ok(slot) = lingering.clone().try_acquire_owned() else {
+        return;
+    };
+    let answer = answer.clone();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = stream;
+        if !first_bytes_within(&stream, REFUSED_LINGER).await {
+            return;
+        }
+        let _ = tokio::time::timeout(REFUSED_LINGER, async {
+            stream.write_all(&answer).await?;
+            stream.shutdown().await?;
+            // read what the client sent, so that closing does not reset the answer away
+            let mut sink = [0u8; 4096];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+        drop(slot);
+    });
 }
 
 /// Ping interval and answer timeout on HTTP/2 connections.

@@ -860,6 +860,13 @@ endpoints:
         too_many.endpoints.push(third);
         let e = picker.apply_pool(&too_many).expect_err("past maxEndpoints");
         assert_eq!(e.metric_label(), "index", "{e}");
+        // the message says what was asked and what is tracked, not that the index is full
+        assert!(
+            e.to_string().contains(
+                "tracking 1 more endpoint(s) beside the 2 tracked now would pass index.maxEndpoints (2)"
+            ),
+            "{e}"
+        );
         // an endpoint naming a model config the view lacks
         let mut unknown = good.clone();
         unknown.endpoints[1].model_config = "nope".into();
