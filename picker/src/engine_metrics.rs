@@ -72,6 +72,8 @@ pub struct ParseLimits {
     pub max_labels_per_series: usize,
     /// Bytes in one label value, as written (escaped).
     pub max_label_value_len: usize,
+    /// Distinct data-parallel ranks one server reports on.
+    pub max_ranks: usize,
 }
 
 impl Default for ParseLimits {
@@ -84,6 +86,8 @@ impl Default for ParseLimits {
             max_lines: 250_000,
             max_labels_per_series: 128,
             max_label_value_len: 16 << 10,
+            // the widest data-parallel deployments run a few hundred ranks per server
+            max_ranks: 1024,
         }
     }
 }
@@ -293,6 +297,8 @@ pub enum MetricsError {
     LabelValueTooLong { line: usize, limit: usize },
     #[error("line {line}: label {label} is not a data-parallel rank (an unsigned integer)")]
     BadRank { line: usize, label: &'static str },
+    #[error("line {line}: more than {limit} data-parallel ranks")]
+    TooManyRanks { line: usize, limit: usize },
     #[error("required metric {0} is missing")]
     MissingMetric(&'static str),
     #[error("required metric {metric} is missing for data-parallel rank {rank}")]
@@ -313,7 +319,10 @@ pub fn parse_engine_metrics(
         });
     }
     let scheme = Scheme::for_engine(engine);
-    let mut groups = Groups::default();
+    let mut groups = Groups {
+        max_ranks: limits.max_ranks,
+        ..Groups::default()
+    };
     let mut labels: Vec<(&str, &str)> = Vec::new();
     for (index, line) in text.lines().enumerate() {
         let line_no = index.saturating_add(1);
@@ -785,6 +794,9 @@ impl Scheme {
 #[derive(Default)]
 struct Groups {
     values: BTreeMap<(Field, Option<u32>, String), f64>,
+    /// Distinct ranks seen, bounded by [`ParseLimits::max_ranks`].
+    ranks: std::collections::BTreeSet<u32>,
+    max_ranks: usize,
 }
 
 /// Values per (field, rank) once groups are combined.
@@ -813,6 +825,15 @@ impl Groups {
             Some(rank_label) => rank_of(labels, rank_label, line_no)?,
             None => None,
         };
+        if let Some(r) = rank
+            && self.ranks.insert(r)
+            && self.ranks.len() > self.max_ranks
+        {
+            return Err(MetricsError::TooManyRanks {
+                line: line_no,
+                limit: self.max_ranks,
+            });
+        }
         if field == Field::CacheConfig {
             // An info gauge: the data is in the labels; its value is always 1.
             for (label, target) in [
@@ -1604,6 +1625,19 @@ vllm:cache_config_info{engine="0",model_name="x\"y",block_size="16",num_gpu_bloc
             ..ParseLimits::default()
         };
         assert!(parse_engine_metrics(VLLM, EngineKind::Vllm, &limits).is_ok());
+        // a page naming more ranks than any server runs (finding 6 of issue 35: 128k of them
+        // cost a core on every scrape) is refused at the first rank too many
+        let many: String = (0..5)
+            .map(|r| format!("vllm:num_requests_waiting{{engine=\"{r}\"}} 0\n"))
+            .collect();
+        let limits = ParseLimits {
+            max_ranks: 4,
+            ..ParseLimits::default()
+        };
+        assert_eq!(
+            parse_engine_metrics(&many, EngineKind::Vllm, &limits).unwrap_err(),
+            MetricsError::TooManyRanks { line: 5, limit: 4 }
+        );
     }
 
     #[test]

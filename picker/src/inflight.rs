@@ -6,7 +6,7 @@
 //! docs on active-active replicas).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 use parking_lot::RwLock;
@@ -22,6 +22,9 @@ struct Counters {
     /// prefill work queued ahead of a new request.
     pending_requests: AtomicU64,
     pending_tokens: AtomicU64,
+    /// A request with at least one full KV block was sent (only then must an engine with
+    /// prefix caching publish a `BlockStored`).
+    full_block_sent: AtomicBool,
 }
 
 /// A point-in-time copy of one endpoint's counters.
@@ -66,6 +69,22 @@ impl InflightTracker {
             uncached_tokens,
             pending: true,
         }
+    }
+
+    /// A request whose prompt has at least one full KV block was sent to `id`.
+    pub fn note_full_block(&self, id: EndpointId) {
+        let c = self.counters(id);
+        if !c.full_block_sent.load(Ordering::Relaxed) {
+            c.full_block_sent.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether [`InflightTracker::note_full_block`] was called for `id`.
+    pub fn full_block_sent(&self, id: &EndpointId) -> bool {
+        self.by_endpoint
+            .read()
+            .get(id)
+            .is_some_and(|c| c.full_block_sent.load(Ordering::Relaxed))
     }
 
     pub fn get(&self, id: &EndpointId) -> InflightCounts {

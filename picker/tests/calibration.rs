@@ -101,10 +101,11 @@ async fn streamed_requests_teach_the_cost_model_and_pick_and_metrics_show_it() {
     assert!(overhead > 2.0 * prior.prefill_constant_ms, "{learned}");
     assert_eq!(learned["observations"], 12, "{learned}");
     let text = metrics_text(metrics).await;
-    // the same value (up to the last digit of two float printers)
+    // the same value, up to the ageing between the two reads (the statistics halve every
+    // 10 s, and the estimate moves only as the prior gains on them)
     let gauge = sample(&text, &series("overhead_ms")).expect("overhead gauge");
     assert!(
-        (gauge - overhead).abs() < 1e-9 * overhead,
+        (gauge - overhead).abs() < 0.01 * overhead,
         "{gauge} vs {learned}"
     );
     assert!(

@@ -131,6 +131,15 @@ scrape: {{interval: 50ms, timeout: 200ms}}
         .diagnostics
         .lock()
         .set_kv_silence_after(Duration::from_millis(300));
+    // the check is armed once a prompt of at least one full block was sent (no tokenizer:
+    // 64 characters make a block)
+    let resp = client()
+        .post(format!("http://{}/v1/completions", picker.addrs.http))
+        .json(&json!({"model": "llama", "prompt": "a prompt long enough to fill one block ".repeat(4)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
     until_metric(
         &picker,
         &format!(

@@ -122,6 +122,16 @@ async fn salted_cache_gives_prefix_credit_within_a_tenant_only() {
     assert!(same["matched_blocks"].as_u64().unwrap() > 10, "{same}");
     assert_eq!(other["matched_blocks"], 0, "{other}");
     assert_eq!(other["cached_tokens"], 0);
+    // the blocks an endpoint holds (a's traffic among them) are not shown to b (finding 6 of
+    // issue 35), nor to anyone while tenancy is on
+    for explained in [&same, &other] {
+        let candidates = explained["candidates"].as_array().unwrap();
+        assert!(!candidates.is_empty(), "{explained}");
+        for c in candidates {
+            assert!(c["features"].is_object(), "{c}");
+            assert!(c["features"].get("indexed_blocks").is_none(), "{c}");
+        }
+    }
     // each tenant's salt travels to the engine; they differ
     assert_eq!(send(&url, Some("b"), body.clone()).await.status(), 200);
     let salt_b = engine.state.last_body.lock().clone().unwrap()["cache_salt"].clone();

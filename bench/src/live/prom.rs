@@ -17,6 +17,7 @@ fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
         max_lines: 1 << 20,
         max_labels_per_series: 128,
         max_label_value_len: 16 << 10,
+        max_ranks: 1 << 16,
     };
     engine_metrics::samples(text, &LIMITS)
         .into_iter()

@@ -113,6 +113,10 @@ pub struct EngineActivity {
     pub requests: f64,
     /// The engine's prefix-cache lookup counter (tokens), when it exports one.
     pub prefix_cache_queries: Option<f64>,
+    /// This picker has sent the endpoint a prompt of at least one full KV block. Before that
+    /// an engine publishes nothing (prompts shorter than a block store no block), so silence
+    /// says nothing.
+    pub full_block_sent: bool,
 }
 
 /// A change the caller should report (log once, set or clear the metric).
@@ -243,6 +247,7 @@ impl Diagnostics {
         let silent = now_ms.saturating_sub(since);
         if entry.diagnosis.kv_events == KvEventsStatus::Waiting
             && entry.engine_busy
+            && activity.full_block_sent
             && silent >= self.silence_after_ms
         {
             entry.diagnosis.kv_events = KvEventsStatus::NeverReceived;
@@ -380,11 +385,28 @@ mod tests {
         let idle = |queries| EngineActivity {
             requests: 0.0,
             prefix_cache_queries: Some(queries),
+            full_block_sent: true,
         };
         let serving = EngineActivity {
             requests: 2.0,
             prefix_cache_queries: None,
+            full_block_sent: true,
         };
+        // serving only prompts shorter than one block: no block is stored, nothing published
+        // (finding 6 of issue 35: such a pool was reported as misconfigured)
+        let short_prompts = EngineActivity {
+            full_block_sent: false,
+            ..serving
+        };
+        let short = id(3);
+        d.kv_subscribed(short, "tcp://127.0.0.1:5558", t0);
+        assert_eq!(d.engine_seen(short, short_prompts, t0 + 60_000), None);
+        assert_eq!(d.get(&short).kv_events, KvEventsStatus::Waiting);
+        // its first full block arms the check
+        assert!(matches!(
+            d.engine_seen(short, serving, t0 + 61_000),
+            Some(Finding::Raised { .. })
+        ));
         // an idle engine publishes nothing: silence is not a finding
         assert_eq!(d.engine_seen(e, idle(500.0), t0 + 1_000), None);
         assert_eq!(d.engine_seen(e, idle(500.0), t0 + 60_000), None);

@@ -482,6 +482,16 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             .decide(&parsed, &headers, None, Purpose::Explain)
             .await?;
         let d = &routed.decision;
+        let mut candidates = serde_json::to_value(&d.candidates).unwrap_or_default();
+        if picker.tenancy().spec.isolation != crate::pool::Isolation::None {
+            // how many blocks an endpoint holds counts every tenant's traffic: a tenant
+            // explaining its own request must not learn where the others' went
+            for c in candidates.as_array_mut().into_iter().flatten() {
+                if let Some(f) = c.get_mut("features").and_then(Value::as_object_mut) {
+                    f.remove("indexed_blocks");
+                }
+            }
+        }
         Ok(json!({
             "endpoint": d.endpoint.host_port(),
             "rank": d.endpoint.rank,
@@ -496,7 +506,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             "failed_open": d.failed_open,
             "tenant": routed.tenant,
             "headers": routed.upstream.headers.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
-            "candidates": d.candidates,
+            "candidates": candidates,
         }))
     }
     .await;

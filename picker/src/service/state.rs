@@ -683,6 +683,9 @@ impl PickerState {
 
     /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
+        if !routed.plan.keys.is_empty() {
+            self.inflight.note_full_block(endpoint);
+        }
         self.inflight.begin(
             endpoint,
             u64::from(routed.plan.prompt_tokens),

@@ -21,6 +21,57 @@ const MAX_CONCURRENT_SCRAPES: usize = 64;
 /// Scrape bodies larger than this are refused (a vLLM scrape is ~100 KB).
 const MAX_SCRAPE_BYTES: usize = 8 << 20;
 
+/// Failed scrapes in a row after which a server is scraped less often.
+const BACKOFF_AFTER_FAILURES: u32 = 3;
+/// The longest a server whose scrapes keep failing waits between two attempts.
+const MAX_BACKOFF_MS: u64 = 10_000;
+
+/// Servers whose scrapes keep failing are tried less often: after
+/// [`BACKOFF_AFTER_FAILURES`] failures in a row, every interval doubles, up to
+/// [`MAX_BACKOFF_MS`] and never more than half of how long it has been failing (so a server
+/// that recovers is scraped again within a third of its outage), until one succeeds. A server that cannot be scraped is stale anyway;
+/// scraping it on every tick only costs the picker (a page that takes a core to parse, a
+/// connection that times out) without telling it anything new.
+#[derive(Debug, Default)]
+pub struct ScrapeBackoff {
+    /// Per server URL: failures in a row, when it is next due and when the first of them was
+    /// (ms).
+    by_url: HashMap<String, (u32, u64, u64)>,
+}
+
+impl ScrapeBackoff {
+    /// Whether `url` is to be scraped at `now_ms`.
+    pub fn due(&self, url: &str, now_ms: u64) -> bool {
+        self.by_url.get(url).is_none_or(|&(_, at, _)| now_ms >= at)
+    }
+
+    /// A scrape of `url` failed at `now_ms`; scrapes run every `interval_ms`.
+    pub fn failed(&mut self, url: &str, now_ms: u64, interval_ms: u64) {
+        let entry = self.by_url.entry(url.to_owned()).or_insert((0, 0, now_ms));
+        entry.0 = entry.0.saturating_add(1);
+        let over = entry.0.saturating_sub(BACKOFF_AFTER_FAILURES - 1);
+        let wait = if over == 0 {
+            0
+        } else {
+            interval_ms
+                .saturating_mul(1u64 << over.min(20))
+                .min(MAX_BACKOFF_MS)
+                .min(now_ms.saturating_sub(entry.2) / 2)
+        };
+        entry.1 = now_ms.saturating_add(wait);
+    }
+
+    /// A scrape of `url` succeeded: back to every interval.
+    pub fn succeeded(&mut self, url: &str) {
+        self.by_url.remove(url);
+    }
+
+    /// Forget servers no longer scraped.
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.by_url.retain(|url, _| keep(url));
+    }
+}
+
 /// One HTTP server to scrape and the endpoints (ranks) it reports on.
 #[derive(Debug, Clone)]
 struct Target {
@@ -135,6 +186,8 @@ pub async fn run_scraper(
     let mut last_ok: HashMap<EndpointId, u64> = HashMap::new();
     let mut first_seen: HashMap<EndpointId, u64> = HashMap::new();
     let limits = ParseLimits::default();
+    let mut backoff = ScrapeBackoff::default();
+    let interval_ms = u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX);
     let mut ticker = tokio::time::interval(settings.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -142,7 +195,13 @@ pub async fn run_scraper(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let ts = targets(&picker, &settings);
+        let all = targets(&picker, &settings);
+        backoff.retain(|url| all.iter().any(|t| t.url == url));
+        let started = picker.now_ms();
+        let ts: Vec<Target> = all
+            .into_iter()
+            .filter(|t| backoff.due(&t.url, started))
+            .collect();
         let results: Vec<(Target, Result<String, ScrapeError>)> = futures::stream::iter(ts)
             .map(|t| {
                 let http = &picker.http;
@@ -162,6 +221,10 @@ pub async fn run_scraper(
             let parsed = r.and_then(|text| {
                 parse_engine_metrics(&text, t.engine, &limits).map_err(ScrapeError::from)
             });
+            match &parsed {
+                Ok(_) => backoff.succeeded(&t.url),
+                Err(_) => backoff.failed(&t.url, now, interval_ms),
+            }
             match parsed {
                 Ok(m) => {
                     for id in &t.endpoints {
@@ -185,6 +248,7 @@ pub async fn run_scraper(
                             let activity = EngineActivity {
                                 requests: sample.waiting + sample.running,
                                 prefix_cache_queries: sample.prefix_cache_queries,
+                                full_block_sent: picker.inflight.full_block_sent(id),
                             };
                             findings.push(diagnostics.engine_seen(*id, activity, now));
                         }
@@ -264,6 +328,43 @@ pub async fn run_scraper(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Finding 6 of issue 35: a server whose scrapes keep failing was scraped on every tick
+    /// forever. After three failures in a row the waits double, up to 10 s; a success resets.
+    #[test]
+    fn failing_scrapes_back_off_and_a_success_resets() {
+        let mut b = ScrapeBackoff::default();
+        let url = "http://127.0.0.1:8000/metrics";
+        let mut now = 0;
+        let mut waits = Vec::new();
+        for _ in 0..18 {
+            assert!(b.due(url, now));
+            b.failed(url, now, 100);
+            let mut next = now;
+            while !b.due(url, next) {
+                next += 100;
+            }
+            // the next tick comes an interval later at the earliest
+            let next = next.max(now + 100);
+            waits.push(next - now);
+            now = next;
+        }
+        // every tick for three failures, then doubling but held to half the outage so far
+        // (each wait about half again the last), up to 10 s
+        assert_eq!(
+            waits,
+            [
+                100, 100, 100, 200, 300, 400, 600, 900, 1400, 2100, 3100, 4700, 7000, 10_000,
+                10_000, 10_000, 10_000, 10_000
+            ]
+        );
+        b.succeeded(url);
+        assert!(b.due(url, now));
+        b.failed(url, now, 100);
+        assert!(b.due(url, now), "one failure after a success: no wait");
+        b.retain(|u| u != url);
+        assert!(b.by_url.is_empty());
+    }
 
     /// A one-shot HTTP server on 127.0.0.1:0 that answers every connection with `response`
     /// (or, with `None`, accepts and never answers).
