@@ -19,35 +19,22 @@ BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release}
 if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
+source scripts/lib/local-picker.sh
 TOK=$PWD/picker/tests/fixtures/tokenizer
-
-"$BIN/kvroute-sim" --host 127.0.0.1 --port 0 --engines 1 --model sim --speedup 1000 \
-  --default-max-tokens 4 >"$TMP/sim.json" 2>"$TMP/sim.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -s "$TMP/sim.json" ] && break; sleep 0.1; done
-P0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["engines"][0]["http"].rsplit(":",1)[1])' "$TMP/sim.json")
+start_sim 1
 cat >"$TMP/picker.yaml" <<YAML
 listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: null}
 modelConfigs:
   - name: sim
     model: sim
-    port: $P0
+    port: ${SIM_PORTS[0]}
     tokenizer: {path: $TOK/tokenizer.json, configPath: $TOK/tokenizer_config.json}
 endpoints:
   - {address: 127.0.0.1, modelConfig: sim}
 YAML
-RUST_LOG=warn "$BIN/kvroute-picker" --config "$TMP/picker.yaml" --print-addresses \
-  >"$TMP/picker.json" 2>"$TMP/picker.log" &
-PICKER=$!
-PIDS+=($PICKER)
-for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
-HTTP=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$TMP/picker.json")
+start_picker "$TMP/picker.yaml"
+HTTP=$(picker_addr http)
 sleep 1
-hwm() { awk '/^VmHWM/ {print $2}' "/proc/$PICKER/status"; }
 cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$PICKER/stat"; }
 
 python3 - "$MIB" "$TMP/body.json" "$KIND" <<'PY'

@@ -23,31 +23,20 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
 ulimit -n $((CONNS + 4096)) 2>/dev/null || true
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
-
-"$BIN/kvroute-sim" --host 127.0.0.1 --port 0 --engines 1 --model sim --speedup 1000 \
-  --default-max-tokens 4 >"$TMP/sim.json" 2>"$TMP/sim.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -s "$TMP/sim.json" ] && break; sleep 0.1; done
-P0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["engines"][0]["http"].rsplit(":",1)[1])' "$TMP/sim.json")
+source scripts/lib/local-picker.sh
+start_sim 1
 cat >"$TMP/picker.yaml" <<YAML
 listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}
 modelConfigs:
-  - {name: sim, model: sim, port: $P0}
+  - {name: sim, model: sim, port: ${SIM_PORTS[0]}}
 endpoints:
   - {address: 127.0.0.1, modelConfig: sim}
 YAML
-RUST_LOG=warn "$BIN/kvroute-picker" --config "$TMP/picker.yaml" --print-addresses \
-  >"$TMP/picker.json" 2>"$TMP/picker.log" &
-PICKER=$!
-PIDS+=($PICKER)
-for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
-read -r EXT METRICS < <(python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); print(a["ext_proc"], a["metrics"])' "$TMP/picker.json")
+start_picker "$TMP/picker.yaml"
+EXT=$(picker_addr ext_proc)
+METRICS=$(picker_addr metrics)
 sleep 2
-echo "picker RSS before: $(awk '/^VmRSS/ {print $2}' /proc/$PICKER/status) kB"
+echo "picker RSS before: $(rss) kB"
 
 python3 - "$EXT" "$CONNS" "$STREAMS" "$PICKS" "$HOLD_S" "$PICKER" "$METRICS" <<'PY'
 import socket, sys, time, threading, urllib.request

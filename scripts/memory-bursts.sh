@@ -23,18 +23,10 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
 ulimit -n $((2 * BURST + 1024)) 2>/dev/null || true
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
-
-"$BIN/kvroute-sim" --host 127.0.0.1 --port 0 --engines 2 --model sim --speedup 1000 \
-  --default-max-tokens 4 --max-waiting 100000 >"$TMP/sim.json" 2>"$TMP/sim.log" &
-PIDS+=($!)
-for _ in $(seq 100); do [ -s "$TMP/sim.json" ] && break; sleep 0.1; done
-read -r P0 P1 < <(python3 -c '
-import json,sys; e=json.load(open(sys.argv[1]))["engines"]
-print(e[0]["http"].rsplit(":",1)[1], e[1]["http"].rsplit(":",1)[1])' "$TMP/sim.json")
+source scripts/lib/local-picker.sh
+start_sim 2 --max-waiting 100000
+P0=${SIM_PORTS[0]}
+P1=${SIM_PORTS[1]}
 cat >"$TMP/picker.yaml" <<YAML
 listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: null}
 modelConfigs:
@@ -43,13 +35,8 @@ endpoints:
   - {address: 127.0.0.1, modelConfig: sim}
   - {address: 127.0.0.1, modelConfig: sim, port: $P1}
 YAML
-RUST_LOG=warn "$BIN/kvroute-picker" --config "$TMP/picker.yaml" --print-addresses \
-  >"$TMP/picker.json" 2>"$TMP/picker.log" &
-PICKER=$!
-PIDS+=($PICKER)
-for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
-HTTP=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$TMP/picker.json")
-rss() { awk '/^VmRSS/ {print $2}' "/proc/$PICKER/status"; }
+start_picker "$TMP/picker.yaml"
+HTTP=$(picker_addr http)
 fds() { ls "/proc/$PICKER/fd" | wc -l; }  # open sockets and files of the picker
 sleep 2
 

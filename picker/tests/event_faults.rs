@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvroute_picker::kv_events::{EventBatch, EventEncoding, KvEvent, encode_event_batch};
+use kvroute_picker::service::Running;
 use serde_json::json;
 use support::*;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
@@ -55,9 +56,10 @@ fn problems(metrics: &str, kind: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn garbage_gaps_and_floods_are_counted_and_routing_continues() {
-    let engine = FakeEngine::start("127.0.0.1").await;
+/// A publisher on 127.0.0.1 and a picker subscribed to it for one engine (`blockSize` 16),
+/// with `extra` YAML appended; returns both once the subscriber is connected (valid batches
+/// land in the index), and the next sequence number to publish.
+async fn subscribed_picker(engine: &FakeEngine, extra: &str) -> (PubSocket, Running, u64) {
     let mut publisher = PubSocket::new();
     let ep = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
     let port: u16 = ep.to_string().rsplit(':').next().unwrap().parse().unwrap();
@@ -69,22 +71,16 @@ modelConfigs:
     port: {}
     blockSize: 16
     kvEvents: {{port: 1}}
-    kvCapacityBlocks: 64
 endpoints:
   - {{address: 127.0.0.1, modelConfig: llama, kvEventsPort: {port}}}
 routing: {{stalenessThreshold: 1m}}
-index: {{preciseSlack: 2}}
-limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
-"#,
+{extra}"#,
         engine.addr.port()
     ))
     .await;
-    let state = picker.state.clone();
-    let metrics_addr = picker.addrs.metrics;
-    // wait until the subscriber is connected: valid batches start landing in the index
     let mut seq = 0u64;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while state.pool.live_blocks() == 0 {
+    while picker.state.pool.live_blocks() == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "subscriber never connected"
@@ -96,6 +92,21 @@ limits: {{maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}}
         seq += 1;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    (publisher, picker, seq)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_gaps_and_floods_are_counted_and_routing_continues() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    // a capacity of 64 blocks (the engine reports none)
+    let (mut publisher, picker, mut seq) = subscribed_picker(
+        &engine,
+        "index: {preciseSlack: 2, defaultKvCapacityBlocks: 64}\n\
+         limits: {maxEventsPerSecond: 50, eventBurst: 200, maxEventPayloadBytes: 65536}\n",
+    )
+    .await;
+    let state = picker.state.clone();
+    let metrics_addr = picker.addrs.metrics;
 
     // garbage payloads, an oversized one, and sequence numbers that jump ahead (no replay
     // socket: each gap is a resync)
@@ -164,25 +175,10 @@ async fn a_hostile_capacity_and_a_block_flood_stay_within_the_per_endpoint_bound
         .state
         .num_gpu_blocks
         .store(1_000_000_000_000, Ordering::SeqCst);
-    let mut publisher = PubSocket::new();
-    let ep = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
-    let port: u16 = ep.to_string().rsplit(':').next().unwrap().parse().unwrap();
-    let picker = start_picker(&format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {}
-    blockSize: 16
-    kvEvents: {{port: 1}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama, kvEventsPort: {port}}}
-routing: {{stalenessThreshold: 1m}}
-index: {{preciseSlack: 2, maxBlocksPerEndpoint: 300}}
-scrape: {{interval: 50ms}}
-"#,
-        engine.addr.port()
-    ))
+    let (mut publisher, picker, mut seq) = subscribed_picker(
+        &engine,
+        "index: {preciseSlack: 2, maxBlocksPerEndpoint: 300}\nscrape: {interval: 50ms}\n",
+    )
     .await;
     let state = picker.state.clone();
     let id = EndpointId::new("127.0.0.1".parse().unwrap(), engine.addr.port(), 0);
@@ -198,18 +194,6 @@ scrape: {{interval: 50ms}}
         learned().is_some_and(|c| c >= 1_000_000_000_000)
     })
     .await;
-    // wait until the subscriber is connected: batches start landing in the index
-    let mut seq = 0u64;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while state.pool.live_blocks() == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "never connected");
-        publisher
-            .send(frames(seq, stored_batch(seq, 1)))
-            .await
-            .unwrap();
-        seq += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let mut most = 0;
     for _ in 0..200u64 {
         publisher

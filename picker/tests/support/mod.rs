@@ -212,10 +212,16 @@ impl FakeEngine {
     }
 }
 
-/// A port on 127.0.0.1 that refuses connections (bound, then released).
+/// A port on 127.0.0.1 that refuses connections.
 pub async fn refused_port() -> u16 {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap().port()
+    // Bound and never listening: connections are refused, and no later bind (a fake engine
+    // started after this, say) can be given the same port, as it could once a listener that
+    // took it was dropped. The socket is kept for the rest of the test process.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    std::mem::forget(socket);
+    port
 }
 
 /// Listeners on port 0 of loopback.
