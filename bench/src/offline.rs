@@ -226,6 +226,10 @@ impl<'a> Sim<'a> {
             let d = d.within_inflight_cap(&self.tracker, cap).ok_or_else(|| {
                 format!("shed: every eligible endpoint has {cap} requests in flight")
             })?;
+            // the simulated engine serves it where it goes: the session is pinned there
+            if let Some(k) = Router::session_key(None, plan.session.as_deref()) {
+                self.router.pin(k, d.endpoint);
+            }
             Ok((d, plan))
         });
         if let Some(s) = started {

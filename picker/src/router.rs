@@ -161,7 +161,8 @@ pub fn servable_blocks(prompt_tokens: u32, block_size: u32) -> u32 {
 pub struct Router {
     config: RoutingConfig,
     policy: Box<dyn Policy>,
-    sessions: Mutex<SessionTable>,
+    /// Shared with the router a routing edit replaces this one with ([`Router::keeping`]).
+    sessions: Arc<Mutex<SessionTable>>,
 }
 
 impl std::fmt::Debug for Router {
@@ -188,8 +189,33 @@ impl Router {
         Self {
             config,
             policy,
-            sessions: Mutex::new(SessionTable::new(DEFAULT_SESSION_CAPACITY)),
+            sessions: Arc::new(Mutex::new(SessionTable::new(DEFAULT_SESSION_CAPACITY))),
         }
+    }
+
+    /// This router with `previous`'s session pins (shared, not copied): a routing edit
+    /// replaces the policy, not where sessions live.
+    #[must_use]
+    pub fn keeping(mut self, previous: &Router) -> Self {
+        self.sessions = previous.sessions.clone();
+        self
+    }
+
+    /// The key a session is pinned under: its id within its tenant.
+    pub fn session_key(tenant: Option<&str>, session: Option<&str>) -> Option<u64> {
+        session.map(|s| SessionTable::key(tenant, s))
+    }
+
+    /// A request of session `key` was served by `endpoint`: the session is pinned there. Only
+    /// a served request pins — not an explanation, nor a choice the in-flight cap or a retry
+    /// moved elsewhere — so a pin is always the endpoint that holds the session's blocks.
+    pub fn pin(&self, key: u64, endpoint: EndpointId) {
+        self.sessions.lock().set(key, endpoint);
+    }
+
+    /// Where session `key` is pinned, if anywhere.
+    pub fn pinned(&self, key: u64) -> Option<EndpointId> {
+        self.sessions.lock().peek(key)
     }
 
     pub fn config(&self) -> &RoutingConfig {
@@ -225,15 +251,17 @@ impl Router {
     }
 
     /// Decide where a request goes: the eligibility filters, each candidate's features, the
-    /// balance guard, the policy's ranking (with the session pin), and the explanation.
+    /// balance guard, the policy's ranking (with the session pin), and the explanation. The
+    /// session table is only read: the caller pins the session once the request is served
+    /// ([`Router::pin`]).
     pub fn decide(
         &self,
         ctx: &RouteContext<'_>,
         req: &RouteRequest<'_>,
     ) -> Result<Decision, RouteError> {
         let (pool, failed_open) = self.eligible(ctx, req)?;
-        let session_key = req.session.map(|s| SessionTable::key(req.tenant, s));
-        let pinned = session_key.and_then(|k| self.sessions.lock().get(k));
+        let session_key = Self::session_key(req.tenant, req.session);
+        let pinned = session_key.and_then(|k| self.sessions.lock().peek(k));
         let cands = features(ctx, req, &pool, failed_open, pinned);
         let overloaded = self.overloaded(&cands);
         // a pin holds only while its endpoint is not overloaded, for every policy
@@ -250,9 +278,6 @@ impl Router {
         };
         let ranked = self.rank(req, &cands, &overloaded, pinned);
         let winner = ranked.eligible[ranked.chosen];
-        if let Some(k) = session_key {
-            self.sessions.lock().set(k, winner.endpoint);
-        }
         let candidates = if req.explain {
             explain(&cands, &overloaded, &ranked.scores)
         } else {
@@ -584,7 +609,12 @@ mod tests {
                 fallback_hash: 0,
                 explain: true,
             };
-            r.decide(&ctx, &req)
+            let d = r.decide(&ctx, &req)?;
+            // served where it was decided: the session is pinned there
+            if let Some(k) = Router::session_key(None, session) {
+                r.pin(k, d.endpoint);
+            }
+            Ok(d)
         }
     }
 

@@ -36,6 +36,11 @@ impl SessionTable {
         self.map.get(&key).copied()
     }
 
+    /// The endpoint `key` is pinned to, without touching its place in the LRU order.
+    pub fn peek(&self, key: u64) -> Option<EndpointId> {
+        self.map.peek(&key).copied()
+    }
+
     pub fn set(&mut self, key: u64, endpoint: EndpointId) {
         self.map.insert(key, endpoint);
     }

@@ -160,6 +160,63 @@ async fn a_refused_connection_is_retried_on_the_next_fallback() {
     round_robin_survives_a_failing_endpoint(refused_port().await).await;
 }
 
+/// A session whose request was retried on the next fallback is pinned to the endpoint that
+/// served it, not to the one chosen first (issue 31): its next request goes straight there.
+#[tokio::test]
+async fn a_session_is_pinned_where_the_retry_served_it() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let dead = refused_port().await;
+    let picker = start_picker(&format!(
+        r#"
+modelConfigs:
+  - {{name: llama, model: llama, port: {}}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.1, modelConfig: llama, port: {dead}}}
+routing: {{strategy: RoundRobin, stalenessThreshold: 1m}}
+"#,
+        engine.addr.port()
+    ))
+    .await;
+    let url = format!("http://{}/v1/completions", picker.addrs.http);
+    let send = |session: String, i: usize| {
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .header("x-session-id", session)
+                .json(&json!({"model": "llama", "prompt": format!("turn {i}")}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    // sessions until one is first sent to the dead endpoint and retried
+    let retries = || picker.state.metrics.retries.get();
+    let mut retried = None;
+    for s in 0..4 {
+        let before = retries();
+        assert_eq!(send(format!("s-{s}"), 0).await, 200);
+        if retries() > before {
+            retried = Some(format!("s-{s}"));
+            break;
+        }
+    }
+    let session = retried.expect("round robin reached the dead endpoint");
+    // its next turns go where it was served: no more retries
+    let before = retries();
+    for turn in 1..3 {
+        assert_eq!(send(session.clone(), turn).await, 200);
+    }
+    assert_eq!(
+        retries(),
+        before,
+        "the pin is the endpoint that served the session"
+    );
+    picker.shutdown().await;
+}
+
 /// An endpoint that accepts the connection, reads the request and closes without a byte of
 /// response (an engine crashing while the request is queued) costs a retry, not an error.
 #[tokio::test]

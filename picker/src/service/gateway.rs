@@ -35,6 +35,8 @@ struct Pending {
     /// Set when the gateway fell back from the chosen endpoint: charged to it once the
     /// fallback's status shows the request itself was not failing.
     primary_failed: bool,
+    /// The request's session, pinned to the endpoint that serves it with a success.
+    session_key: Option<u64>,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -125,6 +127,7 @@ impl EndpointPicker for GatewayPicker {
                 basis: routed.ttft_basis.filter(|_| parsed.stream),
                 stream: parsed.stream,
                 primary_failed: false,
+                session_key: routed.session_key(),
             },
         );
         Ok(PickOutput {
@@ -156,15 +159,23 @@ impl EndpointPicker for GatewayPicker {
     }
 
     fn on_response_status(&self, request_id: u64, status: u16) {
-        let (endpoint, primary, stream) = {
+        let (endpoint, primary, stream, session) = {
             let mut pending = self.pending.lock();
             let Some(p) = pending.get_mut(&request_id) else {
                 return;
             };
             p.status = Some(status);
             let primary = std::mem::take(&mut p.primary_failed).then_some(p.targets[0]);
-            (p.served.unwrap_or(p.targets[0]), primary, p.stream)
+            (
+                p.served.unwrap_or(p.targets[0]),
+                primary,
+                p.stream,
+                p.session_key,
+            )
         };
+        if let Some(key) = session.filter(|_| (200..300).contains(&status)) {
+            self.picker.pin_session(key, endpoint);
+        }
         let outcome = Outcome::from_status(status);
         if primary.is_some() && outcome != Outcome::Success {
             // failed on the chosen endpoint and on the fallback: the request's own failure

@@ -339,6 +339,9 @@ async fn proxy_inner(
                     ApiError::bad_gateway(format!("endpoint {ep} answered {}", resp.status()));
             }
             Ok(Ok(resp)) => {
+                if resp.status().is_success() {
+                    picker.served(&routed, ep);
+                }
                 // only a streamed response's first chunk is its first token, and only the
                 // chosen endpoint's was estimated
                 let basis = routed

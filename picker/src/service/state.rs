@@ -78,6 +78,11 @@ pub enum Purpose {
 }
 
 impl Routed {
+    /// The key the request's session is pinned under, when it has a session.
+    pub fn session_key(&self) -> Option<u64> {
+        Router::session_key(self.tenant.as_deref(), self.plan.session.as_deref())
+    }
+
     /// The chosen endpoint, then the fallbacks, in the order to try them.
     pub fn targets(&self) -> impl Iterator<Item = EndpointId> + '_ {
         std::iter::once(self.decision.endpoint).chain(self.decision.fallbacks.iter().copied())
@@ -337,8 +342,9 @@ impl PickerState {
             self.catalog.store(Arc::new(catalog));
             self.tenancy.store(Arc::new(tenancy));
             if routing_changed {
-                self.router
-                    .store(Arc::new(Router::new(view.routing.clone())));
+                // the new policy, with the sessions pinned so far
+                let router = Router::new(view.routing.clone()).keeping(&self.router.load());
+                self.router.store(Arc::new(router));
                 self.routing.store(Arc::new(view.routing.clone()));
             }
             *self.labels.write() = labels;
@@ -682,6 +688,19 @@ impl PickerState {
     }
 
     /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.
+    /// `endpoint` served `routed` (answered with a success): the request's session, if it has
+    /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
+    pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
+        if let Some(key) = routed.session_key() {
+            self.router.load().pin(key, endpoint);
+        }
+    }
+
+    /// Pin session `key` to `endpoint` (see [`PickerState::served`]).
+    pub fn pin_session(&self, key: u64, endpoint: EndpointId) {
+        self.router.load().pin(key, endpoint);
+    }
+
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
         if !routed.plan.keys.is_empty() {
             self.inflight.note_full_block(endpoint);
@@ -804,6 +823,47 @@ endpoints:
         });
         let other = third.targets().nth(1).expect("a fallback");
         assert_eq!(third.uncached_on(other), third.plan.prompt_tokens);
+    }
+
+    /// Issue 31: a session is pinned only where a request of it was served — not by an
+    /// explanation, nor by a decision alone — and a routing edit keeps the pins.
+    #[tokio::test]
+    async fn sessions_are_pinned_where_served_and_kept_across_a_routing_edit() {
+        let picker = picker(Limits::default());
+        let req = completion(&"a session's prompt ".repeat(50));
+        let mut h = HeaderMap::new();
+        h.insert("x-session-id", "s-1".parse().expect("value"));
+        let explained = picker
+            .decide(&req, &h, None, Purpose::Explain)
+            .await
+            .expect("decided");
+        let key = explained.session_key().expect("a session");
+        let pinned = || picker.router.load().pinned(key);
+        assert_eq!(pinned(), None, "an explanation pins nothing");
+        let forwarded = picker
+            .decide(&req, &h, None, Purpose::Forward)
+            .await
+            .expect("decided");
+        assert_eq!(pinned(), None, "not served yet");
+        // served by its first fallback (the in-flight cap or a retry moved it)
+        let served = forwarded.targets().nth(1).expect("a fallback");
+        picker.served(&forwarded, served);
+        assert_eq!(pinned(), Some(served));
+        let next = picker
+            .decide(&completion("another turn"), &h, None, Purpose::Explain)
+            .await
+            .expect("decided");
+        assert_eq!(
+            next.decision.endpoint, served,
+            "the session follows its pin"
+        );
+        // a routing edit rebuilds the policy, not the pins
+        let config = PickerConfig::from_yaml(POOL).expect("valid");
+        let mut view = view_from_config(&config);
+        view.routing.strategy = crate::config::Strategy::LeastLoad;
+        picker.apply_pool(&view).expect("applied");
+        assert_eq!(picker.router.load().policy_name(), "least-load");
+        assert_eq!(pinned(), Some(served));
     }
 
     #[tokio::test]
