@@ -420,16 +420,25 @@ scrape: {{interval: 50ms}}
     assert!(p["candidates"][0]["features"]["uncached_tokens"].is_number());
     assert_eq!(p["fallbacks"].as_array().unwrap().len(), 1);
 
-    // round robin after the reload: two picks of the same prompt go to different endpoints
+    // round robin after the reload: an explanation shows the next turn without taking it
+    // (issue 31), a forwarded request takes it
     write("RoundRobin");
     eventually(Duration::from_secs(5), || {
         state.router().policy_name() == "round-robin"
     })
     .await;
     let x = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
-    let y = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
+    let again = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
     assert_eq!(x["policy"], "round-robin");
-    assert_ne!(x["endpoint"], y["endpoint"]);
+    assert_eq!(x["endpoint"], again["endpoint"], "explaining takes no turn");
+    let served = post(
+        format!("http://{}/v1/completions", picker.addrs.http),
+        json!({"model": "llama", "prompt": "the same prompt"}),
+    )
+    .await;
+    assert_eq!(served.status(), 200);
+    let y = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
+    assert_ne!(x["endpoint"], y["endpoint"], "the forwarded request took the turn");
 
     // a broken edit is rejected and the running config stays
     std::fs::write(&path, "modelConfigs: [").unwrap();

@@ -53,12 +53,17 @@ impl Policy for RoundRobin {
         false
     }
 
-    fn score(&self, _req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
+    fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         let n = cands.len() as u64;
         if n == 0 {
             return;
         }
-        let pos = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        // an explanation shows the turn the next request would take, and takes none
+        let pos = if req.advance {
+            self.next.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.next.load(Ordering::Relaxed)
+        } % n;
         for (i, s) in scores.iter_mut().enumerate() {
             *s = -(((i as u64 + n - pos) % n) as f64);
         }
@@ -92,8 +97,16 @@ impl Policy for RandomPolicy {
         false
     }
 
-    fn score(&self, _req: &RequestFacts, _cands: &[Candidate], scores: &mut [f64]) {
-        let mut rng = self.rng.lock();
+    fn score(&self, req: &RequestFacts, _cands: &[Candidate], scores: &mut [f64]) {
+        let mut shared = self.rng.lock();
+        // an explanation draws from a copy: the next request gets the same draws
+        let mut copy;
+        let rng = if req.advance {
+            &mut *shared
+        } else {
+            copy = shared.clone();
+            &mut copy
+        };
         for s in scores.iter_mut() {
             *s = rng.random::<f64>();
         }
@@ -147,5 +160,39 @@ mod tests {
         assert_eq!(run(7), run(7));
         let distinct: std::collections::BTreeSet<_> = run(7).into_iter().collect();
         assert_eq!(distinct.len(), 4);
+    }
+
+    /// Explaining a decision (issue 31) shows what the next request would get and uses up
+    /// neither round robin's turn nor the random generator's draws.
+    #[test]
+    fn an_explanation_advances_no_policy_state() {
+        let cands: Vec<_> = (1..=3).map(|n| cand(n, Features::default())).collect();
+        let forward = req(16);
+        let explain = RequestFacts {
+            advance: false,
+            ..forward
+        };
+        let rr = RoundRobin::default();
+        assert_eq!(pick(&rr, &forward, &cands), ep(1));
+        for _ in 0..3 {
+            assert_eq!(
+                pick(&rr, &explain, &cands),
+                ep(2),
+                "the next turn, not taken"
+            );
+        }
+        assert_eq!(pick(&rr, &forward, &cands), ep(2));
+        let random = RandomPolicy::new(7);
+        let reference = RandomPolicy::new(7);
+        for _ in 0..10 {
+            let shown = pick(&random, &explain, &cands);
+            assert_eq!(pick(&random, &explain, &cands), shown);
+            assert_eq!(pick(&random, &forward, &cands), shown);
+            assert_eq!(
+                pick(&reference, &forward, &cands),
+                shown,
+                "no draw was used up"
+            );
+        }
     }
 }

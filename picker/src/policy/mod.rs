@@ -37,6 +37,9 @@ pub struct RequestFacts {
     /// A hash of the request (its first block key, or of its text): tie-breaks and sampling
     /// derive from it so every replica decides alike for the same request.
     pub request_hash: u64,
+    /// Whether the decision may advance the policy's own state (round robin's turn, the
+    /// random generator): false for an explanation, which must change nothing.
+    pub advance: bool,
 }
 
 /// What the router measured about one candidate for this request.
@@ -190,6 +193,7 @@ pub(crate) mod test_support {
             prompt_blocks: prompt_tokens / 16,
             block_size: 16,
             request_hash: 42,
+            advance: true,
         }
     }
 
