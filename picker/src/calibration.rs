@@ -587,13 +587,23 @@ impl Calibration {
     }
 
     /// Age every endpoint's statistics to `now_ms` (see the module docs) and estimate again.
-    /// The service calls it on every scrape and before every observation of its own.
+    /// The service calls it on every scrape.
     pub fn age(&mut self, now_ms: u64) {
         let reference = self.reference;
         for state in self.endpoints.values_mut() {
             if state.age(now_ms) {
                 state.learned = estimate(&reference, state);
             }
+        }
+    }
+
+    /// [`Calibration::age`] for `id` alone: before an observation of it.
+    pub fn age_endpoint(&mut self, id: &EndpointId, now_ms: u64) {
+        let reference = self.reference;
+        if let Some(state) = self.endpoints.get_mut(id)
+            && state.age(now_ms)
+        {
+            state.learned = estimate(&reference, state);
         }
     }
 

@@ -57,7 +57,22 @@ impl InflightTracker {
     /// A request was sent: `prompt_tokens` in total, `uncached_tokens` of them to prefill.
     /// The returned guard tracks it until it is dropped (completion, error or disconnect).
     pub fn begin(&self, id: EndpointId, prompt_tokens: u64, uncached_tokens: u64) -> InflightGuard {
+        self.begin_blocks(id, prompt_tokens, uncached_tokens, false)
+    }
+
+    /// [`InflightTracker::begin`] for a prompt that has at least one full KV block when
+    /// `full_block` (see [`InflightTracker::full_block_sent`]).
+    pub fn begin_blocks(
+        &self,
+        id: EndpointId,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        full_block: bool,
+    ) -> InflightGuard {
         let c = self.counters(id);
+        if full_block && !c.full_block_sent.load(Ordering::Relaxed) {
+            c.full_block_sent.store(true, Ordering::Relaxed);
+        }
         c.requests.fetch_add(1, Ordering::Relaxed);
         c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
         c.pending_requests.fetch_add(1, Ordering::Relaxed);
@@ -71,15 +86,7 @@ impl InflightTracker {
         }
     }
 
-    /// A request whose prompt has at least one full KV block was sent to `id`.
-    pub fn note_full_block(&self, id: EndpointId) {
-        let c = self.counters(id);
-        if !c.full_block_sent.load(Ordering::Relaxed) {
-            c.full_block_sent.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether [`InflightTracker::note_full_block`] was called for `id`.
+    /// Whether a request with a full block was begun on `id` ([`InflightTracker::begin_blocks`]).
     pub fn full_block_sent(&self, id: &EndpointId) -> bool {
         self.by_endpoint
             .read()

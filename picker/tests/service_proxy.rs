@@ -438,7 +438,10 @@ scrape: {{interval: 50ms}}
     .await;
     assert_eq!(served.status(), 200);
     let y = pick(json!({"model": "llama", "prompt": "the same prompt"})).await;
-    assert_ne!(x["endpoint"], y["endpoint"], "the forwarded request took the turn");
+    assert_ne!(
+        x["endpoint"], y["endpoint"],
+        "the forwarded request took the turn"
+    );
 
     // a broken edit is rejected and the running config stays
     std::fs::write(&path, "modelConfigs: [").unwrap();

@@ -22,7 +22,7 @@ impl PickerState {
         if self.calibrating() {
             let now = self.now_ms();
             let mut calibration = self.calibration.write();
-            calibration.age(now);
+            calibration.age_endpoint(&endpoint, now);
             calibration.observe_ttft(&endpoint, basis, ttft.as_secs_f64() * 1000.0);
         }
     }

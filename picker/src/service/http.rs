@@ -51,16 +51,24 @@ fn hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-/// Whether `name` may be forwarded from `headers` to the next hop: not hop-by-hop, and not
-/// named in a `Connection` header (those are hop-by-hop too, RFC 9110 §7.6.1).
-fn forwardable(headers: &HeaderMap, name: &HeaderName) -> bool {
+/// The header names `headers`' `Connection` headers nominate as hop-by-hop (RFC 9110
+/// §7.6.1); none (and no allocation) for a message without one.
+fn nominated(headers: &HeaderMap) -> Vec<&str> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect()
+}
+
+/// Whether `name` may be forwarded to the next hop: not hop-by-hop, and not `nominated`.
+fn forwardable(nominated: &[&str], name: &HeaderName) -> bool {
     !hop_by_hop(name)
-        && !headers
-            .get_all(header::CONNECTION)
+        && !nominated
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+            .any(|n| n.eq_ignore_ascii_case(name.as_str()))
 }
 
 /// The inference listener: only OpenAI endpoints and health.
@@ -256,6 +264,7 @@ async fn proxy_inner(
     // a 5xx answer waits for the retry before it counts against its endpoint: a request that
     // fails everywhere it is tried is failing by itself (outlier module docs)
     let mut unsettled: Option<(EndpointId, Outcome)> = None;
+    let hop_by_hop_here = nominated(&headers);
     for (attempt, &ep) in targets.iter().enumerate() {
         let upstream = if ep == d.endpoint {
             routed.upstream.clone()
@@ -272,7 +281,7 @@ async fn proxy_inner(
             ))
             .body(upstream.body);
         for (name, value) in &headers {
-            if forwardable(&headers, name)
+            if forwardable(&hop_by_hop_here, name)
                 && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank")
             {
                 req = req.header(name, value);
@@ -398,8 +407,9 @@ fn stream_back(
         timing.basis = None;
     }
     let mut builder = Response::builder().status(status.as_u16());
+    let hop_by_hop_there = nominated(resp.headers());
     for (name, value) in resp.headers() {
-        if forwardable(resp.headers(), name) || name == header::CONTENT_LENGTH {
+        if forwardable(&hop_by_hop_there, name) || name == header::CONTENT_LENGTH {
             builder = builder.header(name, value);
         }
     }

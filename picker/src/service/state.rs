@@ -702,13 +702,11 @@ impl PickerState {
     }
 
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
-        if !routed.plan.keys.is_empty() {
-            self.inflight.note_full_block(endpoint);
-        }
-        self.inflight.begin(
+        self.inflight.begin_blocks(
             endpoint,
             u64::from(routed.plan.prompt_tokens),
             u64::from(routed.uncached_on(endpoint)),
+            !routed.plan.keys.is_empty(),
         )
     }
 
