@@ -197,9 +197,15 @@ async fn consume(
     }
 }
 
-/// Keep subscriptions in step with the endpoint set until cancelled.
+/// How long stopping waits for the subscriber and consumer tasks.
+pub const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// Keep subscriptions in step with the endpoint set until cancelled. Every subscriber and
+/// consumer task it starts belongs to its `JoinSet`: finished ones are reaped as it goes, and
+/// it returns only once all of them have stopped (at most [`STOP_WAIT`] after cancellation).
 pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationToken) {
     let mut running: HashMap<EndpointId, (SubscriptionKey, CancellationToken)> = HashMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
     // wakes on every applied pool view (the model configs may have changed with it) and every
     // change of the endpoint set
     let mut changes = picker.pool.subscribe();
@@ -263,8 +269,11 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                     picker.now_ms(),
                 ));
                 // the consumer ends when the subscriber (the sender) does
-                drop(spawn_subscriber(cfg, tx, token.clone()));
-                tokio::spawn(consume(picker.clone(), key.clone(), rx));
+                let subscriber = spawn_subscriber(cfg, tx, token.clone());
+                tasks.spawn(async move {
+                    let _ = subscriber.await;
+                });
+                tasks.spawn(consume(picker.clone(), key.clone(), rx));
                 running.insert(id, (key, token));
             }
         }
@@ -272,10 +281,16 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
         let stop = tokio::select! {
             () = cancel.cancelled() => true,
             changed = changes.changed() => changed.is_err(),
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
         };
         if stop {
             for (_, (_, t)) in running.drain() {
                 t.cancel();
+            }
+            let drained = async { while tasks.join_next().await.is_some() {} };
+            if tokio::time::timeout(STOP_WAIT, drained).await.is_err() {
+                tracing::warn!("KV event tasks still running after {STOP_WAIT:?}: aborted");
+                tasks.abort_all();
             }
             return;
         }
@@ -285,6 +300,41 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 31: the subscriber and consumer tasks belong to the manager, which returns only
+    /// once they have stopped; nothing of the picker outlives it (the consumers hold it). On
+    /// this single-threaded runtime the tasks would also have stopped by then without the
+    /// manager waiting for them: the test guards the outcome (no consumer left behind, as when
+    /// one hangs), not the waiting itself.
+    #[tokio::test]
+    async fn the_manager_returns_only_once_its_tasks_have_stopped() {
+        use crate::service::settings::{IndexSettings, Limits, PickerConfig};
+        use crate::service::source::view_from_config;
+        // nothing listens on the event ports: the subscribers keep reconnecting
+        let config = PickerConfig::from_yaml(
+            "modelConfigs:\n  - {name: a, model: m, port: 8000, kvEvents: {port: 1}}\n\
+             endpoints:\n  - {address: 127.0.0.2, modelConfig: a}\n  \
+             - {address: 127.0.0.3, modelConfig: a}\n",
+        )
+        .expect("valid");
+        let picker = Arc::new(
+            PickerState::new(Limits::default(), IndexSettings::default()).expect("picker"),
+        );
+        picker
+            .apply_pool(&view_from_config(&config))
+            .expect("applied");
+        let cancel = CancellationToken::new();
+        let manager = tokio::spawn(run_event_manager(picker.clone(), cancel.clone()));
+        // both endpoints subscribed: their consumers hold the picker
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while Arc::strong_count(&picker) < 4 {
+            assert!(tokio::time::Instant::now() < deadline, "never subscribed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        cancel.cancel();
+        manager.await.expect("the manager ends");
+        assert_eq!(Arc::strong_count(&picker), 1, "a task outlived the manager");
+    }
 
     #[test]
     fn the_event_budget_allows_a_burst_then_the_sustained_rate() {
