@@ -10,8 +10,9 @@
 #   BURST=500 BURSTS=3 IDLE_S="20 40" scripts/memory-bursts.sh
 #   SKIP_BUILD=1 BIN=/path/to/release scripts/memory-bursts.sh
 #
-# Needs python3 and an open-file limit above 2 x BURST + a few hundred. Everything binds
-# 127.0.0.1; every process it starts is stopped on exit.
+# Needs python3 and an open-file limit of 4 x BURST + 4096 (the picker keeps about half of
+# what its limit leaves after in-flight requests and reserves for each of two listeners).
+# Everything binds 127.0.0.1; every process it starts is stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BURST=${BURST:-2000}
@@ -22,7 +23,9 @@ BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release}
 if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
-ulimit -n $((2 * BURST + 1024)) 2>/dev/null || true
+# a smaller limit shrinks the picker's connection cap below a burst (2 x BURST + 1024 left a
+# burst of 50 with a cap of 16: 34 of 50 refused)
+ulimit -n $((4 * BURST + 4096)) 2>/dev/null || true
 source scripts/lib/local-picker.sh
 start_sim 2 --max-waiting 100000
 P0=${SIM_PORTS[0]}
