@@ -692,7 +692,7 @@ impl PickerState {
     /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
     pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
         if let Some(key) = routed.session_key() {
-            self.router.load().pin(key, endpoint);
+            self.pin_session(key, endpoint);
         }
     }
 

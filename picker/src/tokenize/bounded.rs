@@ -106,7 +106,29 @@ pub struct EncodeBound<'a> {
     pub gate: &'a EncodeGate,
 }
 
+impl EncodeBound<'static> {
+    /// No token limit and no byte budget: ids exactly as the tokenizer gives them.
+    pub fn unlimited() -> Self {
+        static UNGATED: EncodeGate = EncodeGate {
+            in_use: Mutex::new(0),
+        };
+        Self {
+            max_tokens: usize::MAX,
+            max_bytes_at_once: usize::MAX,
+            gate: &UNGATED,
+        }
+    }
+}
+
 impl EncodeBound<'_> {
+    /// `Err(OverLimit)` once a prompt's `ids` are more than `max_tokens`.
+    pub fn check(&self, ids: usize) -> Result<(), EncodeFailure> {
+        if ids > self.max_tokens {
+            return Err(EncodeFailure::OverLimit { at_least: ids });
+        }
+        Ok(())
+    }
+
     /// `tokenizer.encode_fast(text, add_special_tokens)`'s ids, appended to `out`, unless the
     /// ids in `out` and these together are certain to be more than `max_tokens`.
     pub fn encode_into(
@@ -124,12 +146,7 @@ impl EncodeBound<'_> {
         let _pass = self.gate.enter(text.len(), self.max_bytes_at_once)?;
         let encoding = tokenizer.encode_fast(text, add_special_tokens)?;
         out.extend_from_slice(encoding.get_ids());
-        if out.len() > self.max_tokens {
-            return Err(EncodeFailure::OverLimit {
-                at_least: out.len(),
-            });
-        }
-        Ok(())
+        self.check(out.len())
     }
 }
 
@@ -227,7 +244,7 @@ mod tests {
         let text = words(3 * WINDOW_BYTES);
         let whole = tok.encode_fast(text.as_str(), true).expect("encodes");
         let gate = EncodeGate::default();
-        // few tokens left than bytes: counted first, then encoded whole
+        // fewer tokens left than bytes: counted first, then encoded whole
         let bound = EncodeBound {
             max_tokens: whole.len(),
             max_bytes_at_once: 1 << 20,

@@ -188,17 +188,15 @@ impl PieceEncoder {
         text: &str,
         add_special_tokens: bool,
     ) -> tokenizers::Result<PieceEncoding> {
-        self.encode_with(
+        self.encode_bounded(
             tokenizer,
             text,
             add_special_tokens,
-            MIN_RUN_BYTES,
-            true,
-            None,
+            &EncodeBound::unlimited(),
         )
         .map_err(|e| match e {
             EncodeFailure::Tokenizer(e) => e,
-            // without a bound nothing else fails
+            // without a limit nothing else fails
             other => format!("{other:?}").into(),
         })
     }
@@ -219,7 +217,7 @@ impl PieceEncoder {
             add_special_tokens,
             MIN_RUN_BYTES,
             true,
-            Some(bound),
+            bound,
         )
     }
 
@@ -232,14 +230,14 @@ impl PieceEncoder {
         add_special_tokens: bool,
         min_run: usize,
         cached: bool,
-        bound: Option<&EncodeBound<'_>>,
+        bound: &EncodeBound<'_>,
     ) -> Result<PieceEncoding, EncodeFailure> {
         let (prefix, suffix) = match (&self.wrap, add_special_tokens) {
             (_, false) => (&[][..], &[][..]),
             (Some((p, s)), true) => (&p[..], &s[..]),
             (None, true) => {
                 let mut ids = Vec::new();
-                encode_text(tokenizer, text, true, bound, &mut ids)?;
+                bound.encode_into(tokenizer, text, true, &mut ids)?;
                 return Ok(PieceEncoding {
                     ids,
                     cached_tokens: 0,
@@ -264,13 +262,7 @@ impl PieceEncoder {
         }
         self.encode_part(tokenizer, &text[run..], cached, bound, &mut out)?;
         out.ids.extend_from_slice(suffix);
-        if let Some(b) = bound
-            && out.ids.len() > b.max_tokens
-        {
-            return Err(EncodeFailure::OverLimit {
-                at_least: out.ids.len(),
-            });
-        }
+        bound.check(out.ids.len())?;
         Ok(out)
     }
 
@@ -280,28 +272,24 @@ impl PieceEncoder {
         tokenizer: &Tokenizer,
         part: &str,
         cached: bool,
-        bound: Option<&EncodeBound<'_>>,
+        bound: &EncodeBound<'_>,
         out: &mut PieceEncoding,
     ) -> Result<(), EncodeFailure> {
         if part.is_empty() {
             return Ok(());
         }
         if !cached {
-            return encode_text(tokenizer, part, false, bound, &mut out.ids);
+            return bound.encode_into(tokenizer, part, false, &mut out.ids);
         }
         let key = xxh3_128_with_seed(part.as_bytes(), self.seed);
         if let Some(ids) = self.lookup(key) {
             out.ids.extend_from_slice(&ids);
             out.cached_tokens += ids.len();
-            return match bound {
-                Some(b) if out.ids.len() > b.max_tokens => Err(EncodeFailure::OverLimit {
-                    at_least: out.ids.len(),
-                }),
-                _ => Ok(()),
-            };
+            // a prompt past the limit stops before its next run is encoded
+            return bound.check(out.ids.len());
         }
         let from = out.ids.len();
-        encode_text(tokenizer, part, false, bound, &mut out.ids)?;
+        bound.encode_into(tokenizer, part, false, &mut out.ids)?;
         self.insert(key, &out.ids[from..]);
         Ok(())
     }
@@ -344,7 +332,7 @@ impl PieceEncoder {
                     .encode_fast(probe.as_str(), add)
                     .map_err(|e| PieceCacheOff::ProbeFailed(n, e.to_string()))?;
                 let pieces = self
-                    .encode_with(tokenizer, probe, add, 1, false, None)
+                    .encode_with(tokenizer, probe, add, 1, false, &EncodeBound::unlimited())
                     .map_err(|e| PieceCacheOff::ProbeFailed(n, format!("{e:?}")))?;
                 if whole.get_ids() != pieces.ids {
                     return Err(PieceCacheOff::ProbeMismatch(n));
@@ -352,23 +340,6 @@ impl PieceEncoder {
             }
         }
         Ok(())
-    }
-}
-
-/// Appends `text`'s ids to `out`, under `bound` when there is one.
-fn encode_text(
-    tokenizer: &Tokenizer,
-    text: &str,
-    add_special_tokens: bool,
-    bound: Option<&EncodeBound<'_>>,
-    out: &mut Vec<u32>,
-) -> Result<(), EncodeFailure> {
-    match bound {
-        Some(b) => b.encode_into(tokenizer, text, add_special_tokens, out),
-        None => {
-            out.extend_from_slice(tokenizer.encode_fast(text, add_special_tokens)?.get_ids());
-            Ok(())
-        }
     }
 }
 

@@ -66,9 +66,14 @@ impl ScrapeBackoff {
         self.by_url.remove(url);
     }
 
-    /// Forget servers no longer scraped.
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
-        self.by_url.retain(|url, _| keep(url));
+    /// Forget servers no longer scraped: those not among `urls` (read only when some server
+    /// is backing off, which is rare).
+    pub fn retain<'a>(&mut self, urls: impl IntoIterator<Item = &'a str>) {
+        if self.by_url.is_empty() {
+            return;
+        }
+        let keep: std::collections::HashSet<&str> = urls.into_iter().collect();
+        self.by_url.retain(|url, _| keep.contains(url.as_str()));
     }
 }
 
@@ -196,7 +201,7 @@ pub async fn run_scraper(
             _ = ticker.tick() => {}
         }
         let all = targets(&picker, &settings);
-        backoff.retain(|url| all.iter().any(|t| t.url == url));
+        backoff.retain(all.iter().map(|t| t.url.as_str()));
         let started = picker.now_ms();
         let ts: Vec<Target> = all
             .into_iter()
@@ -362,7 +367,7 @@ mod tests {
         assert!(b.due(url, now));
         b.failed(url, now, 100);
         assert!(b.due(url, now), "one failure after a success: no wait");
-        b.retain(|u| u != url);
+        b.retain(["http://127.0.0.1:9/metrics"]);
         assert!(b.by_url.is_empty());
     }
 
