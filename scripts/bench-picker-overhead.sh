@@ -19,7 +19,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
 trap cleanup EXIT
 
-TOK=picker/tests/fixtures/tokenizer
+TOK=routing/tests/fixtures/tokenizer
 target/release/kvroute-sim --host 127.0.0.1 --port 0 --model bench --speedup 100000 \
   --kv-blocks 400000 --kv-events-port auto --kv-replay-port auto --default-max-tokens 1 \
   --max-batched-tokens 262144 --tokenizer "$TOK" >"$TMP/sim.json" 2>"$TMP/sim.log" &

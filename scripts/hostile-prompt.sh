@@ -20,7 +20,7 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
 fi
 source scripts/lib/local-picker.sh
-TOK=$PWD/picker/tests/fixtures/tokenizer
+TOK=$PWD/routing/tests/fixtures/tokenizer
 start_sim 1
 cat >"$TMP/picker.yaml" <<YAML
 listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: null}

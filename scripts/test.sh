@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 python3 -c 'import zmq, msgpack' 2>/dev/null || python3 -m pip install --quiet 'pyzmq>=26' 'msgpack>=1.0'
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# the routing core links no I/O stack; the simulator and the fuzz targets use only the core
+./scripts/check-core-deps.sh
 
 # etcd, kube-apiserver, kube-controller-manager, kubectl and helm at pinned versions, built from
 # the Go module proxy into a cache folder (only the first run on a machine builds them).

@@ -11,8 +11,10 @@
 
 pub mod contract;
 pub mod inference_pool;
-pub mod pool;
-pub mod routing;
+/// Routing policy (defined in the routing core, which the picker runs).
+pub use kvroute_routing::config as routing;
+/// Model configs and tenancy (defined in the routing core, which the picker runs).
+pub use kvroute_routing::pool;
 
 pub use inference_pool::{InferencePool, InferencePoolSpec, InferencePoolStatus};
 

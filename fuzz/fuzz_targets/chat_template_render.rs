@@ -3,13 +3,13 @@
 //! tokenizer. Input: template source, a NUL byte, then the request's `messages` JSON.
 #![no_main]
 
-use kvroute_picker::tokenize::{
+use kvroute_routing::tokenize::{
     ChatTemplateSource, PromptInput, PromptTokenizer, PromptTokenizerOptions,
 };
 use libfuzzer_sys::fuzz_target;
 
 const TOKENIZER_JSON: &[u8] =
-    include_bytes!("../../picker/tests/fixtures/tokenizer/tokenizer.json");
+    include_bytes!("../../routing/tests/fixtures/tokenizer/tokenizer.json");
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

@@ -2,11 +2,11 @@
 //! when a batch decodes, apply it to an index (extra keys, salts, parents) and re-encode it.
 #![no_main]
 
-use kvroute_picker::block_keys::BlockHasher;
-use kvroute_picker::endpoint::EndpointId;
-use kvroute_picker::index::{IndexConfig, IndexMode, KvIndex};
-use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
-use kvroute_picker::kv_events::{
+use kvroute_routing::block_keys::BlockHasher;
+use kvroute_routing::endpoint::EndpointId;
+use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex};
+use kvroute_routing::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_routing::kv_events::{
     DecodeLimits, EventEncoding, decode_event_batch, encode_event_batch,
 };
 use libfuzzer_sys::fuzz_target;

@@ -1,8 +1,8 @@
 //! Prometheus text from an engine's /metrics, for every engine flavour.
 #![no_main]
 
-use kvroute_picker::endpoint::EngineKind;
-use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
+use kvroute_routing::endpoint::EngineKind;
+use kvroute_routing::engine_metrics::{ParseLimits, parse_engine_metrics};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

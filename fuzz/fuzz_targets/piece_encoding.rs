@@ -7,12 +7,12 @@
 
 use std::sync::LazyLock;
 
-use kvroute_picker::tokenize::piece_cache::PieceEncoder;
+use kvroute_routing::tokenize::piece_cache::PieceEncoder;
 use libfuzzer_sys::fuzz_target;
 use tokenizers::Tokenizer;
 
 const TOKENIZER_JSON: &[u8] =
-    include_bytes!("../../picker/tests/fixtures/tokenizer/tokenizer.json");
+    include_bytes!("../../routing/tests/fixtures/tokenizer/tokenizer.json");
 
 static TOKENIZER: LazyLock<Tokenizer> =
     LazyLock::new(|| Tokenizer::from_bytes(TOKENIZER_JSON).expect("fixture tokenizer"));

@@ -8,9 +8,8 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
-use kvroute_picker::service::request::{ApiKind, ParsedRequest, engine_body};
-use kvroute_picker::service::settings::Limits;
-use kvroute_picker::tokenize::{PromptTokenizer, PromptTokenizerOptions};
+use kvroute_routing::request::{ApiKind, ParsedRequest, RequestLimits, engine_body};
+use kvroute_routing::tokenize::{PromptTokenizer, PromptTokenizerOptions};
 use libfuzzer_sys::fuzz_target;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 
@@ -40,7 +39,7 @@ fn top_level_count(body: &[u8], key: &str) -> usize {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let limits = Limits::default();
+    let limits = RequestLimits::default();
     let tok = PromptTokenizer::new(None, None, PromptTokenizerOptions::default())
         .expect("char-chunk tokenizer");
     for kind in [ApiKind::Completions, ApiKind::ChatCompletions, ApiKind::Other] {

@@ -1,32 +1,13 @@
-//! kvroute's endpoint picker.
-//!
-//! The routing core is free of I/O: it takes values (tokens, decoded KV events, scraped load,
-//! endpoint sets) and returns decisions, so the service, the benchmarks and the tests all call
-//! the same code.
+//! kvroute's endpoint picker service: the listeners (OpenAI-compatible proxy, pick API, Envoy
+//! ext_proc), the feeds (metrics scraper, KV-event subscribers), the Kubernetes pool source, the
+//! metrics and the CLI, around the routing core in `kvroute-routing`, re-exported here under
+//! the same module names.
 
-pub mod block_keys;
-pub mod calibration;
+pub use kvroute_routing::{
+    block_keys, calibration, config, endpoint, engine_metrics, index, inflight, kv_events, load,
+    outlier, plan, policy, pool, pool_state, request, router, session, tokenize,
+};
+
 pub mod cli;
-/// Routing configuration (shared with the `InferencePool` resource).
-pub mod config {
-    pub use kvroute_crds::routing::*;
-}
-pub mod endpoint;
-pub mod engine_metrics;
 pub mod error;
-pub mod index;
-pub mod inflight;
-pub mod kv_events;
-pub mod load;
-pub mod outlier;
-pub mod plan;
-pub mod policy;
-pub mod pool_state;
-/// Pool specification types (shared with the `InferencePool` resource).
-pub mod pool {
-    pub use kvroute_crds::pool::*;
-}
-pub mod router;
 pub mod service;
-pub mod session;
-pub mod tokenize;

@@ -626,7 +626,10 @@ async fn shutdown_drains_an_in_flight_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let tok = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../routing/tests/fixtures/tokenizer"
+    );
     let model = format!(
         "    tokenizer: {{path: {tok}/tokenizer.json, configPath: {tok}/tokenizer_config.json}}\n"
     );
@@ -686,7 +689,10 @@ async fn a_conversations_repeated_messages_come_from_the_tokenizer_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_request_after_start_finds_its_model() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let tok = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../routing/tests/fixtures/tokenizer"
+    );
     let model = format!("    tokenizer: {{path: {tok}/tokenizer.json}}\n");
     for _ in 0..5 {
         let picker = start_picker(&one_engine_yaml_with(engine.addr.port(), &model, "")).await;

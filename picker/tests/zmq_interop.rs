@@ -1,6 +1,6 @@
 //! Interop tests of the KV-event subscriber (`service::feeds::kv_subscriber`, built on the pure-Rust
 //! `zeromq` crate) against libzmq, through a pyzmq publisher that behaves like vLLM's
-//! (`tests/fixtures/zmq/kv_publisher.py`), and against a `zeromq` PUB socket.
+//! (`routing/tests/fixtures/zmq/kv_publisher.py`), and against a `zeromq` PUB socket.
 //!
 //! Needs `python3` (or `$KVROUTE_PYTHON`) with `pyzmq` and `msgpack`
 //! (`pip install pyzmq msgpack`). Without them the tests fail with that message; they never
@@ -70,7 +70,7 @@ impl PyPublisher {
         require_pyzmq().await;
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/zmq/kv_publisher.py"
+            "/../routing/tests/fixtures/zmq/kv_publisher.py"
         );
         let mut child = Command::new(python())
             .arg(script)

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use kvroute_picker::kv_events::EventEncoding;
+use kvroute_routing::kv_events::EventEncoding;
 
 use crate::engine::{EngineConfig, StepTimeModel};
 use crate::server::{self, FaultSpec, Flavor, PortSpec, SimConfig};

@@ -16,8 +16,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use contract::Target;
-use kvroute_picker::endpoint::EngineKind;
-use kvroute_picker::kv_events::{EventEncoding, KvEvent};
+use kvroute_routing::endpoint::EngineKind;
+use kvroute_routing::kv_events::{EventEncoding, KvEvent};
 use kvroute_sim::server::{EngineAddrs, SimConfig, SimHandle};
 use serde_json::{Value, json};
 use sim_support::*;
@@ -26,7 +26,7 @@ use sim_support::*;
 fn fixture_tokenizer() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../picker/tests/fixtures/tokenizer"
+        "/../routing/tests/fixtures/tokenizer"
     ))
 }
 
@@ -337,7 +337,7 @@ async fn dp_rank_ports_and_multiple_engines() {
     .await;
 }
 
-fn stored(msgs: &[(u64, kvroute_picker::kv_events::EventBatch)]) -> Vec<u64> {
+fn stored(msgs: &[(u64, kvroute_routing::kv_events::EventBatch)]) -> Vec<u64> {
     msgs.iter()
         .flat_map(|(_, b)| b.events.iter())
         .flat_map(|e| match e {

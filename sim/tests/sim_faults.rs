@@ -9,8 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvroute_picker::endpoint::EngineKind;
-use kvroute_picker::kv_events::KvEvent;
+use kvroute_routing::endpoint::EngineKind;
+use kvroute_routing::kv_events::KvEvent;
 use serde_json::{Value, json};
 use sim_support::*;
 

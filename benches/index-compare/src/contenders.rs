@@ -82,8 +82,8 @@ fn time_queries<T>(
 // ---- kvroute ------------------------------------------------------------------------------
 
 pub fn kvroute(w: &Workload, passes: usize) -> Run {
-    use kvroute_picker::endpoint::EndpointId;
-    use kvroute_picker::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+    use kvroute_routing::endpoint::EndpointId;
+    use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
 
     // Engine hash and block key are the same u64 here (the chain hash).
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();

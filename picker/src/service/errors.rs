@@ -16,6 +16,13 @@ pub struct ApiError {
     pub retry_after: Option<u32>,
 }
 
+impl From<crate::request::RequestError> for ApiError {
+    fn from(e: crate::request::RequestError) -> Self {
+        let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+        Self::new(status, "invalid_request_error", e.code, e.message)
+    }
+}
+
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
         Self {

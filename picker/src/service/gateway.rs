@@ -93,8 +93,8 @@ impl EndpointPicker for GatewayPicker {
                 ..PickOutput::default()
             });
         }
-        let parsed =
-            ParsedRequest::parse(kind, input.body.clone(), &picker.limits).map_err(refuse)?;
+        let parsed = ParsedRequest::parse(kind, input.body.clone(), &picker.limits.request())
+            .map_err(|e| refuse(e.into()))?;
         let routed = picker
             .decide(
                 &parsed,

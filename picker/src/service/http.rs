@@ -253,7 +253,7 @@ async fn proxy_inner(
     let admission = picker
         .admit()
         .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
-    let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
+    let parsed = ParsedRequest::parse(kind, raw, &picker.limits.request())?;
     let routed = picker
         .decide(&parsed, &headers, None, Purpose::Forward)
         .await?;
@@ -490,7 +490,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             Ok(Probe { messages: Some(_) }) => ApiKind::ChatCompletions,
             _ => ApiKind::Completions,
         };
-        let parsed = ParsedRequest::parse(kind, raw, &picker.limits)?;
+        let parsed = ParsedRequest::parse(kind, raw, &picker.limits.request())?;
         let routed = picker
             .decide(&parsed, &headers, None, Purpose::Explain)
             .await?;

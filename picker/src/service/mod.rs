@@ -12,7 +12,7 @@ pub mod kube_source;
 pub mod listener;
 pub mod metrics;
 pub mod passive_health;
-pub mod request;
+pub use kvroute_routing::request;
 pub mod settings;
 pub mod source;
 pub mod state;
@@ -242,7 +242,7 @@ pub async fn start(
         let ready_picker = picker.clone();
         let ready_cancel = cancel.clone();
         tasks.spawn(async move {
-            let mut pool_changes = ready_picker.pool.subscribe();
+            let mut pool_changes = ready_picker.watch_pool();
             let mut scraped = ready_picker.first_metrics.subscribe();
             let mut last = None;
             loop {

@@ -160,16 +160,28 @@ pub struct Limits {
     pub outlier_detection: crate::outlier::OutlierDetection,
 }
 
+impl Limits {
+    /// The bounds request bodies are parsed under.
+    pub fn request(&self) -> crate::request::RequestLimits {
+        crate::request::RequestLimits {
+            max_body_bytes: self.max_body_bytes,
+            max_prompt_tokens: self.max_prompt_tokens,
+            max_messages: self.max_messages,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
+        let request = crate::request::RequestLimits::default();
         Self {
-            max_body_bytes: 16 << 20,
-            max_prompt_tokens: 512 * 1024,
-            max_messages: 4096,
+            max_body_bytes: request.max_body_bytes,
+            max_prompt_tokens: request.max_prompt_tokens,
+            max_messages: request.max_messages,
             connect_timeout: Duration::from_secs(2),
             upstream_timeout: Duration::from_secs(120),
             idle_timeout: Duration::from_secs(300),
-            max_inflight_per_endpoint: 2048,
+            max_inflight_per_endpoint: crate::inflight::DEFAULT_MAX_PER_ENDPOINT,
             max_inflight_total: 16_384,
             tokenizer_cache_tokens: 1 << 22,
             tokenize_bytes_at_once: 16 << 20,
@@ -388,7 +400,9 @@ impl PickerConfig {
                 }
             }
         }
-        l.outlier_detection.validate("limits.outlierDetection")?;
+        l.outlier_detection
+            .validate("limits.outlierDetection")
+            .map_err(PickerError::Invalid)?;
         Ok(())
     }
 
@@ -512,5 +526,36 @@ mod sample_tests {
             .expect("config/picker.yaml is valid");
         assert_eq!(c.model_configs[0].data_parallel.size, 2);
         assert_eq!(c.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn the_config_block_parses_with_defaults_and_errors_name_the_field() {
+        use crate::outlier::OutlierDetection;
+        let base = "modelConfigs: [{name: a, model: m}]\n";
+        let c = PickerConfig::from_yaml(base).expect("valid");
+        assert_eq!(c.limits.outlier_detection, OutlierDetection::default());
+        let c = PickerConfig::from_yaml(&format!(
+            "{base}limits: {{outlierDetection: {{consecutive5xx: 2, baseEjectionTime: 500ms}}}}"
+        ))
+        .expect("valid");
+        assert_eq!(c.limits.outlier_detection.consecutive_5xx, 2);
+        assert_eq!(
+            c.limits.outlier_detection.base_ejection_time,
+            Duration::from_millis(500)
+        );
+        let e = PickerConfig::from_yaml(&format!(
+            "{base}limits: {{outlierDetection: {{maxEjectionPercent: 120}}}}"
+        ))
+        .expect_err("percent");
+        assert!(
+            e.to_string()
+                .contains("limits.outlierDetection.maxEjectionPercent"),
+            "{e}"
+        );
+        let e = PickerConfig::from_yaml(&format!(
+            "{base}limits: {{outlierDetection: {{consecutive5XX: 2}}}}"
+        ))
+        .expect_err("unknown field");
+        assert!(e.to_string().contains("consecutive5XX"), "{e}");
     }
 }

@@ -137,6 +137,9 @@ fn upstream_request(
 pub struct PickerState {
     /// The endpoint set, the KV index and the loads, with the rules that tie them together.
     pub pool: PoolState,
+    /// The pool's [`PoolState::version`], sent on every change (the KV-event manager and
+    /// readiness wake on it).
+    pool_changes: tokio::sync::watch::Sender<u64>,
     catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
     router: ArcSwap<Router>,
     routing: ArcSwap<RoutingConfig>,
@@ -194,6 +197,7 @@ impl PickerState {
                     max_blocks_per_endpoint: index_settings.max_blocks_per_endpoint,
                 },
             ),
+            pool_changes: tokio::sync::watch::Sender::new(0),
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
             router: ArcSwap::from_pointee(Router::new(RoutingConfig::default())),
             routing: ArcSwap::from_pointee(RoutingConfig::default()),
@@ -355,6 +359,7 @@ impl PickerState {
             self.inflight.remove(id);
             router.forget_endpoint(id);
         }
+        self.pool_changed();
         self.sync_outlier_pool();
         self.sync_calibration();
         self.metrics
@@ -367,6 +372,18 @@ impl PickerState {
             removed,
             routing_changed,
         })
+    }
+
+    /// Wake the loops waiting on the pool when it changed ([`PickerState::watch_pool`]).
+    pub fn pool_changed(&self) {
+        let version = self.pool.version();
+        self.pool_changes
+            .send_if_modified(|seen| std::mem::replace(seen, version) != version);
+    }
+
+    /// Wakes on every change of the endpoint set and on every applied view.
+    pub fn watch_pool(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.pool_changes.subscribe()
     }
 
     /// Re-read the tenancy salt secret; `true` when it changed and the new salts apply.
@@ -784,7 +801,7 @@ endpoints:
 
     fn completion(text: &str) -> ParsedRequest {
         let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
-        ParsedRequest::parse(ApiKind::Completions, Bytes::from(body), &Limits::default())
+        ParsedRequest::parse(ApiKind::Completions, Bytes::from(body), &Default::default())
             .expect("valid")
     }
 

@@ -45,7 +45,7 @@ use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_picker::kv_events::{ExtraKey, KvEvent};
+use kvroute_routing::kv_events::{ExtraKey, KvEvent};
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 

@@ -1,10 +1,10 @@
 use super::*;
 
-use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-use kvroute_picker::endpoint::EndpointId;
-use kvroute_picker::index::{IndexMode, KvIndex};
-use kvroute_picker::kv_events::EventBatch;
-use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::endpoint::EndpointId;
+use kvroute_routing::index::{IndexMode, KvIndex};
+use kvroute_routing::kv_events::EventBatch;
+use kvroute_routing::kv_events::ingest::{IngestKeys, apply_batch};
 
 fn cfg(num_blocks: u32) -> EngineConfig {
     EngineConfig {

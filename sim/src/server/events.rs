@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_picker::kv_events::{
+use kvroute_routing::kv_events::{
     EventBatch, EventEncoding, REPLAY_END_SEQ, encode_event_batch, seq_frame,
 };
 use parking_lot::Mutex;

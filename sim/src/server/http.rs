@@ -22,7 +22,7 @@ use super::metrics::{Exposition, RankMetrics};
 use super::rank::{Delta, RankState, Rejected};
 use super::{EngineSlot, Runtime, apply_fault, schedule_fault};
 use crate::engine::{self, FinishedRequest, RequestId};
-use kvroute_picker::tokenize::PromptInput;
+use kvroute_routing::tokenize::PromptInput;
 
 #[derive(Clone)]
 pub(crate) struct AppState {

@@ -355,8 +355,8 @@ fn esc(s: &str) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use kvroute_picker::endpoint::EngineKind;
-    use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
+    use kvroute_routing::endpoint::EngineKind;
+    use kvroute_routing::engine_metrics::{ParseLimits, parse_engine_metrics};
 
     fn ranks() -> Vec<RankMetrics> {
         (0..2)

@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use bytes::Bytes;
-use kvroute_picker::kv_events::EventEncoding;
-use kvroute_picker::tokenize::{PromptTokenizer, PromptTokenizerOptions};
+use kvroute_routing::kv_events::EventEncoding;
+use kvroute_routing::tokenize::{PromptTokenizer, PromptTokenizerOptions};
 use parking_lot::Mutex;
 use serde_json::json;
 use tokio::net::TcpListener;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvroute_picker::kv_events::{EventBatch, KvEvent};
+use kvroute_routing::kv_events::{EventBatch, KvEvent};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use tokio::sync::{Notify, mpsc, watch};

@@ -16,16 +16,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-use kvroute_picker::endpoint::{EndpointId, EngineKind};
-use kvroute_picker::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
-use kvroute_picker::index::{IndexMode, KvIndex, Slot};
-use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
-use kvroute_picker::kv_events::{
+use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::endpoint::{EndpointId, EngineKind};
+use kvroute_routing::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
+use kvroute_routing::index::{IndexMode, KvIndex, Slot};
+use kvroute_routing::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_routing::kv_events::{
     DecodeLimits, EventBatch, KvEvent, decode_message, decode_replay_message, is_replay_end,
     seq_frame,
 };
-use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
+use kvroute_routing::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
 use serde_json::{Value, json};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -348,7 +348,7 @@ pub fn stored(msgs: &[(u64, EventBatch)]) -> Vec<u64> {
         .collect()
 }
 
-fn rank0(m: &EngineMetrics) -> &kvroute_picker::engine_metrics::LoadSample {
+fn rank0(m: &EngineMetrics) -> &kvroute_routing::engine_metrics::LoadSample {
     m.for_rank(0).expect("rank 0's sample")
 }
 
@@ -753,7 +753,7 @@ pub async fn a_fully_cached_block_aligned_prompt_hits_all_but_its_last_block(t: 
     assert_eq!(view.matched(&p), 8);
     let credit = view
         .matched(&p)
-        .min(kvroute_picker::router::servable_blocks(8 * bs, bs))
+        .min(kvroute_routing::router::servable_blocks(8 * bs, bs))
         * bs;
     let before = t.metrics().await;
     let (_, v) = t.complete(&p, 1).await;

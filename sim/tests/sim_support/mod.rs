@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvroute_picker::endpoint::EngineKind;
-use kvroute_picker::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
+use kvroute_routing::endpoint::EngineKind;
+use kvroute_routing::engine_metrics::{EngineMetrics, ParseLimits, parse_engine_metrics};
 use kvroute_sim::server::{self, EngineAddrs, PortSpec, SimConfig, SimHandle};
 use serde_json::{Value, json};
 

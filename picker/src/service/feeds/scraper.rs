@@ -296,7 +296,9 @@ pub async fn run_scraper(
             stale += usize::from(is_stale);
             marks.push((e.id, is_stale));
         }
-        for change in picker.pool.set_stale(&marks) {
+        let changes = picker.pool.set_stale(&marks);
+        picker.pool_changed();
+        for change in changes {
             if change.stale {
                 tracing::warn!(endpoint = %change.endpoint, dropped = change.dropped, "endpoint is stale: no good metrics scrape within the threshold; its cached blocks are forgotten");
             } else {

@@ -208,7 +208,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
     let mut tasks = tokio::task::JoinSet::new();
     // wakes on every applied pool view (the model configs may have changed with it) and every
     // change of the endpoint set
-    let mut changes = picker.pool.subscribe();
+    let mut changes = picker.watch_pool();
     let mut seen_version = None;
     loop {
         let version = (

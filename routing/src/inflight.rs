@@ -14,6 +14,10 @@ use serde::Serialize;
 
 use crate::endpoint::EndpointId;
 
+/// Requests one picker keeps in flight on one endpoint unless `limits.maxInflightPerEndpoint`
+/// says otherwise.
+pub const DEFAULT_MAX_PER_ENDPOINT: u64 = 2048;
+
 #[derive(Debug, Default)]
 struct Counters {
     requests: AtomicU64,

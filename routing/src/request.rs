@@ -4,9 +4,57 @@
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::errors::ApiError;
-use super::settings::Limits;
 use crate::tokenize::PromptInput;
+
+/// Why a request body is refused: an HTTP status (400 or 413), a machine-readable code (the
+/// OpenAI error's `code` and the metrics label) and a message naming what is wrong. The
+/// service answers it as an OpenAI-style error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl RequestError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: 400,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn too_large(limit: usize) -> Self {
+        Self {
+            status: 413,
+            code: "body_too_large",
+            message: format!("request body exceeds the limit of {limit} bytes"),
+        }
+    }
+}
+
+/// The bounds a body is parsed under (the service's `limits` of the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// `limits.maxBodyBytes`: larger bodies are a 413.
+    pub max_body_bytes: usize,
+    /// `limits.maxPromptTokens`: a prompt of more token ids is a 400.
+    pub max_prompt_tokens: usize,
+    /// `limits.maxMessages`: more chat messages are a 400.
+    pub max_messages: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 16 << 20,
+            max_prompt_tokens: 512 * 1024,
+            max_messages: 4096,
+        }
+    }
+}
 
 /// Which API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,12 +225,12 @@ impl ParsedRequest {
         })
     }
 
-    pub fn parse(kind: ApiKind, raw: Bytes, limits: &Limits) -> Result<Self, ApiError> {
+    pub fn parse(kind: ApiKind, raw: Bytes, limits: &RequestLimits) -> Result<Self, RequestError> {
         if raw.len() > limits.max_body_bytes {
-            return Err(ApiError::too_large(limits.max_body_bytes));
+            return Err(RequestError::too_large(limits.max_body_bytes));
         }
         if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return Err(ApiError::bad_request(
+            return Err(RequestError::bad_request(
                 "invalid_json",
                 "request body must be a JSON object",
             ));
@@ -193,7 +241,7 @@ impl ParsedRequest {
             } else {
                 "invalid_json"
             };
-            ApiError::bad_request(code, format!("invalid request body: {e}"))
+            RequestError::bad_request(code, format!("invalid request body: {e}"))
         };
         if kind == ApiKind::Other {
             let head: OtherBodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
@@ -215,13 +263,13 @@ impl ParsedRequest {
         let (prompt, chat) = match kind {
             ApiKind::Completions => match head.prompt {
                 None => {
-                    return Err(ApiError::bad_request(
+                    return Err(RequestError::bad_request(
                         "missing_field",
                         "missing required field `prompt`",
                     ));
                 }
                 Some(Prompt::Ids(ids)) if ids.len() > limits.max_prompt_tokens => {
-                    return Err(ApiError::bad_request(
+                    return Err(RequestError::bad_request(
                         "prompt_too_long",
                         format!(
                             "the prompt has {} tokens, more than the limit of {}",
@@ -237,19 +285,19 @@ impl ParsedRequest {
             ApiKind::ChatCompletions => {
                 let messages = match head.messages {
                     None => {
-                        return Err(ApiError::bad_request(
+                        return Err(RequestError::bad_request(
                             "missing_field",
                             "missing required field `messages`",
                         ));
                     }
                     Some(Value::Array(m)) if m.is_empty() => {
-                        return Err(ApiError::bad_request(
+                        return Err(RequestError::bad_request(
                             "invalid_field",
                             "`messages` must not be empty",
                         ));
                     }
                     Some(Value::Array(m)) if m.len() > limits.max_messages => {
-                        return Err(ApiError::bad_request(
+                        return Err(RequestError::bad_request(
                             "too_many_messages",
                             format!(
                                 "`messages` has {} entries, more than the limit of {}",
@@ -260,7 +308,7 @@ impl ParsedRequest {
                     }
                     Some(m @ Value::Array(_)) => m,
                     Some(_) => {
-                        return Err(ApiError::bad_request(
+                        return Err(RequestError::bad_request(
                             "invalid_field",
                             "`messages` must be an array",
                         ));
@@ -295,17 +343,17 @@ impl ParsedRequest {
         model: Option<Value>,
         stream: Option<Value>,
         cache_salt: Option<Value>,
-    ) -> Result<(String, bool, Option<String>), ApiError> {
+    ) -> Result<(String, bool, Option<String>), RequestError> {
         let model = match model {
             Some(Value::String(m)) if !m.is_empty() => m,
             Some(_) => {
-                return Err(ApiError::bad_request(
+                return Err(RequestError::bad_request(
                     "invalid_field",
                     "`model` must be a non-empty string",
                 ));
             }
             None => {
-                return Err(ApiError::bad_request(
+                return Err(RequestError::bad_request(
                     "missing_field",
                     "missing required field `model`",
                 ));
@@ -315,7 +363,7 @@ impl ParsedRequest {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => b,
             Some(_) => {
-                return Err(ApiError::bad_request(
+                return Err(RequestError::bad_request(
                     "invalid_field",
                     "`stream` must be a boolean",
                 ));
@@ -325,7 +373,7 @@ impl ParsedRequest {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Some(s),
             Some(_) => {
-                return Err(ApiError::bad_request(
+                return Err(RequestError::bad_request(
                     "invalid_field",
                     format!(
                         "`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
@@ -349,7 +397,7 @@ pub fn engine_body(
     req: &ParsedRequest,
     tenant_salt: Option<&str>,
     data_parallel_rank: Option<u32>,
-) -> Result<Bytes, ApiError> {
+) -> Result<Bytes, RequestError> {
     let mut inject: Vec<(&str, Value)> = Vec::new();
     if let Some(rank) = data_parallel_rank {
         inject.push(("data_parallel_rank", Value::from(rank)));
@@ -366,9 +414,9 @@ pub fn engine_body(
 /// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
 /// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
 /// lone surrogate, nesting past its limit) is a 400 naming the reason.
-fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, ApiError> {
+fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, RequestError> {
     let unrewritable = |why: String| {
-        ApiError::bad_request(
+        RequestError::bad_request(
             "invalid_json",
             format!("the request body cannot be rewritten for the engine: {why}"),
         )
@@ -390,8 +438,12 @@ fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, ApiErr
 mod tests {
     use super::*;
 
-    fn parse(kind: ApiKind, body: &str) -> Result<ParsedRequest, ApiError> {
-        ParsedRequest::parse(kind, Bytes::from(body.to_owned()), &Limits::default())
+    fn parse(kind: ApiKind, body: &str) -> Result<ParsedRequest, RequestError> {
+        ParsedRequest::parse(
+            kind,
+            Bytes::from(body.to_owned()),
+            &RequestLimits::default(),
+        )
     }
 
     #[test]
@@ -433,12 +485,7 @@ mod tests {
             ),
         ] {
             let e = parse(ApiKind::Completions, body).expect_err(body);
-            assert_eq!(
-                (e.status.as_u16(), e.code),
-                (400, code),
-                "{body}: {}",
-                e.message
-            );
+            assert_eq!((e.status, e.code), (400, code), "{body}: {}", e.message);
         }
         for (body, code) in [
             (r#"{"model":"m"}"#, "missing_field"),
@@ -446,7 +493,7 @@ mod tests {
             (r#"{"model":"m","messages":"hi"}"#, "invalid_field"),
         ] {
             let e = parse(ApiKind::ChatCompletions, body).expect_err(body);
-            assert_eq!((e.status.as_u16(), e.code), (400, code), "{body}");
+            assert_eq!((e.status, e.code), (400, code), "{body}");
         }
     }
 

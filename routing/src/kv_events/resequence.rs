@@ -7,12 +7,12 @@
 //! in order — or, when it can no longer vouch for that, a resync that clears the endpoint.
 //!
 //! It does no I/O and keeps no clock: the socket loop
-//! ([`crate::service::feeds::kv_subscriber`]) feeds it [`Input`]s, asks [`Resequencer::wants`]
+//! (the picker service's KV subscriber) feeds it [`Input`]s, asks [`Resequencer::wants`]
 //! what to read next (the live stream, a new replay request from a number, or the next message
 //! of the open one), and carries out the [`Action`]s it queues. Everything the subscriber
 //! decides — gaps, duplicates, stale batches, publisher restarts, continuity across reconnects,
 //! replay pages and holes, undecodable numbers — is here, so it can be driven by a simulated
-//! publisher in a model test (`picker/tests/resequence_model.rs`) as well as by real sockets.
+//! publisher in a model test (`routing/tests/resequence_model.rs`) as well as by real sockets.
 //!
 //! # Protocol
 //!

@@ -11,9 +11,9 @@
 //! is tested against a reference model (`tests/pool_state_model.rs`).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
-use tokio::sync::watch;
 
 use crate::block_keys::BlockKey;
 use crate::endpoint::{
@@ -162,8 +162,9 @@ pub struct PoolState {
     endpoints: EndpointSet,
     inner: RwLock<Inner>,
     budget: IndexBudget,
-    /// Bumped whenever the endpoint set (membership or a state) changes or a view is applied.
-    changes: watch::Sender<u64>,
+    /// Bumped whenever the endpoint set (membership or a state) changes or a view is applied;
+    /// the service wakes its loops on it ([`PoolState::version`]).
+    changes: AtomicU64,
 }
 
 impl std::fmt::Debug for PoolState {
@@ -185,7 +186,7 @@ impl PoolState {
                 members: hashbrown::HashMap::new(),
             }),
             budget,
-            changes: watch::Sender::new(0),
+            changes: AtomicU64::new(0),
         }
     }
 
@@ -194,9 +195,9 @@ impl PoolState {
         self.endpoints.load()
     }
 
-    /// Wakes on every change of the endpoint set and on every applied view.
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.changes.subscribe()
+    /// Counts the changes of the endpoint set and the applied views: it moves on every one.
+    pub fn version(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// The endpoint set, the index and the loads as of one moment (routing, diagnostics).
@@ -265,7 +266,7 @@ impl PoolState {
             inner.index.remove_endpoint(id);
             inner.loads.remove(id);
         }
-        self.changes.send_modify(|v| *v += 1);
+        self.changes.fetch_add(1, Ordering::AcqRel);
         Ok(Membership { added, removed })
     }
 
@@ -340,7 +341,7 @@ impl PoolState {
         }
         if !patches.is_empty() {
             self.endpoints.patch(&patches);
-            self.changes.send_modify(|v| *v += 1);
+            self.changes.fetch_add(1, Ordering::AcqRel);
         }
         changes
     }

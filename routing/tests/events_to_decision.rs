@@ -5,17 +5,17 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
-use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-use kvroute_picker::config::{RoutingConfig, Strategy};
-use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
-use kvroute_picker::index::{IndexMode, KvIndex};
-use kvroute_picker::inflight::InflightTracker;
-use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
-use kvroute_picker::kv_events::{
+use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::config::{RoutingConfig, Strategy};
+use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
+use kvroute_routing::index::{IndexMode, KvIndex};
+use kvroute_routing::inflight::InflightTracker;
+use kvroute_routing::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_routing::kv_events::{
     DecodeLimits, EventBatch, EventEncoding, KvEvent, decode_message, encode_event_batch, seq_frame,
 };
-use kvroute_picker::load::LoadTable;
-use kvroute_picker::router::{RouteContext, RouteRequest, Router};
+use kvroute_routing::load::LoadTable;
+use kvroute_routing::router::{RouteContext, RouteRequest, Router};
 
 fn id(n: u8) -> EndpointId {
     EndpointId::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, n)), 8000, 0)

@@ -2,7 +2,7 @@
 //! batches, a bounded replay buffer, restarts) behind a simulated network (dropped, duplicated
 //! and reordered live messages, undecodable batches and garbage, replay requests that fail,
 //! stop early, skip messages or race with new batches) drives the real
-//! [`Resequencer`](kvroute_picker::kv_events::resequence::Resequencer), and a consumer applies
+//! [`Resequencer`](kvroute_routing::kv_events::resequence::Resequencer), and a consumer applies
 //! what it delivers and clears on every resync.
 //!
 //! Invariants, checked after every step:
@@ -29,10 +29,10 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use kvroute_picker::kv_events::resequence::{
+use kvroute_routing::kv_events::resequence::{
     Action, Input, Item, ReplayError, Resequencer, ResequencerConfig, Wants,
 };
-use kvroute_picker::kv_events::{DecodeError, EventBatch};
+use kvroute_routing::kv_events::{DecodeError, EventBatch};
 use proptest::prelude::*;
 
 /// Batches the publisher's replay buffer holds (vLLM's default is 10,000).

@@ -7,8 +7,8 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use crate::pool::ModelConfigSpec;
 use arc_swap::ArcSwap;
-use kvroute_crds::pool::ModelConfigSpec;
 use serde::{Deserialize, Serialize};
 
 /// Where a request goes: a model-server address, its HTTP port and the data-parallel rank.
@@ -43,7 +43,7 @@ impl fmt::Display for EndpointId {
     }
 }
 
-pub use kvroute_crds::pool::{EngineKind, RankSelection};
+pub use crate::pool::{EngineKind, RankSelection};
 
 /// What the picker needs to know about the model configuration an endpoint serves.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,8 +4,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 
-use kvroute_picker::endpoint::EndpointId;
-use kvroute_picker::index::{IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+use kvroute_routing::endpoint::EndpointId;
+use kvroute_routing::index::{IndexMode, KvIndex, PrefixMatch, StoreOutcome};
 use proptest::prelude::*;
 
 const PRECISE: u8 = 3; // endpoints 0..3 are precise, 3..5 approximate

@@ -7,16 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-use kvroute_picker::config::{RoutingConfig, Strategy};
-use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
-use kvroute_picker::index::{IndexMode, KvIndex, PrefixMatch};
-use kvroute_picker::inflight::InflightTracker;
-use kvroute_picker::load::{EndpointLoad, LoadTable};
-use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
-use kvroute_picker::router::{RouteContext, Router};
-use kvroute_picker::service::settings::Limits;
-use kvroute_picker::tokenize::TokenKind;
+use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::config::{RoutingConfig, Strategy};
+use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
+use kvroute_routing::index::{IndexMode, KvIndex, PrefixMatch};
+use kvroute_routing::inflight::InflightTracker;
+use kvroute_routing::load::{EndpointLoad, LoadTable};
+use kvroute_routing::plan::{PlanInput, RequestPlan, Scope};
+use kvroute_routing::router::{RouteContext, Router};
+use kvroute_routing::tokenize::TokenKind;
 
 const BLOCK: u32 = 16;
 
@@ -151,7 +150,7 @@ fn bench_decision(c: &mut Criterion) {
                 ..RoutingConfig::default()
             });
             let snap = set.load();
-            let cap = Limits::default().max_inflight_per_endpoint;
+            let cap = kvroute_routing::inflight::DEFAULT_MAX_PER_ENDPOINT;
             g.bench_function(
                 BenchmarkId::new(format!("8k_{}", strategy.as_str()), format!("{n}ep")),
                 |b| {
@@ -195,7 +194,7 @@ fn bench_decision(c: &mut Criterion) {
 /// piece cache), the same prompt again (warm cache), and the next turn of a conversation
 /// (history in the cache, one new message).
 fn bench_tokenize(c: &mut Criterion) {
-    use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
+    use kvroute_routing::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
     let build = |piece_cache_tokens| {
         PromptTokenizer::from_hf_files(
             Some(include_bytes!("../tests/fixtures/tokenizer/tokenizer.json")),
