@@ -2,11 +2,15 @@
 //!
 //! `engines × dp_size` ranks of the engine model ([`Rank`]) and the picker's routing core run
 //! in one thread on one virtual clock:
-//! * the router decides with [`Router::decide`] over a [`KvIndex`] fed by the ranks' own KV
-//!   events through [`apply_batch`] (precise mode), a [`LoadTable`] sampled from the ranks'
-//!   statistics once per scrape interval (so it is as stale as a real scrape), and an
-//!   [`InflightTracker`] updated at send, first token and finish — exactly the inputs the live
-//!   picker has;
+//! * requests are placed by the service's own decision: a [`Pool`] built from the picker's
+//!   default settings (`IndexSettings::pool_settings`: index budget, in-flight cap, session
+//!   pins, calibration), [`Pool::place`] then [`Pool::record`], and [`Pool::served`] once the
+//!   rank takes the request. The pool's index is fed by the ranks' own KV events (precise
+//!   mode, [`PoolState::apply_batch`](kvroute_picker::pool_state::PoolState::apply_batch)),
+//!   its loads by the ranks' statistics once per scrape interval (so they are as stale as a
+//!   real scrape), its in-flight counts at send, first token and finish, and its calibration
+//!   by each streamed request's first token — the inputs the live picker has (the engines'
+//!   latency histograms, which the live picker also scrapes, are not modelled here);
 //! * each rank runs step after step while it has work; a step's tokens, finished requests and
 //!   KV events take effect at the step's end.
 //!
@@ -22,15 +26,17 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use kvroute_picker::block_keys::BlockHasher;
-use kvroute_picker::endpoint::{Endpoint, EndpointId, EndpointSnapshot, ModelConfig};
-use kvroute_picker::index::{IndexMode, KvIndex, Slot};
-use kvroute_picker::inflight::{InflightGuard, InflightTracker};
-use kvroute_picker::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_picker::calibration::TtftBasis;
+use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
+use kvroute_picker::inflight::InflightGuard;
+use kvroute_picker::kv_events::ingest::IngestKeys;
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
-use kvroute_picker::load::{EndpointLoad, LoadTable};
+use kvroute_picker::load::EndpointLoad;
+use kvroute_picker::place::Pool;
 use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
-use kvroute_picker::router::{RouteContext, Router};
-use kvroute_picker::service::settings::Limits;
+use kvroute_picker::pool_state::PoolMember;
+use kvroute_picker::router::Router;
+use kvroute_picker::service::settings::{IndexSettings, Limits};
 use kvroute_picker::tokenize::TokenKind;
 use kvroute_sim::engine::{Rank, Request, StepOutcome};
 use rustc_hash::FxHashMap;
@@ -54,7 +60,6 @@ enum Event {
 struct Engine {
     rank: Rank,
     id: EndpointId,
-    slot: Slot,
     /// The step in progress: its results apply at its end.
     pending: Option<StepOutcome>,
     prefill_ms: f64,
@@ -65,6 +70,10 @@ struct Engine {
 struct InFlight {
     guard: InflightGuard,
     engine: usize,
+    /// When it was sent, and what the cost model estimated its TTFT on (calibration learns
+    /// from its first token, as the service does from a streamed response's first chunk).
+    sent_ms: f64,
+    basis: Option<TtftBasis>,
 }
 
 fn key(t: f64) -> u64 {
@@ -77,12 +86,9 @@ struct Sim<'a> {
     block_tokens: u32,
     engines: Vec<Engine>,
     by_id: FxHashMap<EndpointId, usize>,
-    snapshot: EndpointSnapshot,
     model_config: Arc<ModelConfig>,
-    router: Router,
-    index: KvIndex,
-    loads: LoadTable,
-    tracker: InflightTracker,
+    /// Every table the service's decision reads, and its policy.
+    pool: Pool,
     hasher: BlockHasher,
     /// The service's bounds on a request (prompt length, in-flight per endpoint).
     limits: Limits,
@@ -112,7 +118,6 @@ impl<'a> Sim<'a> {
         mc.block_size = block;
         mc.dp_size = c.dp_size;
         let mc = Arc::new(mc);
-        let mut index = KvIndex::default();
         let mut engines = Vec::new();
         let mut by_id = FxHashMap::default();
         let mut endpoints = Vec::new();
@@ -120,9 +125,6 @@ impl<'a> Sim<'a> {
             for r in 0..c.dp_size {
                 let port = u16::try_from(8000 + e).context("too many engines")?;
                 let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port, r);
-                let slot = index
-                    .add_endpoint(id, IndexMode::Precise, c.engine.num_blocks as usize * 2)
-                    .map_err(|err| anyhow::anyhow!("index: {err}"))?;
                 let mut cfg = c.engine.clone();
                 cfg.hash_seed = mix64(opts.seed ^ mix64(e as u64 + 1));
                 by_id.insert(id, engines.len());
@@ -130,7 +132,6 @@ impl<'a> Sim<'a> {
                 engines.push(Engine {
                     rank: Rank::new(cfg),
                     id,
-                    slot,
                     pending: None,
                     prefill_ms: 0.0,
                     prefill_tokens: 0,
@@ -142,20 +143,29 @@ impl<'a> Sim<'a> {
         routing.cost_model.max_batched_tokens = c.engine.max_num_batched_tokens;
         routing.validate().map_err(anyhow::Error::msg)?;
         let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
+        // the picker's own settings: index budget, in-flight cap, session pins, ejections
+        let limits = Limits::default();
+        let pool = Pool::new(IndexSettings::default().pool_settings(&limits), router);
+        let members = endpoints
+            .into_iter()
+            .map(|endpoint| PoolMember {
+                endpoint,
+                precise: true,
+                kv_capacity_blocks: None,
+            })
+            .collect();
+        pool.apply_view(members, || {})
+            .map_err(|err| anyhow::anyhow!("index: {err}"))?;
         let series_every = ((1000.0 / opts.scrape_ms.max(1.0)).round() as u64).max(1);
         Ok(Self {
             opts,
             block_tokens: workload.block_tokens,
             engines,
             by_id,
-            snapshot: EndpointSnapshot::new(endpoints),
             model_config: mc,
-            router,
-            index,
-            loads: LoadTable::new(),
-            tracker: InflightTracker::new(),
+            pool,
             hasher: BlockHasher::new(block),
-            limits: Limits::default(),
+            limits,
             queue: BinaryHeap::new(),
             seq: 0,
             inflight: FxHashMap::default(),
@@ -209,43 +219,25 @@ impl<'a> Sim<'a> {
             request_bytes: &issue.id.to_le_bytes(),
             max_prompt_tokens: self.limits.max_prompt_tokens,
         });
-        let decision = plan.map_err(|e| e.to_string()).and_then(|plan| {
-            let ctx = RouteContext {
-                endpoints: &self.snapshot,
-                index: &self.index,
-                loads: &self.loads,
-                inflight: &self.tracker,
-                now_ms: t as u64,
-                ejected: &[],
-                // the simulator's engines follow the configured step model: nothing to learn
-                calibration: None,
-            };
+        let now = t as u64;
+        let placed = plan.map_err(|e| e.to_string()).and_then(|plan| {
             let req = plan.route_request(&self.model_config, Scope::default(), false);
-            let d = self.router.decide(&ctx, &req).map_err(|e| e.to_string())?;
-            let cap = self.limits.max_inflight_per_endpoint;
-            let d = d.within_inflight_cap(&self.tracker, cap).ok_or_else(|| {
-                format!("shed: every eligible endpoint has {cap} requests in flight")
-            })?;
-            // the simulated engine serves it where it goes: the session is pinned there
-            if let Some(k) = Router::session_key(None, plan.session.as_deref()) {
-                self.router.pin(k, d.endpoint);
-            }
-            Ok((d, plan))
+            let placement = self.pool.place(&req, now).map_err(|e| e.to_string())?;
+            // what the service records for a forwarded request
+            self.pool.record(&placement, &plan.keys, now);
+            Ok((placement, plan))
         });
         if let Some(s) = started {
             self.decision_ns.push(s.elapsed().as_nanos() as u64);
         }
-        let (d, plan) = match decision {
-            Ok(d) => d,
+        let (placement, plan) = match placed {
+            Ok(p) => p,
             Err(e) => {
                 self.fail(issue, t, format!("routing: {e}"));
                 return false;
             }
         };
-        // what the service records for a forwarded request (a no-op on a precise index)
-        if let Some(slot) = self.index.slot(&d.endpoint) {
-            self.index.record_routed(slot, &plan.keys, t as u64);
-        }
+        let d = &placement.decision;
         let Some(&e) = self.by_id.get(&d.endpoint) else {
             self.fail(
                 issue,
@@ -255,11 +247,13 @@ impl<'a> Sim<'a> {
             return false;
         };
         let prompt = tokens.len() as u64;
-        let guard = self.tracker.begin(
+        let guard = self.pool.begin(
             d.endpoint,
             prompt,
             prompt.saturating_sub(u64::from(d.cached_tokens)),
+            !plan.keys.is_empty(),
         );
+        let endpoint = d.endpoint;
         let eng = &mut self.engines[e];
         let submitted = eng.rank.submit_at(
             Request {
@@ -276,8 +270,17 @@ impl<'a> Sim<'a> {
             self.fail(issue, t, format!("engine rejected the request: {err}"));
             return false;
         }
-        self.inflight
-            .insert(issue.id, InFlight { guard, engine: e });
+        // the simulated engine serves it where it goes: the session is pinned there
+        self.pool.served(&placement, endpoint);
+        self.inflight.insert(
+            issue.id,
+            InFlight {
+                guard,
+                engine: e,
+                sent_ms: t,
+                basis: placement.ttft_basis,
+            },
+        );
         if self.engines[e].pending.is_none() {
             self.engines[e].rank.advance_to(t);
             self.start_step(e);
@@ -315,14 +318,20 @@ impl<'a> Sim<'a> {
                 hasher: self.hasher,
                 model: MODEL,
             };
-            let stats = apply_batch(&mut self.index, eng.slot, keys, &batch);
-            if stats.needs_resync() {
+            let stats = self.pool.state().apply_batch(&eng.id, keys, &batch);
+            if stats.is_some_and(|s| s.needs_resync()) {
                 tracing::warn!(endpoint = %eng.id, ?stats, "offline index lost track of an engine");
             }
         }
+        let id_e = self.engines[e].id;
         for id in &out.first_tokens {
             if let Some(f) = self.inflight.get_mut(id) {
                 f.guard.first_token();
+                if let Some(basis) = f.basis {
+                    let mut calibration = self.pool.calibration().write();
+                    calibration.age_endpoint(&id_e, t as u64);
+                    calibration.observe_ttft(&id_e, basis, t - f.sent_ms);
+                }
             }
         }
         for f in out.finished {
@@ -354,9 +363,10 @@ impl<'a> Sim<'a> {
     fn scrape(&mut self, t: f64) {
         let record = self.scrapes.is_multiple_of(self.series_every);
         self.scrapes += 1;
+        let mut samples = Vec::with_capacity(self.engines.len());
         for eng in &mut self.engines {
             let s = eng.rank.stats();
-            self.loads.update(
+            samples.push((
                 eng.id,
                 EndpointLoad {
                     waiting: s.waiting as f64,
@@ -365,11 +375,18 @@ impl<'a> Sim<'a> {
                     kv_capacity_blocks: Some(u64::from(s.num_blocks)),
                     sampled_at_ms: t as u64,
                 },
-            );
+            ));
             if record {
                 eng.series
                     .push((t / 1000.0, (s.waiting + s.running) as f64));
             }
+        }
+        // what the service's scraper does with a scrape
+        let now = t as u64;
+        self.pool.state().learn_loads(samples);
+        self.pool.state().expire(now);
+        if self.pool.router().config().cost_model.calibrate {
+            self.pool.calibration().write().age(now);
         }
     }
 

@@ -106,7 +106,7 @@ async fn pick(p: &Running, tokens: &[u32]) -> Value {
 
 /// Blocks the picker's index attributes to the endpoint on `ip`.
 fn indexed_blocks(p: &Running, ip: &str) -> usize {
-    let pool = p.state.pool.read();
+    let pool = p.state.pool.state().read();
     let index = pool.index();
     index
         .endpoints()

@@ -5,7 +5,7 @@
 
 pub use kvroute_routing::{
     block_keys, calibration, config, endpoint, engine_metrics, index, inflight, kv_events, load,
-    outlier, plan, policy, pool, pool_state, request, router, session, tokenize,
+    outlier, place, plan, policy, pool, pool_state, request, router, session, tokenize,
 };
 
 pub mod cli;

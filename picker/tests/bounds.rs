@@ -240,10 +240,10 @@ async fn an_engine_crash_mid_stream_fails_only_that_stream() {
     );
     let text = other.text().await.unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-    let id = picker.state.pool.endpoints().endpoints()[0].id;
+    let id = picker.state.pool.state().endpoints().endpoints()[0].id;
     let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
-        state.inflight.get(&id).requests == 0
+        state.pool.inflight().get(&id).requests == 0
     })
     .await;
     picker.shutdown().await;
@@ -299,6 +299,7 @@ limits: {{upstreamTimeout: 500ms}}
     // once stale, the wedged engine gets nothing and every request succeeds on b
     let a_id = state
         .pool
+        .state()
         .endpoints()
         .endpoints()
         .iter()
@@ -306,7 +307,7 @@ limits: {{upstreamTimeout: 500ms}}
         .unwrap()
         .id;
     eventually(Duration::from_secs(5), || {
-        state.pool.endpoints().get(&a_id).map(|e| e.state)
+        state.pool.state().endpoints().get(&a_id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

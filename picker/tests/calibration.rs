@@ -142,7 +142,7 @@ async fn streamed_requests_teach_the_cost_model_and_pick_and_metrics_show_it() {
         .lines()
         .filter(|l| l.starts_with("kvroute_picker_cost_model") && l.contains(&endpoint));
     assert_eq!(gauges.count(), 0, "{text}");
-    assert!(picker.state.calibration.read().is_empty());
+    assert!(picker.state.pool.calibration().read().is_empty());
     picker.shutdown().await;
 }
 
@@ -165,12 +165,13 @@ async fn engine_histograms_teach_the_prefill_rate_with_less_weight() {
     };
     publish(0);
     let state = picker.state.clone();
-    let id = state.pool.endpoints().endpoints()[0].id;
+    let id = state.pool.state().endpoints().endpoints()[0].id;
     // each poll the engine finishes another request; scrapes see the deltas
     eventually(Duration::from_secs(20), || {
         publish(requests.fetch_add(1, Ordering::SeqCst) + 1);
         state
-            .calibration
+            .pool
+            .calibration()
             .read()
             .status(&id)
             .is_some_and(|s| s.observations.engine_prefill >= 3)
@@ -179,7 +180,7 @@ async fn engine_histograms_teach_the_prefill_rate_with_less_weight() {
     let learned = explained(picker.addrs.admin).await["learned"].clone();
     let per_token = learned["prefill_ms_per_token"].as_f64().unwrap();
     assert!(per_token > prior.prefill_linear_ms, "{learned}");
-    let status = state.calibration.read().status(&id).unwrap();
+    let status = state.pool.calibration().read().status(&id).unwrap();
     assert_eq!(status.observations.picker_ttft, 0);
     assert!(
         status.engine_weight > 0.0 && status.picker_weight == 0.0,
@@ -206,10 +207,11 @@ async fn the_gateway_path_times_the_first_body_chunk_of_streamed_responses() {
     let picker = start_picker(&yaml(engine.addr.port())).await;
     let gateway = GatewayPicker::new(picker.state.clone());
     let state = picker.state.clone();
-    let id = state.pool.endpoints().endpoints()[0].id;
+    let id = state.pool.state().endpoints().endpoints()[0].id;
     let observed = || {
         state
-            .calibration
+            .pool
+            .calibration()
             .read()
             .status(&id)
             .map_or(0, |s| s.observations.picker_ttft)
@@ -243,7 +245,12 @@ async fn the_gateway_path_times_the_first_body_chunk_of_streamed_responses() {
         gateway.on_response_complete(request_id);
         assert_eq!(observed(), counted, "request {request_id}");
     }
-    let learned = state.calibration.read().learned(&id).expect("learned");
+    let learned = state
+        .pool
+        .calibration()
+        .read()
+        .learned(&id)
+        .expect("learned");
     assert!(
         learned.overhead_ms > CostModelCalibration::default().prefill_constant_ms,
         "{learned:?}"

@@ -80,7 +80,7 @@ routing: {{stalenessThreshold: 1m}}
     .await;
     let mut seq = 0u64;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while picker.state.pool.live_blocks() == 0 {
+    while picker.state.pool.state().live_blocks() == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "subscriber never connected"
@@ -149,7 +149,7 @@ async fn garbage_gaps_and_floods_are_counted_and_routing_continues() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // bounded: never more than the endpoint's budget (capacity x slack)
-    assert!(state.pool.live_blocks() <= 128);
+    assert!(state.pool.state().live_blocks() <= 128);
     // and the picker still routes
     let resp = client()
         .post(format!("http://{}/v1/completions", picker.addrs.http))
@@ -185,6 +185,7 @@ async fn a_hostile_capacity_and_a_block_flood_stay_within_the_per_endpoint_bound
     let learned = || {
         state
             .pool
+            .state()
             .read()
             .loads()
             .get(&id)
@@ -201,11 +202,11 @@ async fn a_hostile_capacity_and_a_block_flood_stay_within_the_per_endpoint_bound
             .await
             .unwrap();
         seq += 1;
-        most = most.max(state.pool.live_blocks());
+        most = most.max(state.pool.state().live_blocks());
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    most = most.max(state.pool.live_blocks());
+    most = most.max(state.pool.state().live_blocks());
     assert!(most > 0, "batches were ingested");
     assert!(
         most <= 300,

@@ -126,6 +126,7 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
     let state = picker.state.clone();
     let bad_id = state
         .pool
+        .state()
         .endpoints()
         .endpoints()
         .iter()

@@ -69,10 +69,11 @@ async fn streams_pass_through_byte_for_byte() {
     eventually(Duration::from_secs(2), || {
         state
             .pool
+            .state()
             .endpoints()
             .endpoints()
             .iter()
-            .all(|e| state.inflight.get(&e.id).requests == 0)
+            .all(|e| state.pool.inflight().get(&e.id).requests == 0)
     })
     .await;
     picker.shutdown().await;
@@ -363,10 +364,11 @@ async fn requests_over_the_inflight_bound_are_shed_with_429() {
     eventually(Duration::from_secs(2), || {
         state
             .pool
+            .state()
             .endpoints()
             .endpoints()
             .iter()
-            .any(|e| state.inflight.get(&e.id).requests == 1)
+            .any(|e| state.pool.inflight().get(&e.id).requests == 1)
     })
     .await;
     let resp = post(url, json!({"model": "llama", "prompt": "b"})).await;
@@ -408,7 +410,10 @@ scrape: {{interval: 50ms}}
     write("CostModel");
     let picker = start_picker_file(path.clone()).await;
     let state = picker.state.clone();
-    eventually(Duration::from_secs(3), || state.pool.endpoints().len() == 2).await;
+    eventually(Duration::from_secs(3), || {
+        state.pool.state().endpoints().len() == 2
+    })
+    .await;
     let pick_url = format!("http://{}/v1/pick", picker.addrs.admin);
     let pick = |body: Value| {
         let url = pick_url.clone();
@@ -447,7 +452,7 @@ scrape: {{interval: 50ms}}
     std::fs::write(&path, "modelConfigs: [").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(state.router().policy_name(), "round-robin");
-    assert_eq!(state.pool.endpoints().len(), 2);
+    assert_eq!(state.pool.state().endpoints().len(), 2);
     picker.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -478,14 +483,18 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     let slot_a = {
         let id = state
             .pool
+            .state()
             .endpoints()
             .endpoints()
             .iter()
             .find(|e| e.id.address == a.addr.ip())
             .expect("endpoint a is known")
             .id;
-        state.pool.record_routed(&id, &[11, 12, 13], state.now_ms());
-        let pool = state.pool.read();
+        state
+            .pool
+            .state()
+            .record_routed(&id, &[11, 12, 13], state.now_ms());
+        let pool = state.pool.state().read();
         let slot = pool.index().slot(&id).expect("endpoint a is indexed");
         assert_eq!(pool.index().endpoint_blocks(slot), 3);
         slot
@@ -494,6 +503,7 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     eventually(Duration::from_secs(3), || {
         state
             .pool
+            .state()
             .endpoints()
             .endpoints()
             .iter()
@@ -502,7 +512,7 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     .await;
     // it may have restarted empty: nothing it held before is credited any more
     eventually(Duration::from_secs(3), || {
-        state.pool.read().index().endpoint_blocks(slot_a) == 0
+        state.pool.state().read().index().endpoint_blocks(slot_a) == 0
     })
     .await;
     let before = a.state.requests.load(Ordering::SeqCst);
@@ -523,6 +533,7 @@ scrape: {{interval: 50ms, timeout: 100ms}}
     eventually(Duration::from_secs(3), || {
         state
             .pool
+            .state()
             .endpoints()
             .endpoints()
             .iter()

@@ -211,7 +211,7 @@ async fn dedicated_endpoints_hold_when_the_tenants_endpoint_fails() {
     let picker = start_picker(&dedicated_yaml(dead, b.addr.port(), "FailOpen")).await;
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     eventually(Duration::from_secs(5), || {
-        picker.state.pool.endpoints().len() == 2
+        picker.state.pool.state().endpoints().len() == 2
     })
     .await;
     for i in 0..5 {
@@ -256,6 +256,7 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
     let id = picker
         .state
         .pool
+        .state()
         .endpoints()
         .endpoints()
         .iter()
@@ -264,7 +265,7 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
         .id;
     let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
-        state.pool.endpoints().get(&id).map(|e| e.state)
+        state.pool.state().endpoints().get(&id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)
     })
     .await;

@@ -12,8 +12,12 @@ use kvroute_routing::config::{RoutingConfig, Strategy};
 use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
 use kvroute_routing::index::{IndexMode, KvIndex, PrefixMatch};
 use kvroute_routing::inflight::InflightTracker;
+use kvroute_routing::kv_events::ingest::IngestKeys;
+use kvroute_routing::kv_events::{EventBatch, KvEvent};
 use kvroute_routing::load::{EndpointLoad, LoadTable};
+use kvroute_routing::place::{Pool, PoolSettings};
 use kvroute_routing::plan::{PlanInput, RequestPlan, Scope};
+use kvroute_routing::pool_state::PoolMember;
 use kvroute_routing::router::{RouteContext, Router};
 use kvroute_routing::tokenize::TokenKind;
 
@@ -115,13 +119,55 @@ fn bench_hashing(c: &mut Criterion) {
     g.finish();
 }
 
+/// The engine's KV events that leave endpoint `i` holding what [`populated_index`] gives it.
+fn stored_events(i: usize, n_endpoints: usize, prompt: &[u32]) -> EventBatch {
+    let shared = 1024;
+    let held = if i == n_endpoints / 2 {
+        prompt.len()
+    } else {
+        shared.min(prompt.len())
+    };
+    let stored = |seed: u64, token_ids: Vec<u32>| KvEvent::BlockStored {
+        block_hashes: (0..token_ids.len() as u64 / u64::from(BLOCK))
+            .map(|b| seed ^ (b << 20) ^ i as u64)
+            .collect(),
+        parent_block_hash: None,
+        token_ids,
+        block_size: BLOCK,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+        extra_keys: Vec::new(),
+        cache_salt: None,
+    };
+    EventBatch {
+        ts: 0.0,
+        events: vec![
+            stored(1 << 40, prompt[..held].to_vec()),
+            // 2k unrelated blocks per endpoint
+            stored(2 << 40, tokens(1000 + i as u32, 2048 * BLOCK as usize)),
+        ],
+        data_parallel_rank: Some(0),
+        skipped_unknown: 0,
+    }
+}
+
 /// Plan (hash, salt, bounds) + match + features + score + choice + in-flight cap for one
-/// request, as the service runs it.
+/// request, two ways over the same pool: `router` calls `Router::decide` and the cap by hand
+/// (the path before the `Pool` existed), `pool` is `Pool::place` then `Pool::record`, as the
+/// service, the offline benchmark and the tests decide now.
 fn bench_decision(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     g.measurement_time(Duration::from_secs(3)).sample_size(20);
     g.throughput(Throughput::Elements(1));
     let mc = Arc::new(ModelConfig::new("default", "model"));
+    let load = |i: usize| EndpointLoad {
+        waiting: (i % 3) as f64,
+        running: (i % 5) as f64,
+        kv_usage: 0.5,
+        kv_capacity_blocks: Some(31_250),
+        sampled_at_ms: 0,
+    };
     for &n in &[8usize, 64] {
         let prompt = tokens(11, 8 * 1024);
         let ix = populated_index(n, &prompt);
@@ -132,42 +178,37 @@ fn bench_decision(c: &mut Criterion) {
         );
         let mut loads = LoadTable::new();
         for i in 0..n {
-            loads.update(
-                endpoint(i),
-                EndpointLoad {
-                    waiting: (i % 3) as f64,
-                    running: (i % 5) as f64,
-                    kv_usage: 0.5,
-                    kv_capacity_blocks: Some(31_250),
-                    sampled_at_ms: 0,
-                },
-            );
+            loads.update(endpoint(i), load(i));
         }
         let inflight = InflightTracker::new();
+        let plan = || {
+            RequestPlan::new(PlanInput {
+                config: &mc,
+                lora: None,
+                tokens: black_box(&prompt),
+                token_kind: TokenKind::Tokens,
+                char_chunk_tokens: BLOCK,
+                tenant_salt: None,
+                client_salt: None,
+                session: None,
+                request_bytes: b"{}",
+                max_prompt_tokens: usize::MAX,
+            })
+            .expect("plan")
+        };
         for strategy in [Strategy::CostModel, Strategy::Weighted] {
-            let router = Router::new(RoutingConfig {
+            let routing = RoutingConfig {
                 strategy,
                 ..RoutingConfig::default()
-            });
+            };
+            let router = Router::new(routing.clone());
             let snap = set.load();
             let cap = kvroute_routing::inflight::DEFAULT_MAX_PER_ENDPOINT;
             g.bench_function(
-                BenchmarkId::new(format!("8k_{}", strategy.as_str()), format!("{n}ep")),
+                BenchmarkId::new(format!("8k_{}_router", strategy.as_str()), format!("{n}ep")),
                 |b| {
                     b.iter(|| {
-                        let plan = RequestPlan::new(PlanInput {
-                            config: &mc,
-                            lora: None,
-                            tokens: black_box(&prompt),
-                            token_kind: TokenKind::Tokens,
-                            char_chunk_tokens: BLOCK,
-                            tenant_salt: None,
-                            client_salt: None,
-                            session: None,
-                            request_bytes: b"{}",
-                            max_prompt_tokens: usize::MAX,
-                        })
-                        .expect("plan");
+                        let plan = plan();
                         let ctx = RouteContext {
                             endpoints: &snap,
                             index: &ix,
@@ -176,11 +217,47 @@ fn bench_decision(c: &mut Criterion) {
                             now_ms: 0,
                             ejected: &[],
                             calibration: None,
+                            sessions: None,
+                            turn: 0,
                         };
                         let req = plan.route_request(&mc, Scope::default(), false);
                         black_box(router.decide(&ctx, &req).ok().and_then(|d| {
                             d.within_inflight_cap(&inflight, cap).map(|d| d.endpoint)
                         }))
+                    })
+                },
+            );
+            let pool = Pool::new(PoolSettings::default(), Router::new(routing));
+            let members = (0..n)
+                .map(|i| PoolMember {
+                    endpoint: Endpoint::new(endpoint(i), mc.clone()),
+                    precise: true,
+                    kv_capacity_blocks: Some(1 << 20),
+                })
+                .collect();
+            pool.apply_view(members, || {}).expect("view");
+            let keys = IngestKeys {
+                hasher: BlockHasher::new(BLOCK),
+                model: "model",
+            };
+            for i in 0..n {
+                pool.state()
+                    .apply_batch(&endpoint(i), keys, &stored_events(i, n, &prompt))
+                    .expect("precise");
+            }
+            pool.state()
+                .learn_loads((0..n).map(|i| (endpoint(i), load(i))));
+            g.bench_function(
+                BenchmarkId::new(format!("8k_{}_pool", strategy.as_str()), format!("{n}ep")),
+                |b| {
+                    b.iter(|| {
+                        let plan = plan();
+                        let req = plan.route_request(&mc, Scope::default(), false);
+                        let placed = pool.place(&req, 0).ok();
+                        if let Some(p) = &placed {
+                            pool.record(p, &plan.keys, 0);
+                        }
+                        black_box(placed.map(|p| p.decision.endpoint))
                     })
                 },
             );

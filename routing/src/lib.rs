@@ -11,9 +11,11 @@
 //! - Cache state: [`kv_events`] (vLLM/SGLang KV events: decoding, resequencing, ingest),
 //!   [`index`] (which endpoint holds which blocks), [`engine_metrics`] and [`load`] (scraped
 //!   queue and cache figures), [`inflight`] (the picker's own counts).
-//! - Decisions: [`policy`] (the scorers), [`router`] (eligibility, scoring, session pins),
+//! - Decisions: [`policy`] (the scorers), [`router`] (eligibility, scoring, ranking),
 //!   [`calibration`] (the cost model's learned per-endpoint costs), [`outlier`] (passive
-//!   health), [`pool_state`] (the endpoint set, index and loads behind one lock).
+//!   health), [`pool_state`] (the endpoint set, index and loads behind one lock), [`place`]
+//!   (the `Pool` that owns every per-endpoint table, and its two steps: `place` reads, `record`
+//!   and `served` commit).
 //! - Configuration: [`config`] (routing policy) and [`pool`] (model configs, tenancy), the
 //!   types the `InferencePool` resource's `spec` is generated from.
 
@@ -27,6 +29,7 @@ pub mod inflight;
 pub mod kv_events;
 pub mod load;
 pub mod outlier;
+pub mod place;
 pub mod plan;
 pub mod policy;
 pub mod pool;

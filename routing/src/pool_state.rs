@@ -40,6 +40,18 @@ pub struct IndexBudget {
     pub max_blocks_per_endpoint: u64,
 }
 
+impl Default for IndexBudget {
+    /// The picker's defaults (`index.*`).
+    fn default() -> Self {
+        Self {
+            default_kv_capacity_blocks: 32_768,
+            precise_slack: 2,
+            approximate_ttl_ms: 600_000,
+            max_blocks_per_endpoint: 2 << 20,
+        }
+    }
+}
+
 impl IndexBudget {
     /// The index mode and block budget of an endpoint. Its capacity is, in this order, what
     /// its engine reported (`learned`), what its model config says (`configured`), the
@@ -349,6 +361,18 @@ impl PoolState {
     /// The approximate index learns that `keys` now live on `endpoint` (a precise endpoint
     /// learns only from its engine's events: the index ignores this there).
     pub fn record_routed(&self, endpoint: &EndpointId, keys: &[BlockKey], now_ms: u64) {
+        // a precise endpoint (the common case) costs a read lock, not the write lock
+        let approximate = {
+            let inner = self.inner.read();
+            inner
+                .index
+                .slot(endpoint)
+                .and_then(|slot| inner.index.mode(slot))
+                .is_some_and(|m| matches!(m, IndexMode::Approximate { .. }))
+        };
+        if !approximate || keys.is_empty() {
+            return;
+        }
         let mut inner = self.inner.write();
         if let Some(slot) = inner.index.slot(endpoint) {
             inner.index.record_routed(slot, keys, now_ms);

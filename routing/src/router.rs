@@ -7,7 +7,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -142,9 +141,13 @@ pub struct RouteContext<'a> {
     pub now_ms: u64,
     /// Endpoints passive health ejected (sorted): skipped unless nothing else is eligible.
     pub ejected: &'a [EndpointId],
-    /// The cost model's per-endpoint calibration; `None` (calibration off, or a caller that
-    /// learns nothing, as the offline simulator) leaves every candidate on the configured one.
+    /// The cost model's per-endpoint calibration; `None` (calibration off) leaves every
+    /// candidate on the configured one.
     pub calibration: Option<&'a Calibration>,
+    /// Where sessions are pinned; `None`: no pins.
+    pub sessions: Option<&'a SessionTable>,
+    /// Placements recorded so far (the policies' [`RequestFacts::turn`]).
+    pub turn: u64,
 }
 
 /// The most leading blocks of a `prompt_tokens`-token prompt an engine serves from its cache.
@@ -158,11 +161,12 @@ pub fn servable_blocks(prompt_tokens: u32, block_size: u32) -> u32 {
     prompt_tokens.saturating_sub(1) / block_size.max(1)
 }
 
+/// The routing policy and its configuration: stateless, so that a decision only reads, and a
+/// routing edit replaces it without losing anything (session pins and the turn count live in
+/// the pool, `place::Pool`).
 pub struct Router {
     config: RoutingConfig,
     policy: Box<dyn Policy>,
-    /// Shared with the router a routing edit replaces this one with ([`Router::keeping`]).
-    sessions: Arc<Mutex<SessionTable>>,
 }
 
 impl std::fmt::Debug for Router {
@@ -174,9 +178,6 @@ impl std::fmt::Debug for Router {
     }
 }
 
-/// Sessions remembered per router by default.
-pub const DEFAULT_SESSION_CAPACITY: usize = 100_000;
-
 impl Router {
     pub fn new(config: RoutingConfig) -> Self {
         Self::with_policy(
@@ -186,36 +187,12 @@ impl Router {
     }
 
     pub fn with_policy(config: RoutingConfig, policy: Box<dyn Policy>) -> Self {
-        Self {
-            config,
-            policy,
-            sessions: Arc::new(Mutex::new(SessionTable::new(DEFAULT_SESSION_CAPACITY))),
-        }
-    }
-
-    /// This router with `previous`'s session pins (shared, not copied): a routing edit
-    /// replaces the policy, not where sessions live.
-    #[must_use]
-    pub fn keeping(mut self, previous: &Router) -> Self {
-        self.sessions = previous.sessions.clone();
-        self
+        Self { config, policy }
     }
 
     /// The key a session is pinned under: its id within its tenant.
     pub fn session_key(tenant: Option<&str>, session: Option<&str>) -> Option<u64> {
         session.map(|s| SessionTable::key(tenant, s))
-    }
-
-    /// A request of session `key` was served by `endpoint`: the session is pinned there. Only
-    /// a served request pins — not an explanation, nor a choice the in-flight cap or a retry
-    /// moved elsewhere — so a pin is always the endpoint that holds the session's blocks.
-    pub fn pin(&self, key: u64, endpoint: EndpointId) {
-        self.sessions.lock().set(key, endpoint);
-    }
-
-    /// Where session `key` is pinned, if anywhere.
-    pub fn pinned(&self, key: u64) -> Option<EndpointId> {
-        self.sessions.lock().peek(key)
     }
 
     pub fn config(&self) -> &RoutingConfig {
@@ -245,15 +222,9 @@ impl Router {
         best.ok_or_else(|| RouteError::UnknownModel(model.to_owned()))
     }
 
-    /// Forget sessions pinned to an endpoint that left the set.
-    pub fn forget_endpoint(&self, id: &EndpointId) {
-        self.sessions.lock().remove_endpoint(id);
-    }
-
     /// Decide where a request goes: the eligibility filters, each candidate's features, the
-    /// balance guard, the policy's ranking (with the session pin), and the explanation. The
-    /// session table is only read: the caller pins the session once the request is served
-    /// ([`Router::pin`]).
+    /// balance guard, the policy's ranking (with the session pin), and the explanation. Reads
+    /// only: the pool records what was placed and pins the session where it was served.
     pub fn decide(
         &self,
         ctx: &RouteContext<'_>,
@@ -261,7 +232,7 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         let (pool, failed_open) = self.eligible(ctx, req)?;
         let session_key = Self::session_key(req.tenant, req.session);
-        let pinned = session_key.and_then(|k| self.sessions.lock().peek(k));
+        let pinned = session_key.and_then(|k| ctx.sessions.and_then(|t| t.peek(k)));
         let cands = features(ctx, req, &pool, failed_open, pinned);
         let overloaded = self.overloaded(&cands);
         // a pin holds only while its endpoint is not overloaded, for every policy
@@ -276,7 +247,7 @@ impl Router {
         } else {
             vec![false; cands.len()]
         };
-        let ranked = self.rank(req, &cands, &overloaded, pinned);
+        let ranked = self.rank(req, ctx.turn, &cands, &overloaded, pinned);
         let winner = ranked.eligible[ranked.chosen];
         let candidates = if req.explain {
             explain(&cands, &overloaded, &ranked.scores)
@@ -385,6 +356,7 @@ impl Router {
     fn rank(
         &self,
         req: &RouteRequest<'_>,
+        turn: u64,
         cands: &[Candidate],
         overloaded: &[bool],
         pinned: Option<EndpointId>,
@@ -400,7 +372,7 @@ impl Router {
             prompt_blocks: req.keys.len() as u32,
             block_size: req.model_config.block_size.max(1),
             request_hash: req.keys.first().copied().unwrap_or(req.fallback_hash),
-            advance: !req.explain,
+            turn,
         };
         let mut scores = vec![0.0; eligible.len()];
         self.policy.score(&facts, &eligible, &mut scores);
@@ -538,6 +510,7 @@ mod tests {
         loads: LoadTable,
         inflight: InflightTracker,
         calibration: Calibration,
+        sessions: parking_lot::Mutex<SessionTable>,
     }
 
     fn id(n: u8, rank: u32) -> EndpointId {
@@ -565,6 +538,7 @@ mod tests {
                 loads,
                 inflight: InflightTracker::new(),
                 calibration,
+                sessions: parking_lot::Mutex::new(SessionTable::new(1024)),
             }
         }
 
@@ -590,6 +564,7 @@ mod tests {
             calibrated: bool,
         ) -> Result<Decision, RouteError> {
             let snap = self.set.load();
+            let sessions = self.sessions.lock();
             let ctx = RouteContext {
                 endpoints: &snap,
                 index: &self.index,
@@ -598,6 +573,8 @@ mod tests {
                 now_ms: 0,
                 ejected: &[],
                 calibration: calibrated.then_some(&self.calibration),
+                sessions: Some(&sessions),
+                turn: 0,
             };
             let req = RouteRequest {
                 model_config: &self.mc,
@@ -611,9 +588,10 @@ mod tests {
                 explain: true,
             };
             let d = r.decide(&ctx, &req)?;
+            drop(sessions);
             // served where it was decided: the session is pinned there
             if let Some(k) = Router::session_key(None, session) {
-                r.pin(k, d.endpoint);
+                self.sessions.lock().set(k, d.endpoint);
             }
             Ok(d)
         }
@@ -678,6 +656,8 @@ mod tests {
                 now_ms: 0,
                 ejected: &[],
                 calibration: None,
+                sessions: None,
+                turn: 0,
             };
             let req = RouteRequest {
                 model_config: &w.mc,
@@ -877,6 +857,8 @@ mod tests {
             now_ms: 0,
             ejected: &[],
             calibration: None,
+            sessions: None,
+            turn: 0,
         };
         let subset = [SocketAddr::new(ids[1].address, 8000)];
         let base = RouteRequest {
@@ -921,6 +903,8 @@ mod tests {
                 now_ms: 0,
                 ejected,
                 calibration: None,
+                sessions: None,
+                turn: 0,
             };
             let req = RouteRequest {
                 model_config: &w.mc,

@@ -7,39 +7,22 @@ use std::sync::Arc;
 
 use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
 use kvroute_routing::config::{RoutingConfig, Strategy};
-use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointSet, ModelConfig};
-use kvroute_routing::index::{IndexMode, KvIndex};
-use kvroute_routing::inflight::InflightTracker;
-use kvroute_routing::kv_events::ingest::{IngestKeys, apply_batch};
+use kvroute_routing::endpoint::{Endpoint, EndpointId, ModelConfig};
+use kvroute_routing::kv_events::ingest::IngestKeys;
 use kvroute_routing::kv_events::{
     DecodeLimits, EventBatch, EventEncoding, KvEvent, decode_message, encode_event_batch, seq_frame,
 };
-use kvroute_routing::load::LoadTable;
-use kvroute_routing::router::{RouteContext, RouteRequest, Router};
+use kvroute_routing::place::{Pool, PoolSettings};
+use kvroute_routing::pool_state::PoolMember;
+use kvroute_routing::router::{RouteRequest, Router};
 
 fn id(n: u8) -> EndpointId {
     EndpointId::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, n)), 8000, 0)
 }
 
-fn decide(
-    router: &Router,
-    set: &EndpointSet,
-    ix: &KvIndex,
-    mc: &ModelConfig,
-    prompt: &[u32],
-) -> EndpointId {
+/// Where the pool places `prompt`.
+fn place(pool: &Pool, mc: &ModelConfig, prompt: &[u32]) -> EndpointId {
     let keys = BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), prompt);
-    let snap = set.load();
-    let (loads, inflight) = (LoadTable::new(), InflightTracker::new());
-    let ctx = RouteContext {
-        endpoints: &snap,
-        index: ix,
-        loads: &loads,
-        inflight: &inflight,
-        now_ms: 0,
-        ejected: &[],
-        calibration: None,
-    };
     let req = RouteRequest {
         model_config: mc,
         keys: &keys,
@@ -51,7 +34,7 @@ fn decide(
         fallback_hash: 0,
         explain: false,
     };
-    router.decide(&ctx, &req).expect("decision").endpoint
+    pool.place(&req, 0).expect("placement").decision.endpoint
 }
 
 #[test]
@@ -63,18 +46,24 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
     ] {
         let mc = Arc::new(ModelConfig::new("default", "llama"));
         let ids: Vec<_> = (1..=4).map(id).collect();
-        let set = EndpointSet::new(ids.iter().map(|i| Endpoint::new(*i, mc.clone())).collect());
-        let mut ix = KvIndex::default();
-        for i in &ids {
-            ix.add_endpoint(*i, IndexMode::Precise, 100_000)
-                .expect("slot");
-        }
-        let router = Router::new(RoutingConfig {
-            strategy: Strategy::CostModel,
-            ..RoutingConfig::default()
-        });
+        let pool = Pool::new(
+            PoolSettings::default(),
+            Router::new(RoutingConfig {
+                strategy: Strategy::CostModel,
+                ..RoutingConfig::default()
+            }),
+        );
+        let members = ids
+            .iter()
+            .map(|i| PoolMember {
+                endpoint: Endpoint::new(*i, mc.clone()),
+                precise: true,
+                kv_capacity_blocks: Some(50_000),
+            })
+            .collect();
+        pool.apply_view(members, || {}).expect("view");
         let prompt: Vec<u32> = (0..4096).map(|i| (i * 7 + 3) % 30_000).collect();
-        let cold = decide(&router, &set, &ix, &mc, &prompt);
+        let cold = place(&pool, &mc, &prompt);
         let target = *ids.iter().find(|i| **i != cold).expect("another endpoint");
 
         let hashes: Vec<u64> = (0..256).map(|i| 0xfeed_0000 + i).collect();
@@ -100,18 +89,16 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
         let (topic, seq, decoded) =
             decode_message(&frames, &DecodeLimits::default()).expect("decode");
         assert_eq!((topic, seq), (&b"kv-events"[..], 7));
-        let slot = ix.slot(&target).expect("slot");
         let keys = IngestKeys {
             hasher: BlockHasher::new(16),
             model: "llama",
         };
-        let stats = apply_batch(&mut ix, slot, keys, &decoded);
+        let stats = pool
+            .state()
+            .apply_batch(&target, keys, &decoded)
+            .expect("a precise member");
         assert_eq!(stats.stored_blocks, 256, "{encoding:?}");
-        assert_eq!(
-            decide(&router, &set, &ix, &mc, &prompt),
-            target,
-            "{encoding:?}"
-        );
+        assert_eq!(place(&pool, &mc, &prompt), target, "{encoding:?}");
 
         let removal = EventBatch {
             ts: 2.0,
@@ -125,9 +112,9 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
         let payload = encode_event_batch(&removal, encoding);
         let frames: [&[u8]; 3] = [b"kv-events", &seq_frame(8), &payload];
         let (_, _, decoded) = decode_message(&frames, &DecodeLimits::default()).expect("decode");
-        apply_batch(&mut ix, slot, keys, &decoded);
+        pool.state().apply_batch(&target, keys, &decoded);
         assert_eq!(
-            decide(&router, &set, &ix, &mc, &prompt),
+            place(&pool, &mc, &prompt),
             cold,
             "{encoding:?}: block 0 gone, no prefix left"
         );

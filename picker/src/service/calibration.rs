@@ -21,7 +21,7 @@ impl PickerState {
     pub fn observe_ttft(&self, endpoint: EndpointId, basis: TtftBasis, ttft: Duration) {
         if self.calibrating() {
             let now = self.now_ms();
-            let mut calibration = self.calibration.write();
+            let mut calibration = self.pool.calibration().write();
             calibration.age_endpoint(&endpoint, now);
             calibration.observe_ttft(&endpoint, basis, ttft.as_secs_f64() * 1000.0);
         }
@@ -33,36 +33,34 @@ impl PickerState {
             return;
         }
         let now = self.now_ms();
-        let mut calibration = self.calibration.write();
+        let mut calibration = self.pool.calibration().write();
         calibration.age(now);
         for (id, counters, kv_usage) in scraped {
             calibration.observe_engine(id, counters, *kv_usage);
         }
     }
 
-    /// Follow the pool and the configuration: `routing.costModel` is the prior (a changed
-    /// model restarts learning), nothing is kept while calibration is off, departed endpoints
-    /// are forgotten with their gauges. Called whenever a pool view is applied.
-    pub(super) fn sync_calibration(&self) {
+    /// Follow the configuration: `routing.costModel` is the prior (a changed model restarts
+    /// learning), nothing is kept while calibration is off; the `departed` endpoints (which
+    /// the pool forgot) lose their gauges. Called whenever a pool view is applied.
+    pub(super) fn sync_calibration(&self, departed: &[EndpointId]) {
         let routing = self.routing();
-        let snap = self.pool.endpoints();
-        let departed = {
-            let mut calibration = self.calibration.write();
+        {
+            let mut calibration = self.pool.calibration().write();
             calibration.set_prior(routing.cost_model);
             if !routing.cost_model.calibrate {
                 calibration.reset();
             }
-            calibration.set_pool(snap.endpoints().iter().map(|e| e.id))
-        };
+        }
         for id in departed {
-            self.remove_calibration_gauges(&id);
+            self.remove_calibration_gauges(id);
         }
         self.refresh_calibration_gauges();
     }
 
     /// Bring the per-endpoint gauges up to date (before metrics are served).
     pub fn refresh_calibration_gauges(&self) {
-        let statuses: Vec<_> = self.calibration.read().statuses().collect();
+        let statuses: Vec<_> = self.pool.calibration().read().statuses().collect();
         for (id, status) in statuses {
             let Some(learned) = status.learned else {
                 self.remove_calibration_gauges(&id);

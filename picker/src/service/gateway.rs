@@ -104,7 +104,7 @@ impl EndpointPicker for GatewayPicker {
             )
             .await
             .map_err(refuse)?;
-        let d = &routed.decision;
+        let d = &routed.placement.decision;
         let mut endpoints: Vec<SocketAddr> = Vec::with_capacity(1 + d.fallbacks.len());
         for id in routed.targets() {
             let a = SocketAddr::new(id.address, id.port);
@@ -124,7 +124,7 @@ impl EndpointPicker for GatewayPicker {
                 served: None,
                 status: None,
                 picked: Instant::now(),
-                basis: routed.ttft_basis.filter(|_| parsed.stream),
+                basis: routed.placement.ttft_basis.filter(|_| parsed.stream),
                 stream: parsed.stream,
                 primary_failed: false,
                 session_key: routed.session_key(),
@@ -174,7 +174,7 @@ impl EndpointPicker for GatewayPicker {
             )
         };
         if let Some(key) = session.filter(|_| (200..300).contains(&status)) {
-            self.picker.pin_session(key, endpoint);
+            self.picker.pool.pin(key, endpoint);
         }
         let outcome = Outcome::from_status(status);
         if primary.is_some() && outcome != Outcome::Success {

@@ -257,7 +257,7 @@ async fn proxy_inner(
     let routed = picker
         .decide(&parsed, &headers, None, Purpose::Forward)
         .await?;
-    let d = &routed.decision;
+    let d = &routed.placement.decision;
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = routed.targets().take(2).collect();
     let mut last_err = ApiError::bad_gateway("no upstream attempted");
@@ -354,6 +354,7 @@ async fn proxy_inner(
                 // only a streamed response's first chunk is its first token, and only the
                 // chosen endpoint's was estimated
                 let basis = routed
+                    .placement
                     .ttft_basis
                     .filter(|_| parsed.stream && ep == d.endpoint);
                 let timing = Timing {
@@ -494,7 +495,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
         let routed = picker
             .decide(&parsed, &headers, None, Purpose::Explain)
             .await?;
-        let d = &routed.decision;
+        let d = &routed.placement.decision;
         let mut candidates = serde_json::to_value(&d.candidates).unwrap_or_default();
         if picker.tenancy().spec.isolation != crate::pool::Isolation::None {
             // how many blocks an endpoint holds counts every tenant's traffic: a tenant
@@ -534,7 +535,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
 
 async fn debug_endpoints(State(state): State<AppState>) -> Response {
     let picker = &state.picker;
-    let pool = picker.pool.read();
+    let pool = picker.pool.state().read();
     let (snap, index, loads) = (&pool.endpoints, pool.index(), pool.loads());
     let list: Vec<Value> = snap
         .endpoints()
@@ -548,12 +549,12 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "state": e.state,
                 "labels": e.labels,
                 "load": loads.get(&e.id),
-                "inflight": picker.inflight.get(&e.id),
+                "inflight": picker.pool.inflight().get(&e.id),
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
                 "diagnostics": picker.diagnostics.lock().get(&e.id),
                 "outlier": picker.outlier_status(&e.id),
-                "calibration": picker.calibration.read().status(&e.id),
+                "calibration": picker.pool.calibration().read().status(&e.id),
             })
         })
         .collect();

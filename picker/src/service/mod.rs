@@ -276,7 +276,7 @@ pub async fn start(
                         added = change.added.len(),
                         removed = change.removed.len(),
                         routing_changed = change.routing_changed,
-                        endpoints = applier_picker.pool.endpoints().len(),
+                        endpoints = applier_picker.pool.state().endpoints().len(),
                         "pool applied"
                     ),
                     Err(e) => {

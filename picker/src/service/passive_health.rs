@@ -11,7 +11,12 @@ impl PickerState {
     /// One request's result on `endpoint`.
     pub fn record_outcome(&self, endpoint: EndpointId, outcome: Outcome) {
         let now = self.now_ms();
-        let Some(e) = self.outliers.lock().on_result(endpoint, outcome, now) else {
+        let Some(e) = self
+            .pool
+            .outliers()
+            .lock()
+            .on_result(endpoint, outcome, now)
+        else {
             return;
         };
         let name = endpoint.to_string();
@@ -37,22 +42,16 @@ impl PickerState {
 
     /// The endpoints out of rotation right now, sorted (what the router skips).
     pub fn ejected_endpoints(&self) -> Vec<EndpointId> {
-        self.outliers.lock().ejected(self.now_ms())
+        self.pool.outliers().lock().ejected(self.now_ms())
     }
 
     pub fn outlier_status(&self, endpoint: &EndpointId) -> Option<OutlierStatus> {
-        self.outliers.lock().status(endpoint, self.now_ms())
+        self.pool.outliers().lock().status(endpoint, self.now_ms())
     }
 
-    /// Follow the endpoint set: new endpoints start healthy, departed ones are forgotten
-    /// with their gauges. Called whenever a pool view is applied.
-    pub(super) fn sync_outlier_pool(&self) {
-        let snap = self.pool.endpoints();
-        let departed = self.outliers.lock().set_pool(
-            snap.endpoints()
-                .iter()
-                .map(|e| (e.id, e.model_config.name.clone())),
-        );
+    /// The `departed` endpoints (which the pool forgot) lose their gauges. Called whenever a
+    /// pool view is applied.
+    pub(super) fn sync_outlier_pool(&self, departed: &[EndpointId]) {
         for id in departed {
             self.metrics.outlier_ejected.remove(&EndpointLabels {
                 endpoint: id.to_string(),
@@ -64,7 +63,8 @@ impl PickerState {
     /// Ejections end by themselves as time passes: bring the per-endpoint gauges up to date
     /// (before metrics are served).
     pub fn refresh_outlier_gauges(&self) {
-        let states: Vec<(EndpointId, bool)> = self.outliers.lock().states(self.now_ms()).collect();
+        let states: Vec<(EndpointId, bool)> =
+            self.pool.outliers().lock().states(self.now_ms()).collect();
         for (id, ejected) in states {
             self.metrics
                 .outlier_ejected

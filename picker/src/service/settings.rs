@@ -245,12 +245,34 @@ pub struct IndexSettings {
 
 impl Default for IndexSettings {
     fn default() -> Self {
+        let budget = crate::pool_state::IndexBudget::default();
         Self {
-            max_endpoints: 4096,
-            default_kv_capacity_blocks: 32_768,
-            precise_slack: 2,
-            approximate_ttl: Duration::from_secs(600),
-            max_blocks_per_endpoint: 2 << 20,
+            max_endpoints: crate::index::IndexConfig::default().max_endpoints,
+            default_kv_capacity_blocks: budget.default_kv_capacity_blocks,
+            precise_slack: budget.precise_slack,
+            approximate_ttl: Duration::from_millis(budget.approximate_ttl_ms),
+            max_blocks_per_endpoint: budget.max_blocks_per_endpoint,
+        }
+    }
+}
+
+impl IndexSettings {
+    /// What the routing core's pool is built with under these index settings and `limits`:
+    /// the picker and the offline replay benchmark build theirs from it.
+    pub fn pool_settings(&self, limits: &Limits) -> crate::place::PoolSettings {
+        crate::place::PoolSettings {
+            index: crate::index::IndexConfig {
+                max_endpoints: self.max_endpoints,
+            },
+            budget: crate::pool_state::IndexBudget {
+                default_kv_capacity_blocks: self.default_kv_capacity_blocks,
+                precise_slack: self.precise_slack,
+                approximate_ttl_ms: self.approximate_ttl.as_millis() as u64,
+                max_blocks_per_endpoint: self.max_blocks_per_endpoint,
+            },
+            max_inflight_per_endpoint: limits.max_inflight_per_endpoint,
+            outlier_detection: limits.outlier_detection.clone(),
+            session_capacity: crate::place::DEFAULT_SESSION_CAPACITY,
         }
     }
 }

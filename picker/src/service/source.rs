@@ -273,7 +273,7 @@ endpoints:
         let config = PickerConfig::from_yaml(TWO).expect("valid");
         let good = view_from_config(&config);
         picker.apply_pool(&good).expect("applied");
-        let before = picker.pool.endpoints();
+        let before = picker.pool.state().endpoints();
         // what a Kubernetes source yields when two model configs' slices list one pod
         let mut bad = good.clone();
         let mut twin = bad.endpoints[0].clone();
@@ -298,7 +298,10 @@ endpoints:
             e.to_string().contains("127.0.0.3:8000#0") && e.to_string().contains("listed twice"),
             "{e}"
         );
-        assert_eq!(picker.pool.endpoints().endpoints(), before.endpoints());
+        assert_eq!(
+            picker.pool.state().endpoints().endpoints(),
+            before.endpoints()
+        );
         assert_eq!(
             picker
                 .labels_of(&before.endpoints()[0].id)

@@ -21,18 +21,19 @@ use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
-use crate::calibration::{Calibration, TtftBasis};
+
 use crate::config::RoutingConfig;
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
 use crate::error::PickerError;
-use crate::index::IndexConfig;
-use crate::inflight::{InflightGuard, InflightTracker};
+
+use crate::inflight::InflightGuard;
+use crate::place::{PlaceError, Placement, Pool};
 use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
-use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState};
-use crate::router::{Decision, RouteContext, RouteError, Router, subset_allows};
+use crate::pool_state::{Membership, PoolMember};
+use crate::router::{RouteError, Router, subset_allows};
 use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
@@ -44,16 +45,14 @@ pub type UpstreamHeaders = Vec<(&'static str, String)>;
 /// A routed request.
 #[derive(Debug)]
 pub struct Routed {
-    pub decision: Decision,
+    /// Where it goes ([`Pool::place`]), committed by [`PickerState::decide`] for a forwarded
+    /// request and by [`PickerState::served`] once an endpoint answered it.
+    pub placement: Placement,
     pub entry: Arc<ModelEntry>,
     /// What the router was given: keys, salt, session, prompt size.
     pub plan: RequestPlan,
     pub tenant: Option<String>,
     pub lora: Option<String>,
-    /// What the cost model's TTFT estimate for the chosen endpoint rested on, while
-    /// calibration is on (`None` as well when the in-flight cap moved the request elsewhere):
-    /// a streamed response's first chunk is measured against it.
-    pub ttft_basis: Option<TtftBasis>,
     /// The request for the chosen endpoint, built when it was decided (a body that cannot
     /// carry what the engine must see is refused then, before anything is recorded).
     pub upstream: Upstream,
@@ -80,21 +79,22 @@ pub enum Purpose {
 impl Routed {
     /// The key the request's session is pinned under, when it has a session.
     pub fn session_key(&self) -> Option<u64> {
-        Router::session_key(self.tenant.as_deref(), self.plan.session.as_deref())
+        self.placement.session_key
     }
 
     /// The chosen endpoint, then the fallbacks, in the order to try them.
     pub fn targets(&self) -> impl Iterator<Item = EndpointId> + '_ {
-        std::iter::once(self.decision.endpoint).chain(self.decision.fallbacks.iter().copied())
+        std::iter::once(self.placement.decision.endpoint)
+            .chain(self.placement.decision.fallbacks.iter().copied())
     }
 
     /// Prompt tokens `endpoint` must prefill: the uncached rest on the chosen endpoint (what
     /// the router credited), the whole prompt on a fallback.
     pub fn uncached_on(&self, endpoint: EndpointId) -> u32 {
-        if endpoint == self.decision.endpoint {
+        if endpoint == self.placement.decision.endpoint {
             self.plan
                 .prompt_tokens
-                .saturating_sub(self.decision.cached_tokens)
+                .saturating_sub(self.placement.decision.cached_tokens)
         } else {
             self.plan.prompt_tokens
         }
@@ -135,18 +135,15 @@ fn upstream_request(
 
 /// The shared state of one picker.
 pub struct PickerState {
-    /// The endpoint set, the KV index and the loads, with the rules that tie them together.
-    pub pool: PoolState,
+    /// Every per-endpoint table a decision reads (the endpoint set, index, loads, in-flight
+    /// counts, session pins, calibration, ejections) and the routing policy.
+    pub pool: Pool,
     /// The pool's [`PoolState::version`], sent on every change (the KV-event manager and
     /// readiness wake on it).
     pool_changes: tokio::sync::watch::Sender<u64>,
     catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
-    router: ArcSwap<Router>,
     routing: ArcSwap<RoutingConfig>,
     tenancy: ArcSwap<Tenancy>,
-    pub inflight: InflightTracker,
-    /// The cost model's per-endpoint calibration (see `calibration`).
-    pub calibration: RwLock<Calibration>,
     pub limits: Limits,
     pub metrics: Metrics,
     pub http: reqwest::Client,
@@ -164,8 +161,6 @@ pub struct PickerState {
     kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
     pub diagnostics: parking_lot::Mutex<Diagnostics>,
-    /// Passive health (see `passive_health`).
-    pub(super) outliers: parking_lot::Mutex<crate::outlier::OutlierDetector>,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -186,29 +181,16 @@ impl PickerState {
             .build()
             .map_err(PickerError::HttpClient)?;
         Ok(Self {
-            pool: PoolState::new(
-                IndexConfig {
-                    max_endpoints: index_settings.max_endpoints,
-                },
-                IndexBudget {
-                    default_kv_capacity_blocks: index_settings.default_kv_capacity_blocks,
-                    precise_slack: index_settings.precise_slack,
-                    approximate_ttl_ms: index_settings.approximate_ttl.as_millis() as u64,
-                    max_blocks_per_endpoint: index_settings.max_blocks_per_endpoint,
-                },
+            pool: Pool::new(
+                index_settings.pool_settings(&limits),
+                Router::new(RoutingConfig::default()),
             ),
             pool_changes: tokio::sync::watch::Sender::new(0),
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
-            router: ArcSwap::from_pointee(Router::new(RoutingConfig::default())),
             routing: ArcSwap::from_pointee(RoutingConfig::default()),
             tenancy: ArcSwap::from_pointee(Tenancy::default()),
-            inflight: InflightTracker::new(),
-            calibration: RwLock::new(Calibration::new(RoutingConfig::default().cost_model)),
             render_slots: Semaphore::new(limits.max_render_concurrency),
             body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
-            outliers: parking_lot::Mutex::new(crate::outlier::OutlierDetector::new(
-                limits.outlier_detection.clone(),
-            )),
             limits,
             metrics: Metrics::new(),
             http,
@@ -273,7 +255,7 @@ impl PickerState {
     }
 
     pub fn router(&self) -> Arc<Router> {
-        self.router.load_full()
+        self.pool.router()
     }
 
     pub fn catalog(&self) -> Arc<BTreeMap<String, Arc<ModelEntry>>> {
@@ -346,25 +328,19 @@ impl PickerState {
             self.catalog.store(Arc::new(catalog));
             self.tenancy.store(Arc::new(tenancy));
             if routing_changed {
-                // the new policy, with the sessions pinned so far
-                let router = Router::new(view.routing.clone()).keeping(&self.router.load());
-                self.router.store(Arc::new(router));
+                // the new policy; pins, turns, calibration and ejections are the pool's
+                self.pool.set_router(Router::new(view.routing.clone()));
                 self.routing.store(Arc::new(view.routing.clone()));
             }
             *self.labels.write() = labels;
             *self.kv_ports.write() = kv_ports;
         })?;
-        let router = self.router.load();
-        for id in &removed {
-            self.inflight.remove(id);
-            router.forget_endpoint(id);
-        }
         self.pool_changed();
-        self.sync_outlier_pool();
-        self.sync_calibration();
+        self.sync_outlier_pool(&removed);
+        self.sync_calibration(&removed);
         self.metrics
             .endpoints
-            .set(self.pool.endpoints().len() as i64);
+            .set(self.pool.state().endpoints().len() as i64);
         self.pool_loaded
             .send_if_modified(|loaded| !std::mem::replace(loaded, true));
         Ok(PoolChange {
@@ -376,7 +352,7 @@ impl PickerState {
 
     /// Wake the loops waiting on the pool when it changed ([`PickerState::watch_pool`]).
     pub fn pool_changed(&self) {
-        let version = self.pool.version();
+        let version = self.pool.state().version();
         self.pool_changes
             .send_if_modified(|seen| std::mem::replace(seen, version) != version);
     }
@@ -407,7 +383,7 @@ impl PickerState {
 
     /// Ready: endpoints are known and every scraped endpoint has reported once.
     pub fn is_ready(&self) -> bool {
-        !self.pool.endpoints().is_empty() && *self.first_metrics.borrow()
+        !self.pool.state().endpoints().is_empty() && *self.first_metrics.borrow()
     }
 
     /// An endpoint for a request that names no model (a bodyless request through the gateway,
@@ -421,7 +397,7 @@ impl PickerState {
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
         let ejected = self.ejected_endpoints();
-        let snapshot = self.pool.endpoints();
+        let snapshot = self.pool.state().endpoints();
         snapshot
             .endpoints()
             .iter()
@@ -433,7 +409,7 @@ impl PickerState {
             // an endpoint passive health ejected only when nothing else is eligible
             .min_by_key(|e| {
                 let ejected = ejected.binary_search(&e.id).is_ok();
-                (ejected, self.inflight.get(&e.id).requests, e.id)
+                (ejected, self.pool.inflight().get(&e.id).requests, e.id)
             })
             .map(|e| e.id)
             .ok_or_else(|| {
@@ -474,7 +450,7 @@ impl PickerState {
         explain: bool,
     ) -> Result<Routed, ApiError> {
         let started = Instant::now();
-        let snapshot = self.pool.endpoints();
+        let snapshot = self.pool.state().endpoints();
         let (config, lora) = Router::resolve_model(&snapshot, &req.model).map_err(|_| {
             // a configured model without endpoints is "no endpoint", not "unknown model"
             if self
@@ -526,60 +502,32 @@ impl PickerState {
             allow: (tenancy.spec.isolation == Isolation::DedicatedEndpoints)
                 .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
         };
-        let ejected = self.ejected_endpoints();
-        let calibrating = routing.cost_model.calibrate;
-        let decision = {
-            let pool = self.pool.read();
-            let calibration = self.calibration.read();
-            let ctx = RouteContext {
-                endpoints: &pool.endpoints,
-                index: pool.index(),
-                loads: pool.loads(),
-                inflight: &self.inflight,
-                now_ms: self.now_ms(),
-                ejected: &ejected,
-                calibration: calibrating.then_some(&*calibration),
-            };
-            self.router
-                .load()
-                .decide(&ctx, &plan.route_request(&config, scope, explain))
-        };
-        let decision = decision.map_err(|e| {
-            self.metrics.error(e.kind());
-            match e {
-                RouteError::UnknownModel(m) => self.no_such_model(&m),
-                RouteError::NoEligibleEndpoint(_) => {
-                    ApiError::unavailable("no_eligible_endpoint", e.to_string())
+        let placement = self
+            .pool
+            .place(&plan.route_request(&config, scope, explain), self.now_ms())
+            .map_err(|e| {
+                self.metrics.error(e.kind());
+                match e {
+                    PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
+                    PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
+                        ApiError::unavailable("no_eligible_endpoint", e.to_string())
+                    }
+                    PlaceError::Route(e @ RouteError::AllStale(_)) => {
+                        ApiError::unavailable("all_endpoints_stale", e.to_string())
+                    }
+                    PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
                 }
-                RouteError::AllStale(_) => {
-                    ApiError::unavailable("all_endpoints_stale", e.to_string())
-                }
-            }
-        })?;
-        // shed when the chosen endpoint and every fallback are full
-        let chosen = decision.endpoint;
-        let cap = self.limits.max_inflight_per_endpoint;
-        let decision = decision
-            .within_inflight_cap(&self.inflight, cap)
-            .ok_or_else(|| {
-                self.metrics.error("shed");
-                ApiError::shed(format!(
-                    "every eligible endpoint has {cap} requests in flight"
-                ))
             })?;
-        let ttft_basis = (calibrating && decision.endpoint == chosen)
-            .then(|| crate::policy::ttft_basis(&routing.cost_model, &decision.features));
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        let upstream = upstream_request(&entry.config, &plan, req, decision.endpoint)?;
+        let upstream = upstream_request(&entry.config, &plan, req, placement.decision.endpoint)?;
         Ok(Routed {
-            decision,
+            placement,
             entry,
             plan,
             tenant,
             lora,
-            ttft_basis,
             upstream,
         })
     }
@@ -644,7 +592,7 @@ impl PickerState {
             .endpoints()
             .iter()
             .filter(|e| e.model_config.name == entry.config.name && e.state == EndpointState::Ready)
-            .min_by_key(|e| self.inflight.get(&e.id).requests)?;
+            .min_by_key(|e| self.pool.inflight().get(&e.id).requests)?;
         let _slot = self.render_slots.try_acquire().ok()?;
         let url = format!(
             "http://{}{}/render",
@@ -680,10 +628,10 @@ impl PickerState {
             .collect()
     }
 
-    /// Bookkeeping once a decision is final: metrics, and the approximate index learns that
-    /// the prompt's blocks now live on the chosen endpoint.
+    /// Bookkeeping once a decision is final: metrics, and the pool records the placement
+    /// ([`Pool::record`]: the turn, and an approximate index learns the prompt's blocks).
     fn record_routed(&self, routed: &Routed) {
-        let d = &routed.decision;
+        let d = &routed.placement.decision;
         self.metrics
             .decisions
             .get_or_create(&DecisionLabels {
@@ -698,28 +646,19 @@ impl PickerState {
         self.metrics
             .predicted_hit_tokens
             .inc_by(u64::from(d.cached_tokens));
-        if !routed.entry.precise() {
-            self.pool
-                .record_routed(&d.endpoint, &routed.plan.keys, self.now_ms());
-        }
+        self.pool
+            .record(&routed.placement, &routed.plan.keys, self.now_ms());
     }
 
     /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.
     /// `endpoint` served `routed` (answered with a success): the request's session, if it has
     /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
     pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
-        if let Some(key) = routed.session_key() {
-            self.pin_session(key, endpoint);
-        }
-    }
-
-    /// Pin session `key` to `endpoint` (see [`PickerState::served`]).
-    pub fn pin_session(&self, key: u64, endpoint: EndpointId) {
-        self.router.load().pin(key, endpoint);
+        self.pool.served(&routed.placement, endpoint);
     }
 
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
-        self.inflight.begin_blocks(
+        self.pool.begin(
             endpoint,
             u64::from(routed.plan.prompt_tokens),
             u64::from(routed.uncached_on(endpoint)),
@@ -818,23 +757,26 @@ endpoints:
             .decide(&req, &h, None, Purpose::Explain)
             .await
             .expect("decided");
-        assert!(!first.decision.candidates.is_empty(), "explained");
+        assert!(!first.placement.decision.candidates.is_empty(), "explained");
         // nothing was recorded: the same request still finds no cached prefix
         let again = picker
             .decide(&req, &h, None, Purpose::Forward)
             .await
             .expect("decided");
-        assert_eq!(again.decision.cached_tokens, 0);
-        assert!(again.decision.candidates.is_empty());
+        assert_eq!(again.placement.decision.cached_tokens, 0);
+        assert!(again.placement.decision.candidates.is_empty());
         // a forwarded one teaches the approximate index where the prefix went
         let third = picker
             .decide(&req, &h, None, Purpose::Explain)
             .await
             .expect("decided");
-        assert_eq!(third.decision.endpoint, again.decision.endpoint);
-        assert!(third.decision.cached_tokens > 0);
-        assert_eq!(third.uncached_on(third.decision.endpoint), {
-            third.plan.prompt_tokens - third.decision.cached_tokens
+        assert_eq!(
+            third.placement.decision.endpoint,
+            again.placement.decision.endpoint
+        );
+        assert!(third.placement.decision.cached_tokens > 0);
+        assert_eq!(third.uncached_on(third.placement.decision.endpoint), {
+            third.plan.prompt_tokens - third.placement.decision.cached_tokens
         });
         let other = third.targets().nth(1).expect("a fallback");
         assert_eq!(third.uncached_on(other), third.plan.prompt_tokens);
@@ -853,7 +795,7 @@ endpoints:
             .await
             .expect("decided");
         let key = explained.session_key().expect("a session");
-        let pinned = || picker.router.load().pinned(key);
+        let pinned = || picker.pool.pinned(key);
         assert_eq!(pinned(), None, "an explanation pins nothing");
         let forwarded = picker
             .decide(&req, &h, None, Purpose::Forward)
@@ -869,7 +811,7 @@ endpoints:
             .await
             .expect("decided");
         assert_eq!(
-            next.decision.endpoint, served,
+            next.placement.decision.endpoint, served,
             "the session follows its pin"
         );
         // a routing edit rebuilds the policy, not the pins
@@ -877,7 +819,7 @@ endpoints:
         let mut view = view_from_config(&config);
         view.routing.strategy = crate::config::Strategy::LeastLoad;
         picker.apply_pool(&view).expect("applied");
-        assert_eq!(picker.router.load().policy_name(), "least-load");
+        assert_eq!(picker.router().policy_name(), "least-load");
         assert_eq!(pinned(), Some(served));
     }
 
@@ -895,8 +837,14 @@ endpoints:
                 .decide(&req, &h, Some(&subset), Purpose::Forward)
                 .await
                 .expect("decided");
-            assert_eq!(d.decision.endpoint.address.to_string(), "127.0.0.3");
-            assert!(d.decision.fallbacks.is_empty(), "outside the subset");
+            assert_eq!(
+                d.placement.decision.endpoint.address.to_string(),
+                "127.0.0.3"
+            );
+            assert!(
+                d.placement.decision.fallbacks.is_empty(),
+                "outside the subset"
+            );
         }
         // the right address on another port is not the endpoint
         let e = picker
@@ -929,7 +877,7 @@ endpoints:
         let config = PickerConfig::from_yaml(POOL).expect("valid");
         let good = view_from_config(&config);
         picker.apply_pool(&good).expect("applied");
-        let before = picker.pool.endpoints();
+        let before = picker.pool.state().endpoints();
 
         // a third endpoint is more than the index may track: refused whole
         let mut too_many = good.clone();
@@ -962,8 +910,11 @@ endpoints:
                 .get(),
             1
         );
-        assert_eq!(picker.pool.endpoints().endpoints(), before.endpoints());
-        assert_eq!(picker.pool.endpoints().version(), before.version());
+        assert_eq!(
+            picker.pool.state().endpoints().endpoints(),
+            before.endpoints()
+        );
+        assert_eq!(picker.pool.state().endpoints().version(), before.version());
     }
 
     #[tokio::test]
@@ -978,14 +929,26 @@ endpoints:
             .decide(&req, &h, None, Purpose::Forward)
             .await
             .expect("decided");
-        let _a = picker.inflight.begin(first.decision.endpoint, 1, 1);
+        let _a = picker
+            .pool
+            .inflight()
+            .begin(first.placement.decision.endpoint, 1, 1);
         let second = picker
             .decide(&req, &h, None, Purpose::Forward)
             .await
             .expect("decided");
-        assert_ne!(second.decision.endpoint, first.decision.endpoint);
-        assert_eq!(second.decision.fallbacks, vec![first.decision.endpoint]);
-        let _b = picker.inflight.begin(second.decision.endpoint, 1, 1);
+        assert_ne!(
+            second.placement.decision.endpoint,
+            first.placement.decision.endpoint
+        );
+        assert_eq!(
+            second.placement.decision.fallbacks,
+            vec![first.placement.decision.endpoint]
+        );
+        let _b = picker
+            .pool
+            .inflight()
+            .begin(second.placement.decision.endpoint, 1, 1);
         let e = picker
             .decide(&req, &h, None, Purpose::Forward)
             .await

@@ -1,8 +1,5 @@
 //! Load-only baselines: `LeastLoad`, `RoundRobin`, `Random`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -34,11 +31,9 @@ impl Policy for LeastLoad {
     }
 }
 
-/// Candidates in turn.
-#[derive(Debug, Default)]
-pub struct RoundRobin {
-    next: AtomicU64,
-}
+/// Candidates in turn: the pool's turn count modulo the candidates.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RoundRobin;
 
 impl Policy for RoundRobin {
     fn name(&self) -> &'static str {
@@ -58,29 +53,23 @@ impl Policy for RoundRobin {
         if n == 0 {
             return;
         }
-        // an explanation shows the turn the next request would take, and takes none
-        let pos = if req.advance {
-            self.next.fetch_add(1, Ordering::Relaxed)
-        } else {
-            self.next.load(Ordering::Relaxed)
-        } % n;
+        let pos = req.turn % n;
         for (i, s) in scores.iter_mut().enumerate() {
             *s = -(((i as u64 + n - pos) % n) as f64);
         }
     }
 }
 
-/// Uniformly random, from a seeded generator (reproducible runs).
-#[derive(Debug)]
+/// Uniformly random, from a seeded generator (reproducible runs): turn `t` draws from stream
+/// `t` of the seed's ChaCha8 generator.
+#[derive(Debug, Clone, Copy)]
 pub struct RandomPolicy {
-    rng: Mutex<ChaCha8Rng>,
+    seed: u64,
 }
 
 impl RandomPolicy {
     pub fn new(seed: u64) -> Self {
-        Self {
-            rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
-        }
+        Self { seed }
     }
 }
 
@@ -98,15 +87,8 @@ impl Policy for RandomPolicy {
     }
 
     fn score(&self, req: &RequestFacts, _cands: &[Candidate], scores: &mut [f64]) {
-        let mut shared = self.rng.lock();
-        // an explanation draws from a copy: the next request gets the same draws
-        let mut copy;
-        let rng = if req.advance {
-            &mut *shared
-        } else {
-            copy = shared.clone();
-            &mut copy
-        };
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(req.turn);
         for s in scores.iter_mut() {
             *s = rng.random::<f64>();
         }
@@ -140,59 +122,35 @@ mod tests {
         assert_eq!(pick(&LeastLoad, &r, &cands), ep(2));
     }
 
+    /// The request facts of the `turn`-th placement.
+    fn turn(turn: u64) -> RequestFacts {
+        RequestFacts { turn, ..req(16) }
+    }
+
     #[test]
     fn round_robin_cycles() {
-        let p = RoundRobin::default();
-        let r = req(16);
         let cands: Vec<_> = (1..=3).map(|n| cand(n, Features::default())).collect();
-        let got: Vec<_> = (0..6).map(|_| pick(&p, &r, &cands)).collect();
+        let got: Vec<_> = (0..6)
+            .map(|t| pick(&RoundRobin, &turn(t), &cands))
+            .collect();
         assert_eq!(got, [ep(1), ep(2), ep(3), ep(1), ep(2), ep(3)]);
     }
 
     #[test]
     fn random_is_reproducible_from_its_seed_and_covers_all() {
-        let r = req(16);
         let cands: Vec<_> = (1..=4).map(|n| cand(n, Features::default())).collect();
         let run = |seed| {
             let p = RandomPolicy::new(seed);
-            (0..40).map(|_| pick(&p, &r, &cands)).collect::<Vec<_>>()
+            (0..40)
+                .map(|t| pick(&p, &turn(t), &cands))
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8), "the seed matters");
         let distinct: std::collections::BTreeSet<_> = run(7).into_iter().collect();
         assert_eq!(distinct.len(), 4);
-    }
-
-    /// Explaining a decision (issue 31) shows what the next request would get and uses up
-    /// neither round robin's turn nor the random generator's draws.
-    #[test]
-    fn an_explanation_advances_no_policy_state() {
-        let cands: Vec<_> = (1..=3).map(|n| cand(n, Features::default())).collect();
-        let forward = req(16);
-        let explain = RequestFacts {
-            advance: false,
-            ..forward
-        };
-        let rr = RoundRobin::default();
-        assert_eq!(pick(&rr, &forward, &cands), ep(1));
-        for _ in 0..3 {
-            assert_eq!(
-                pick(&rr, &explain, &cands),
-                ep(2),
-                "the next turn, not taken"
-            );
-        }
-        assert_eq!(pick(&rr, &forward, &cands), ep(2));
-        let random = RandomPolicy::new(7);
-        let reference = RandomPolicy::new(7);
-        for _ in 0..10 {
-            let shown = pick(&random, &explain, &cands);
-            assert_eq!(pick(&random, &explain, &cands), shown);
-            assert_eq!(pick(&random, &forward, &cands), shown);
-            assert_eq!(
-                pick(&reference, &forward, &cands),
-                shown,
-                "no draw was used up"
-            );
-        }
+        // a turn asked twice gets the same draw: asking changes nothing
+        let p = RandomPolicy::new(7);
+        assert_eq!(pick(&p, &turn(5), &cands), pick(&p, &turn(5), &cands));
     }
 }

@@ -37,9 +37,10 @@ pub struct RequestFacts {
     /// A hash of the request (its first block key, or of its text): tie-breaks and sampling
     /// derive from it so every replica decides alike for the same request.
     pub request_hash: u64,
-    /// Whether the decision may advance the policy's own state (round robin's turn, the
-    /// random generator): false for an explanation, which must change nothing.
-    pub advance: bool,
+    /// How many placements the pool has recorded before this one: round robin's turn and the
+    /// random policy's draw derive from it, so a policy holds no state of its own and asking
+    /// where a request would go changes nothing.
+    pub turn: u64,
 }
 
 /// What the router measured about one candidate for this request.
@@ -90,8 +91,8 @@ pub struct Candidate {
     pub features: Features,
 }
 
-/// A routing policy. Implementations are cheap to call and hold no per-request state except
-/// what their `choose` needs (round-robin's counter, a sampler's seed).
+/// A routing policy. Implementations are cheap to call and hold no mutable state: what changes
+/// from request to request (round robin's turn, the random draw) comes in [`RequestFacts`].
 pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
 
@@ -171,7 +172,7 @@ pub fn build(config: &RoutingConfig, seed: u64) -> Box<dyn Policy> {
         Strategy::CostModel => Box::new(CostModel::new(config.cost_model)),
         Strategy::Weighted => Box::new(Weighted::new(config.weights)),
         Strategy::LeastLoad => Box::new(LeastLoad),
-        Strategy::RoundRobin => Box::new(RoundRobin::default()),
+        Strategy::RoundRobin => Box::new(RoundRobin),
         Strategy::Random => Box::new(RandomPolicy::new(seed)),
         Strategy::CacheAware => Box::new(CacheAware::new(config.balance, config.cache_aware)),
         Strategy::KvCost => Box::new(KvCost::new(config.overlap_weight, config.temperature)),
@@ -193,7 +194,7 @@ pub(crate) mod test_support {
             prompt_blocks: prompt_tokens / 16,
             block_size: 16,
             request_hash: 42,
-            advance: true,
+            turn: 0,
         }
     }
 

@@ -87,7 +87,7 @@ struct Target {
 }
 
 fn targets(picker: &PickerState, settings: &ScrapeSettings) -> Vec<Target> {
-    let snap = picker.pool.endpoints();
+    let snap = picker.pool.state().endpoints();
     let mut by_server: BTreeMap<(String, u16), Target> = BTreeMap::new();
     for e in snap.endpoints() {
         let path = settings
@@ -253,7 +253,7 @@ pub async fn run_scraper(
                             let activity = EngineActivity {
                                 requests: sample.waiting + sample.running,
                                 prefix_cache_queries: sample.prefix_cache_queries,
-                                full_block_sent: picker.inflight.full_block_sent(id),
+                                full_block_sent: picker.pool.inflight().full_block_sent(id),
                             };
                             findings.push(diagnostics.engine_seen(*id, activity, now));
                         }
@@ -278,14 +278,14 @@ pub async fn run_scraper(
             }
         }
         // the loads, and the KV capacities they report (which bound the index per endpoint)
-        picker.pool.learn_loads(samples);
+        picker.pool.state().learn_loads(samples);
         for finding in findings {
             picker.report(finding);
         }
         picker.observe_engines(&latencies);
         // staleness: marked and recovered automatically
         let threshold = picker.routing().staleness_threshold.as_millis() as u64;
-        let snap = picker.pool.endpoints();
+        let snap = picker.pool.state().endpoints();
         let mut marks = Vec::with_capacity(snap.len());
         let mut stale = 0;
         for e in snap.endpoints() {
@@ -296,7 +296,7 @@ pub async fn run_scraper(
             stale += usize::from(is_stale);
             marks.push((e.id, is_stale));
         }
-        let changes = picker.pool.set_stale(&marks);
+        let changes = picker.pool.state().set_stale(&marks);
         picker.pool_changed();
         for change in changes {
             if change.stale {
@@ -309,7 +309,7 @@ pub async fn run_scraper(
         picker
             .metrics
             .index_blocks
-            .set(picker.pool.live_blocks() as i64);
+            .set(picker.pool.state().live_blocks() as i64);
         if !snap.is_empty() {
             picker
                 .first_metrics
@@ -326,7 +326,7 @@ pub async fn run_scraper(
             picker.report(Some(finding));
         }
         // approximate entries past their TTL
-        picker.pool.expire(now);
+        picker.pool.state().expire(now);
     }
 }
 

@@ -30,7 +30,7 @@ struct SubscriptionKey {
 }
 
 fn desired(picker: &PickerState) -> HashMap<EndpointId, SubscriptionKey> {
-    let snap = picker.pool.endpoints();
+    let snap = picker.pool.state().endpoints();
     let catalog = picker.catalog();
     let mut out = HashMap::new();
     for e in snap.endpoints() {
@@ -142,12 +142,16 @@ async fn consume(
                     picker.metrics.event_problem("rate_limited");
                     if !std::mem::replace(&mut over_budget, true) {
                         tracing::warn!(endpoint = %key.endpoint, "KV event publisher over its rate limit: dropping batches, clearing the endpoint's blocks");
-                        picker.pool.clear(&key.endpoint, ClearCause::RateLimited);
+                        picker
+                            .pool
+                            .state()
+                            .clear(&key.endpoint, ClearCause::RateLimited);
                     }
                     continue;
                 }
                 over_budget = false;
-                let Some(stats) = picker.pool.apply_batch(&key.endpoint, keys, &batch) else {
+                let Some(stats) = picker.pool.state().apply_batch(&key.endpoint, keys, &batch)
+                else {
                     continue;
                 };
                 picker.metrics.event_batches.inc();
@@ -180,7 +184,7 @@ async fn consume(
             SubscriberEvent::Resync { reason } => {
                 tracing::warn!(endpoint = %key.endpoint, ?reason, "KV events resync: clearing the endpoint's blocks");
                 picker.metrics.event_problem("resync");
-                picker.pool.clear(&key.endpoint, ClearCause::Resync);
+                picker.pool.state().clear(&key.endpoint, ClearCause::Resync);
             }
             SubscriberEvent::DecodeError { error, .. } => {
                 picker.metrics.event_problem("decode_error");
@@ -212,7 +216,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
     let mut seen_version = None;
     loop {
         let version = (
-            picker.pool.endpoints().version(),
+            picker.pool.state().endpoints().version(),
             Arc::as_ptr(&picker.catalog()) as usize,
         );
         if seen_version != Some(version) {
@@ -230,7 +234,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                 if running.contains_key(&id) {
                     continue;
                 }
-                picker.pool.clear(&id, ClearCause::Subscribed);
+                picker.pool.state().clear(&id, ClearCause::Subscribed);
                 // the engine's sockets are reached through frame-checking relays: the
                 // `zeromq` crate would abort on a frame announcing an absurd size
                 // (twice the payload bound: a merely oversized payload is skipped and counted

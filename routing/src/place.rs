@@ -1,0 +1,289 @@
+//! The pool: every per-endpoint table a decision reads, and the two steps of a decision.
+//!
+//! [`Pool`] owns the endpoint set, the KV index and the scraped loads ([`PoolState`]), this
+//! picker's in-flight counts, the session pins, the turn count of the load-only policies, the
+//! cost model's calibration and passive health's ejections, with the routing policy
+//! ([`Router`]) that reads them. An endpoint that leaves the set leaves every table at once
+//! ([`Pool::apply_view`], [`Pool::forget`]).
+//!
+//! A decision has two steps, so that "where would this request go?" can be asked without
+//! changing anything (the pick API, a flow-control gate, a second placement for
+//! prefill/decode):
+//! - [`Pool::place`] reads everything a decision needs (eligibility, tenancy and the gateway's
+//!   subset, the index, loads, the in-flight cap, ejections, calibration, the session's pin)
+//!   and changes nothing;
+//! - [`Pool::record`] commits a placement that is being sent: the turn advances and, on an
+//!   approximate index, the endpoint is credited with the prompt's blocks (so the requests
+//!   right behind it find them); [`Pool::served`] pins the request's session to the endpoint
+//!   that actually answered it (after the in-flight cap, fallbacks and retries). The two are
+//!   apart because they happen at different moments: a request is sent long before it is
+//!   known to be served, and the requests sent meanwhile must already see its blocks.
+//!
+//! The picker service, the offline replay benchmark, the criterion benches and the decision
+//! tests all decide through these calls.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
+use parking_lot::{Mutex, RwLock};
+
+use crate::block_keys::BlockKey;
+use crate::calibration::{Calibration, TtftBasis};
+use crate::endpoint::EndpointId;
+use crate::index::{IndexConfig, IndexError};
+use crate::inflight::{InflightGuard, InflightTracker};
+use crate::outlier::{OutlierDetection, OutlierDetector};
+use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState};
+use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router};
+use crate::session::SessionTable;
+
+/// Sessions a pool remembers by default (least recently served forgotten first).
+pub const DEFAULT_SESSION_CAPACITY: usize = 100_000;
+
+/// What a pool is built with: the service's settings of the same names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolSettings {
+    /// `index.maxEndpoints`.
+    pub index: IndexConfig,
+    /// The per-endpoint index budget (`index.*`).
+    pub budget: IndexBudget,
+    /// `limits.maxInflightPerEndpoint`: past it an endpoint is passed over, and a request
+    /// whose every candidate is full is shed.
+    pub max_inflight_per_endpoint: u64,
+    /// `limits.outlierDetection`.
+    pub outlier_detection: OutlierDetection,
+    /// Session pins kept.
+    pub session_capacity: usize,
+}
+
+impl Default for PoolSettings {
+    /// The picker's defaults.
+    fn default() -> Self {
+        Self {
+            index: IndexConfig::default(),
+            budget: IndexBudget::default(),
+            max_inflight_per_endpoint: crate::inflight::DEFAULT_MAX_PER_ENDPOINT,
+            outlier_detection: OutlierDetection::default(),
+            session_capacity: DEFAULT_SESSION_CAPACITY,
+        }
+    }
+}
+
+/// Why a request cannot be placed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceError {
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// The chosen endpoint and every fallback have `cap` requests in flight.
+    #[error("every eligible endpoint has {cap} requests in flight")]
+    Shed { cap: u64 },
+}
+
+impl PlaceError {
+    /// Stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Route(e) => e.kind(),
+            Self::Shed { .. } => "shed",
+        }
+    }
+}
+
+/// Where a request goes, as [`Pool::place`] decided it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    /// The endpoint, after the in-flight cap, and the fallbacks in order.
+    pub decision: Decision,
+    /// The session's pin key, when the request names a session.
+    pub session_key: Option<u64>,
+    /// What the cost model's TTFT estimate for the chosen endpoint rested on, while
+    /// calibration is on and the in-flight cap did not move the request: its first token is
+    /// measured against it.
+    pub ttft_basis: Option<TtftBasis>,
+}
+
+/// See the module documentation.
+pub struct Pool {
+    state: PoolState,
+    inflight: InflightTracker,
+    sessions: Mutex<SessionTable>,
+    /// Placements recorded: round robin's turn, the random policy's draw.
+    turn: AtomicU64,
+    router: ArcSwap<Router>,
+    calibration: RwLock<Calibration>,
+    outliers: Mutex<OutlierDetector>,
+    max_inflight_per_endpoint: u64,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("state", &self.state)
+            .field("router", &self.router.load())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// An empty pool routing with `router`.
+    pub fn new(settings: PoolSettings, router: Router) -> Self {
+        let prior = router.config().cost_model;
+        Self {
+            state: PoolState::new(settings.index, settings.budget),
+            inflight: InflightTracker::new(),
+            sessions: Mutex::new(SessionTable::new(settings.session_capacity)),
+            turn: AtomicU64::new(0),
+            router: ArcSwap::from_pointee(router),
+            calibration: RwLock::new(Calibration::new(prior)),
+            outliers: Mutex::new(OutlierDetector::new(settings.outlier_detection)),
+            max_inflight_per_endpoint: settings.max_inflight_per_endpoint,
+        }
+    }
+
+    /// The endpoint set, the KV index and the loads.
+    pub fn state(&self) -> &PoolState {
+        &self.state
+    }
+
+    /// This picker's in-flight counts.
+    pub fn inflight(&self) -> &InflightTracker {
+        &self.inflight
+    }
+
+    /// The cost model's per-endpoint calibration.
+    pub fn calibration(&self) -> &RwLock<Calibration> {
+        &self.calibration
+    }
+
+    /// Passive health.
+    pub fn outliers(&self) -> &Mutex<OutlierDetector> {
+        &self.outliers
+    }
+
+    /// The routing policy now.
+    pub fn router(&self) -> Arc<Router> {
+        self.router.load_full()
+    }
+
+    /// Route with `router` from now on. Session pins, the turn count, calibration and
+    /// ejections are the pool's and stay: a routing edit changes the policy, not where
+    /// sessions live.
+    pub fn set_router(&self, router: Router) {
+        self.router.store(Arc::new(router));
+    }
+
+    /// Where session `key` is pinned, if anywhere.
+    pub fn pinned(&self, key: u64) -> Option<EndpointId> {
+        self.sessions.lock().peek(key)
+    }
+
+    /// Placements recorded so far.
+    pub fn turn(&self) -> u64 {
+        self.turn.load(Ordering::Acquire)
+    }
+
+    /// Make the pool `members` ([`PoolState::apply_view`]; `publish` runs before the new set
+    /// appears). Departed endpoints are forgotten by every table; passive health and
+    /// calibration follow the new set.
+    pub fn apply_view(
+        &self,
+        members: Vec<PoolMember>,
+        publish: impl FnOnce(),
+    ) -> Result<Membership, IndexError> {
+        let membership = self.state.apply_view(members, publish)?;
+        for id in &membership.removed {
+            self.forget(id);
+        }
+        let snap = self.state.endpoints();
+        self.outliers.lock().set_pool(
+            snap.endpoints()
+                .iter()
+                .map(|e| (e.id, e.model_config.name.clone())),
+        );
+        self.calibration
+            .write()
+            .set_pool(snap.endpoints().iter().map(|e| e.id));
+        Ok(membership)
+    }
+
+    /// `endpoint` left: its in-flight counts and the sessions pinned to it go (its blocks and
+    /// load went with it from the endpoint set, in [`PoolState::apply_view`]).
+    pub fn forget(&self, endpoint: &EndpointId) {
+        self.inflight.remove(endpoint);
+        self.sessions.lock().remove_endpoint(endpoint);
+    }
+
+    /// Where `req` would go at `now_ms`: the router's decision over the pool as it is (its
+    /// session's pin, ejections, calibration when the cost model calibrates, this turn), then
+    /// the in-flight cap. Changes nothing.
+    pub fn place(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Placement, PlaceError> {
+        let router = self.router.load();
+        let calibrating = router.config().cost_model.calibrate;
+        let ejected = self.outliers.lock().ejected(now_ms);
+        let decision = {
+            let pool = self.state.read();
+            let calibration = self.calibration.read();
+            let sessions = self.sessions.lock();
+            let ctx = RouteContext {
+                endpoints: &pool.endpoints,
+                index: pool.index(),
+                loads: pool.loads(),
+                inflight: &self.inflight,
+                now_ms,
+                ejected: &ejected,
+                calibration: calibrating.then_some(&*calibration),
+                sessions: Some(&sessions),
+                turn: self.turn(),
+            };
+            router.decide(&ctx, req)?
+        };
+        let chosen = decision.endpoint;
+        let cap = self.max_inflight_per_endpoint;
+        let decision = decision
+            .within_inflight_cap(&self.inflight, cap)
+            .ok_or(PlaceError::Shed { cap })?;
+        let ttft_basis = (calibrating && decision.endpoint == chosen)
+            .then(|| crate::policy::ttft_basis(&router.config().cost_model, &decision.features));
+        Ok(Placement {
+            session_key: Router::session_key(req.tenant, req.session),
+            decision,
+            ttft_basis,
+        })
+    }
+
+    /// `placement` is being sent: the turn advances and an approximate index credits its
+    /// endpoint with the prompt's `keys` (a precise one learns only from its engine's events).
+    pub fn record(&self, placement: &Placement, keys: &[BlockKey], now_ms: u64) {
+        self.turn.fetch_add(1, Ordering::AcqRel);
+        self.state
+            .record_routed(&placement.decision.endpoint, keys, now_ms);
+    }
+
+    /// `endpoint` answered `placement`'s request: its session, if it has one, is pinned there,
+    /// wherever the in-flight cap, a fallback or a retry sent it.
+    pub fn served(&self, placement: &Placement, endpoint: EndpointId) {
+        if let Some(key) = placement.session_key {
+            self.pin(key, endpoint);
+        }
+    }
+
+    /// Pin session `key` to `endpoint` (see [`Pool::served`]).
+    pub fn pin(&self, key: u64, endpoint: EndpointId) {
+        self.sessions.lock().set(key, endpoint);
+    }
+
+    /// Count a request of `prompt_tokens` (`uncached_tokens` of them to prefill) sent to
+    /// `endpoint` until the guard drops; `has_blocks`: the prompt has a full KV block (see
+    /// [`InflightTracker::begin_blocks`]).
+    pub fn begin(
+        &self,
+        endpoint: EndpointId,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        has_blocks: bool,
+    ) -> InflightGuard {
+        self.inflight
+            .begin_blocks(endpoint, prompt_tokens, uncached_tokens, has_blocks)
+    }
+}
