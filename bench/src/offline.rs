@@ -383,8 +383,7 @@ impl<'a> Sim<'a> {
         }
         // what the service's scraper does with a scrape
         let now = t as u64;
-        self.pool.state().learn_loads(samples);
-        self.pool.state().expire(now);
+        self.pool.observe_scrape(now, samples);
         if self.pool.router().config().cost_model.calibrate {
             self.pool.calibration().write().age(now);
         }

@@ -74,7 +74,7 @@ impl LoadTable {
     pub fn is_stale(&self, id: &EndpointId, now_ms: u64, threshold_ms: u64) -> bool {
         self.samples
             .get(id)
-            .is_some_and(|l| now_ms.saturating_sub(l.sampled_at_ms) > threshold_ms)
+            .is_some_and(|l| stale_since(l.sampled_at_ms, now_ms, threshold_ms))
     }
 
     pub fn len(&self) -> usize {
@@ -84,6 +84,14 @@ impl LoadTable {
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }
+}
+
+/// The staleness rule: an endpoint whose metrics are fresh since `fresh_since_ms` (its last
+/// good sample) is stale at `now_ms` once more than `threshold_ms` have passed
+/// (`routing.stalenessThreshold`). The pool marks endpoints by it at every scrape round
+/// (`PoolState::observe_scrape`) and the router applies it to the samples between rounds.
+pub fn stale_since(fresh_since_ms: u64, now_ms: u64, threshold_ms: u64) -> bool {
+    now_ms.saturating_sub(fresh_since_ms) > threshold_ms
 }
 
 #[cfg(test)]

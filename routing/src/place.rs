@@ -33,8 +33,9 @@ use crate::calibration::{Calibration, TtftBasis};
 use crate::endpoint::EndpointId;
 use crate::index::{IndexConfig, IndexError};
 use crate::inflight::{InflightGuard, InflightTracker};
+use crate::load::EndpointLoad;
 use crate::outlier::{OutlierDetection, OutlierDetector};
-use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState};
+use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState, ScrapeOutcome};
 use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router};
 use crate::session::SessionTable;
 
@@ -207,6 +208,17 @@ impl Pool {
         Ok(membership)
     }
 
+    /// One scrape round ([`PoolState::observe_scrape`]) under the routing's
+    /// `stalenessThreshold`.
+    pub fn observe_scrape(
+        &self,
+        now_ms: u64,
+        samples: impl IntoIterator<Item = (EndpointId, EndpointLoad)>,
+    ) -> ScrapeOutcome {
+        let threshold = self.router.load().config().staleness_threshold.as_millis() as u64;
+        self.state.observe_scrape(now_ms, threshold, samples)
+    }
+
     /// `endpoint` left: its in-flight counts and the sessions pinned to it go (its blocks and
     /// load went with it from the endpoint set, in [`PoolState::apply_view`]).
     pub fn forget(&self, endpoint: &EndpointId) {
@@ -285,5 +297,160 @@ impl Pool {
     ) -> InflightGuard {
         self.inflight
             .begin_blocks(endpoint, prompt_tokens, uncached_tokens, has_blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::{FailureMode, RoutingConfig, Strategy};
+    use crate::endpoint::{Endpoint, EndpointState, ModelConfig};
+    use crate::pool_state::StalenessChange;
+
+    fn id(n: u8) -> EndpointId {
+        EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, n)), 8000, 0)
+    }
+
+    fn pool(strategy: Strategy, failure_mode: FailureMode, n: u8) -> (Pool, Arc<ModelConfig>) {
+        let mc = Arc::new(ModelConfig::new("c", "m"));
+        let pool = Pool::new(
+            PoolSettings::default(),
+            Router::new(RoutingConfig {
+                strategy,
+                failure_mode,
+                ..RoutingConfig::default()
+            }),
+        );
+        let members = (1..=n)
+            .map(|i| PoolMember {
+                endpoint: Endpoint::new(id(i), mc.clone()),
+                precise: true,
+                kv_capacity_blocks: None,
+            })
+            .collect();
+        pool.apply_view(members, || {}).expect("view");
+        (pool, mc)
+    }
+
+    fn load(waiting: f64, at: u64) -> EndpointLoad {
+        EndpointLoad {
+            waiting,
+            sampled_at_ms: at,
+            ..EndpointLoad::default()
+        }
+    }
+
+    fn request<'a>(mc: &'a ModelConfig, session: Option<&'a str>) -> RouteRequest<'a> {
+        RouteRequest {
+            model_config: mc,
+            keys: &[],
+            prompt_tokens: 8,
+            session,
+            tenant: None,
+            subset: None,
+            allow: None,
+            fallback_hash: 1,
+            explain: false,
+        }
+    }
+
+    fn state_of(pool: &Pool, e: EndpointId) -> EndpointState {
+        pool.state().endpoints().get(&e).expect("member").state
+    }
+
+    /// The one staleness rule (issue 31), without sockets: an endpoint whose last good sample
+    /// (or, never scraped, its first round) is older than `stalenessThreshold` (2 s) is marked
+    /// stale at a scrape round, passed over while another is fresh, and recovers with its next
+    /// sample; between rounds the router applies the same rule to the samples.
+    #[test]
+    fn staleness_is_one_rule_applied_at_scrape_rounds_and_between_them() {
+        let (pool, mc) = pool(Strategy::LeastLoad, FailureMode::FailClose, 2);
+        let (a, b) = (id(1), id(2));
+        // b is idle but never answers its scrape; a is busy
+        let out = pool.observe_scrape(0, [(a, load(5.0, 0))]);
+        assert_eq!(
+            (out.stale, out.changes.len()),
+            (0, 0),
+            "b is fresh from its first round"
+        );
+        let place = |now| pool.place(&request(&mc, None), now);
+        assert_eq!(place(0).expect("placed").decision.endpoint, b, "idle b");
+        let out = pool.observe_scrape(2_000, [(a, load(5.0, 2_000))]);
+        assert_eq!(out.stale, 0, "exactly the threshold is not past it");
+        let out = pool.observe_scrape(2_001, [(a, load(5.0, 2_001))]);
+        assert_eq!(out.stale, 1);
+        assert_eq!(
+            out.changes,
+            vec![StalenessChange {
+                endpoint: b,
+                stale: true,
+                dropped: 0
+            }]
+        );
+        assert_eq!(state_of(&pool, b), EndpointState::Stale);
+        assert_eq!(
+            place(2_001).expect("placed").decision.endpoint,
+            a,
+            "b passed over"
+        );
+        // b answers again: recovered at the round, and chosen again
+        let out = pool.observe_scrape(2_100, [(a, load(5.0, 2_100)), (b, load(0.0, 2_100))]);
+        assert_eq!((out.stale, out.changes.len()), (0, 1));
+        assert_eq!(state_of(&pool, b), EndpointState::Ready);
+        assert_eq!(place(2_100).expect("placed").decision.endpoint, b);
+        // no round for 2 s: the router applies the rule to the samples themselves
+        assert_eq!(
+            place(4_101).map(|p| p.decision.endpoint),
+            Err(PlaceError::Route(RouteError::AllStale("c".into()))),
+            "both samples are past the threshold and the pool fails closed"
+        );
+        assert!(place(4_100).is_ok());
+    }
+
+    /// A routing edit replaces the policy only: pins and the turn count are the pool's. An
+    /// endpoint that leaves is forgotten by every table.
+    #[test]
+    fn a_routing_edit_keeps_pins_and_turns_and_a_departure_forgets_them() {
+        let (pool, mc) = pool(Strategy::RoundRobin, FailureMode::FailOpen, 3);
+        pool.observe_scrape(0, (1..=3).map(|i| (id(i), load(0.0, 0))));
+        let first = pool.place(&request(&mc, None), 0).expect("placed");
+        pool.record(&first, &[], 0);
+        let second = pool.place(&request(&mc, None), 0).expect("placed");
+        assert_ne!(
+            first.decision.endpoint, second.decision.endpoint,
+            "a turn was taken"
+        );
+        let pinned = pool.place(&request(&mc, Some("s")), 0).expect("placed");
+        pool.served(&pinned, id(3));
+        let key = pinned.session_key.expect("a session");
+        pool.set_router(Router::new(RoutingConfig {
+            strategy: Strategy::RoundRobin,
+            ..RoutingConfig::default()
+        }));
+        assert_eq!(pool.turn(), 1, "the turn count stays");
+        assert_eq!(
+            pool.place(&request(&mc, None), 0)
+                .expect("placed")
+                .decision
+                .endpoint,
+            second.decision.endpoint,
+            "the new policy continues where the old one was"
+        );
+        assert_eq!(pool.pinned(key), Some(id(3)), "the pin stays");
+        let _inflight = pool.begin(id(3), 8, 8, false);
+        let members = (1..=2)
+            .map(|i| PoolMember {
+                endpoint: Endpoint::new(id(i), mc.clone()),
+                precise: true,
+                kv_capacity_blocks: None,
+            })
+            .collect();
+        let gone = pool.apply_view(members, || {}).expect("view");
+        assert_eq!(gone.removed, vec![id(3)]);
+        assert_eq!(pool.pinned(key), None, "its pins are forgotten");
+        assert_eq!(pool.inflight().get(&id(3)).requests, 0, "and its counts");
     }
 }

@@ -149,6 +149,20 @@ struct Inner {
     /// The model config's capacity and mode of each member, for re-budgeting when its engine
     /// reports another capacity.
     members: hashbrown::HashMap<EndpointId, (bool, Option<u64>)>,
+    /// When each member was first in a scrape round: one never scraped successfully is fresh
+    /// from then until the staleness threshold has passed.
+    first_seen: hashbrown::HashMap<EndpointId, u64>,
+}
+
+/// What one scrape round changed ([`PoolState::observe_scrape`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScrapeOutcome {
+    /// Endpoints that went stale or recovered.
+    pub changes: Vec<StalenessChange>,
+    /// Endpoints stale now.
+    pub stale: usize,
+    /// Approximate index entries past their TTL, dropped.
+    pub expired: usize,
 }
 
 /// A consistent read of the pool: the endpoint set, the index and the loads as of one moment.
@@ -196,6 +210,7 @@ impl PoolState {
                 index: KvIndex::new(index),
                 loads: LoadTable::new(),
                 members: hashbrown::HashMap::new(),
+                first_seen: hashbrown::HashMap::new(),
             }),
             budget,
             changes: AtomicU64::new(0),
@@ -277,6 +292,7 @@ impl PoolState {
         for id in &removed {
             inner.index.remove_endpoint(id);
             inner.loads.remove(id);
+            inner.first_seen.remove(id);
         }
         self.changes.fetch_add(1, Ordering::AcqRel);
         Ok(Membership { added, removed })
@@ -325,6 +341,45 @@ impl PoolState {
                 // a member always has its entry: this only updates it
                 let _ = inner.index.add_endpoint(id, mode, blocks);
             }
+        }
+    }
+
+    /// One scrape round at `now_ms`: `samples` are the endpoints whose metrics were scraped
+    /// and parsed ([`PoolState::learn_loads`]). Then the one staleness rule: an endpoint is
+    /// stale when its last good sample (or, never scraped, its first round) is more than
+    /// `threshold_ms` old ([`crate::load::stale_since`], which the router applies between
+    /// rounds too); it is marked so ([`PoolState::set_stale`]), or recovered. Last,
+    /// approximate entries past their TTL expire.
+    pub fn observe_scrape(
+        &self,
+        now_ms: u64,
+        threshold_ms: u64,
+        samples: impl IntoIterator<Item = (EndpointId, EndpointLoad)>,
+    ) -> ScrapeOutcome {
+        self.learn_loads(samples);
+        let marks: Vec<(EndpointId, bool)> = {
+            let mut inner = self.inner.write();
+            let inner = &mut *inner;
+            self.endpoints
+                .load()
+                .endpoints()
+                .iter()
+                .map(|e| {
+                    let seen = *inner.first_seen.entry(e.id).or_insert(now_ms);
+                    let fresh_since = inner.loads.get(&e.id).map_or(seen, |l| l.sampled_at_ms);
+                    (
+                        e.id,
+                        crate::load::stale_since(fresh_since, now_ms, threshold_ms),
+                    )
+                })
+                .collect()
+        };
+        let stale = marks.iter().filter(|(_, s)| *s).count();
+        let changes = self.set_stale(&marks);
+        ScrapeOutcome {
+            changes,
+            stale,
+            expired: self.expire(now_ms),
         }
     }
 

@@ -188,8 +188,6 @@ pub async fn run_scraper(
     settings: ScrapeSettings,
     cancel: CancellationToken,
 ) {
-    let mut last_ok: HashMap<EndpointId, u64> = HashMap::new();
-    let mut first_seen: HashMap<EndpointId, u64> = HashMap::new();
     let limits = ParseLimits::default();
     let mut backoff = ScrapeBackoff::default();
     let interval_ms = u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX);
@@ -262,7 +260,6 @@ pub async fn run_scraper(
                             *id,
                             EndpointLoad::from_sample(sample, t.engine, t.block_size, now),
                         ));
-                        last_ok.insert(*id, now);
                     }
                 }
                 Err(e) => {
@@ -277,34 +274,23 @@ pub async fn run_scraper(
                 }
             }
         }
-        // the loads, and the KV capacities they report (which bound the index per endpoint)
-        picker.pool.state().learn_loads(samples);
+        // the loads (and the KV capacities they report, which bound the index per endpoint),
+        // staleness marked and recovered by the pool's rule, approximate entries expired
+        let outcome = picker.pool.observe_scrape(now, samples);
+        picker.pool_changed();
         for finding in findings {
             picker.report(finding);
         }
         picker.observe_engines(&latencies);
-        // staleness: marked and recovered automatically
-        let threshold = picker.routing().staleness_threshold.as_millis() as u64;
-        let snap = picker.pool.state().endpoints();
-        let mut marks = Vec::with_capacity(snap.len());
-        let mut stale = 0;
-        for e in snap.endpoints() {
-            let seen = *first_seen.entry(e.id).or_insert(now);
-            let fresh_since = last_ok.get(&e.id).copied().unwrap_or(seen);
-            let is_stale = now.saturating_sub(fresh_since) > threshold
-                || (!last_ok.contains_key(&e.id) && now.saturating_sub(seen) > threshold);
-            stale += usize::from(is_stale);
-            marks.push((e.id, is_stale));
-        }
-        let changes = picker.pool.state().set_stale(&marks);
-        picker.pool_changed();
-        for change in changes {
+        for change in outcome.changes {
             if change.stale {
                 tracing::warn!(endpoint = %change.endpoint, dropped = change.dropped, "endpoint is stale: no good metrics scrape within the threshold; its cached blocks are forgotten");
             } else {
                 tracing::info!(endpoint = %change.endpoint, "endpoint recovered");
             }
         }
+        let snap = picker.pool.state().endpoints();
+        let stale = outcome.stale;
         picker.metrics.stale_endpoints.set(stale as i64);
         picker
             .metrics
@@ -316,8 +302,6 @@ pub async fn run_scraper(
                 .send_if_modified(|seen| !std::mem::replace(seen, true));
         }
         // forget endpoints that left the set
-        last_ok.retain(|id, _| snap.get(id).is_some());
-        first_seen.retain(|id, _| snap.get(id).is_some());
         let gone = picker
             .diagnostics
             .lock()
@@ -325,8 +309,6 @@ pub async fn run_scraper(
         for finding in gone {
             picker.report(Some(finding));
         }
-        // approximate entries past their TTL
-        picker.pool.state().expire(now);
     }
 }
 
