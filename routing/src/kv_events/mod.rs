@@ -35,6 +35,7 @@
 
 use thiserror::Error;
 
+pub mod budget;
 mod decode;
 mod encode;
 mod framing;
