@@ -145,6 +145,15 @@ pub struct Endpoint {
     pub state: EndpointState,
     /// Labels of the pod (or of the static entry), used by tenant filters.
     pub labels: BTreeMap<String, String>,
+    /// Where this endpoint publishes KV events when it overrides its model config's ports.
+    pub kv_ports: Option<KvPorts>,
+}
+
+/// KV-event ports of one endpoint: the publisher and, optionally, the replay service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPorts {
+    pub events: u16,
+    pub replay: Option<u16>,
 }
 
 impl Endpoint {
@@ -154,6 +163,7 @@ impl Endpoint {
             model_config,
             state: EndpointState::Ready,
             labels: BTreeMap::new(),
+            kv_ports: None,
         }
     }
 }

@@ -90,12 +90,7 @@ pub struct DeclaredEndpoint {
     pub kv_ports: Option<KvPorts>,
 }
 
-/// Where one endpoint publishes KV events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvPorts {
-    pub events: u16,
-    pub replay: Option<u16>,
-}
+pub use crate::endpoint::KvPorts;
 
 /// Everything a source (config file or Kubernetes) says about the pool.
 #[derive(Debug, Clone, PartialEq)]

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::HeaderMap;
-use parking_lot::RwLock;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
@@ -157,8 +156,6 @@ pub struct PickerState {
     render_slots: Semaphore,
     /// Bytes of request bodies being read (`bodyBufferBytes`), apart from admission.
     pub body_buffer: Semaphore,
-    labels: RwLock<BTreeMap<EndpointId, BTreeMap<String, String>>>,
-    kv_ports: RwLock<BTreeMap<EndpointId, KvPorts>>,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
     pub diagnostics: parking_lot::Mutex<Diagnostics>,
 }
@@ -198,8 +195,6 @@ impl PickerState {
             inflight_total: AtomicUsize::new(0),
             first_metrics: tokio::sync::watch::Sender::new(false),
             pool_loaded: tokio::sync::watch::Sender::new(false),
-            labels: RwLock::new(BTreeMap::new()),
-            kv_ports: RwLock::new(BTreeMap::new()),
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
         })
     }
@@ -299,8 +294,6 @@ impl PickerState {
         }
         super::source::check_view_endpoints_unique(&view.endpoints)?;
         let mut members = Vec::with_capacity(view.endpoints.len());
-        let mut labels = BTreeMap::new();
-        let mut kv_ports = BTreeMap::new();
         for ev in &view.endpoints {
             let Some(entry) = catalog.get(&ev.model_config) else {
                 return Err(PickerError::UnknownModelConfig {
@@ -313,10 +306,7 @@ impl PickerState {
             if !ev.serving {
                 e.state = EndpointState::Draining;
             }
-            labels.insert(ev.id, ev.labels.clone());
-            if let Some(p) = ev.kv_ports {
-                kv_ports.insert(ev.id, p);
-            }
+            e.kv_ports = ev.kv_ports;
             members.push(PoolMember {
                 endpoint: e,
                 precise: entry.precise(),
@@ -332,8 +322,6 @@ impl PickerState {
                 self.pool.set_router(Router::new(view.routing.clone()));
                 self.routing.store(Arc::new(view.routing.clone()));
             }
-            *self.labels.write() = labels;
-            *self.kv_ports.write() = kv_ports;
         })?;
         self.pool_changed();
         self.sync_outlier_pool(&removed);
@@ -681,11 +669,16 @@ impl PickerState {
 
     /// KV event ports of an endpoint that overrides its model config's.
     pub fn kv_ports_of(&self, id: &EndpointId) -> Option<KvPorts> {
-        self.kv_ports.read().get(id).copied()
+        self.pool.state().endpoints().get(id)?.kv_ports
     }
 
     pub fn labels_of(&self, id: &EndpointId) -> BTreeMap<String, String> {
-        self.labels.read().get(id).cloned().unwrap_or_default()
+        self.pool
+            .state()
+            .endpoints()
+            .get(id)
+            .map(|e| e.labels.clone())
+            .unwrap_or_default()
     }
 }
 
