@@ -110,14 +110,7 @@ async fn direct_replay_spreads_requests_over_the_engines_without_a_router() {
     .expect("runs");
     // round robin by request id: each engine received prompts
     for e in &engines.engines {
-        let text = http
-            .get(format!("http://{}/metrics", e.http))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = kvroute_testkit::get_text(&http, format!("http://{}/metrics", e.http)).await;
         let prompt_tokens: f64 = live::prom::engine_counters(&text)
             .values()
             .map(|c| c.prompt_tokens)

@@ -30,17 +30,11 @@ fn metric_sum(page: &str, metric: &str) -> f64 {
 }
 
 async fn metrics(addr: SocketAddr) -> String {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .unwrap()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvroute_testkit::get_text(
+        &reqwest::Client::builder().no_proxy().build().unwrap(),
+        format!("http://{addr}/metrics"),
+    )
+    .await
 }
 
 async fn lease_holder(api: &Api<Lease>, name: &str) -> Option<String> {

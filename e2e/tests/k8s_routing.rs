@@ -334,17 +334,11 @@ async fn scaled_up_endpoints_take_traffic_and_deleted_pods_leave() {
             .await
             .unwrap();
     }
-    let served = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .unwrap()
-        .get(format!("http://{new_ip}:8000/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let served = kvroute_testkit::get_text(
+        &reqwest::Client::builder().no_proxy().build().unwrap(),
+        format!("http://{new_ip}:8000/metrics"),
+    )
+    .await;
     let successes: f64 = served
         .lines()
         .filter(|l| l.starts_with("vllm:request_success_total"))

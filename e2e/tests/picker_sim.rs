@@ -93,15 +93,12 @@ async fn complete(url: String, tokens: &[u32]) -> Value {
 }
 
 async fn pick(p: &Running, tokens: &[u32]) -> Value {
-    client()
-        .post(format!("http://{}/v1/pick", p.addrs.admin))
-        .json(&json!({"model": "llama", "prompt": tokens}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    kvroute_testkit::post_json(
+        &client(),
+        format!("http://{}/v1/pick", p.addrs.admin),
+        &json!({"model": "llama", "prompt": tokens}),
+    )
+    .await
 }
 
 /// Blocks the picker's index attributes to the endpoint on `ip`.
@@ -545,15 +542,12 @@ async fn engine_render_gives_the_picker_the_engines_own_tokens() {
         .unwrap();
     assert_eq!(r.status(), 200);
     eventually("b's blocks", || indexed_blocks(&p, "127.0.0.7") >= 40).await;
-    let picked: Value = client()
-        .post(format!("http://{}/v1/pick", p.addrs.admin))
-        .json(&json!({"model": "llama", "messages": messages}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let picked: Value = kvroute_testkit::post_json(
+        &client(),
+        format!("http://{}/v1/pick", p.addrs.admin),
+        &json!({"model": "llama", "messages": messages}),
+    )
+    .await;
     assert_eq!(
         picked["endpoint"].as_str().unwrap().split(':').next(),
         Some("127.0.0.7"),

@@ -285,14 +285,11 @@ fn prompt(seed: u32) -> Vec<u32> {
 
 /// Requests an engine has completed (`vllm:request_success_total`, all reasons).
 async fn served(engine: &SimHandle) -> f64 {
-    let text = client()
-        .get(format!("http://{}/metrics", engine.addrs()[0].http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = kvroute_testkit::get_text(
+        &client(),
+        format!("http://{}/metrics", engine.addrs()[0].http),
+    )
+    .await;
     text.lines()
         .filter(|l| l.starts_with("vllm:request_success_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -312,15 +309,12 @@ async fn warm(p: &Running, engine: &SimHandle, tokens: &[u32]) {
     let want = engine.addrs()[0].http.to_string();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let pick: Value = client()
-            .post(format!("http://{}/v1/pick", p.addrs.admin))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let pick: Value = kvroute_testkit::post_json(
+            &client(),
+            format!("http://{}/v1/pick", p.addrs.admin),
+            &body,
+        )
+        .await;
         if pick["endpoint"] == want.as_str() && pick["cached_tokens"].as_u64() > Some(0) {
             return;
         }
@@ -412,15 +406,12 @@ async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
     let ext = p.addrs.ext_proc.unwrap();
     let addrs = pool(&[&a, &b]);
     let body = json!({"model": "llama", "prompt": prompt(100), "max_tokens": 2});
-    let pick: Value = client()
-        .post(format!("http://{}/v1/pick", p.addrs.admin))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let pick: Value = kvroute_testkit::post_json(
+        &client(),
+        format!("http://{}/v1/pick", p.addrs.admin),
+        &body,
+    )
+    .await;
     let (down, up) = if pick["endpoint"] == a.addrs()[0].http.to_string().as_str() {
         (&a, &b)
     } else {
@@ -434,14 +425,8 @@ async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
     let resp = post(&envoy, &body).await;
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
     assert_eq!(served(up).await, before + 1.0, "the fallback served it");
-    let text = client()
-        .get(format!("http://{}/metrics", p.addrs.metrics))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text =
+        kvroute_testkit::get_text(&client(), format!("http://{}/metrics", p.addrs.metrics)).await;
     assert!(
         text.contains("kvroute_picker_gateway_fallbacks_total 1"),
         "Envoy reported the endpoint it used:\n{text}"

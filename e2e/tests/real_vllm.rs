@@ -145,14 +145,7 @@ async fn post(url: String, body: &Value) -> Value {
 }
 
 async fn metrics_text(e: &Engine) -> String {
-    client()
-        .get(e.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvroute_testkit::get_text(&client(), e.url("/metrics")).await
 }
 
 /// `vllm:prefix_cache_hits_total` summed over its series.

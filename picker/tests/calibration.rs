@@ -48,15 +48,12 @@ async fn complete(addr: std::net::SocketAddr, n: u32, stream: bool) {
 
 /// The one candidate's explained features for a fresh prompt.
 async fn explained(admin: std::net::SocketAddr) -> Value {
-    let pick: Value = client()
-        .post(format!("http://{admin}/v1/pick"))
-        .json(&json!({"model": "llama", "prompt": prompt(9999)}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let pick: Value = kvroute_testkit::post_json(
+        &client(),
+        format!("http://{admin}/v1/pick"),
+        &json!({"model": "llama", "prompt": prompt(9999)}),
+    )
+    .await;
     pick["candidates"][0]["features"].clone()
 }
 

@@ -14,14 +14,11 @@ use serde_json::{Value, json};
 use support::*;
 
 async fn debug_endpoints(picker: &kvroute_picker::service::Running) -> Value {
-    client()
-        .get(format!("http://{}/debug/endpoints", picker.addrs.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    kvroute_testkit::get_json(
+        &client(),
+        format!("http://{}/debug/endpoints", picker.addrs.admin),
+    )
+    .await
 }
 
 #[tokio::test]

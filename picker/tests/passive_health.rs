@@ -49,14 +49,8 @@ async fn complete(url: &str, i: usize) -> u16 {
 }
 
 async fn debug_outlier(admin: std::net::SocketAddr, port: u16) -> Value {
-    let v: Value = client()
-        .get(format!("http://{admin}/debug/endpoints"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value =
+        kvroute_testkit::get_json(&client(), format!("http://{admin}/debug/endpoints")).await;
     v["endpoints"]
         .as_array()
         .unwrap()

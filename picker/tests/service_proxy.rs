@@ -559,14 +559,8 @@ async fn models_health_and_metrics() {
     let engine = FakeEngine::start("127.0.0.1").await;
     let picker = start_picker(&one_engine_yaml(engine.addr.port(), "")).await;
     let c = client();
-    let models: Value = c
-        .get(format!("http://{}/v1/models", picker.addrs.http))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value =
+        kvroute_testkit::get_json(&c, format!("http://{}/v1/models", picker.addrs.http)).await;
     assert_eq!(models["data"][0]["id"], "llama");
     let state = picker.state.clone();
     eventually(Duration::from_secs(3), || state.is_ready()).await;
@@ -581,27 +575,16 @@ async fn models_health_and_metrics() {
         json!({"model": "llama", "prompt": "count me"}),
     )
     .await;
-    let text = c
-        .get(format!("http://{}/metrics", picker.addrs.metrics))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text =
+        kvroute_testkit::get_text(&c, format!("http://{}/metrics", picker.addrs.metrics)).await;
     assert!(text.contains("kvroute_picker_decisions_total{"), "{text}");
     assert!(
         text.contains("kvroute_picker_decision_seconds_bucket"),
         "{text}"
     );
-    let dbg: Value = c
-        .get(format!("http://{}/debug/endpoints", picker.addrs.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let dbg: Value =
+        kvroute_testkit::get_json(&c, format!("http://{}/debug/endpoints", picker.addrs.admin))
+            .await;
     assert_eq!(dbg["endpoints"][0]["state"], "ready");
     assert!(dbg["endpoints"][0]["cached_blocks"].as_u64().is_some());
     picker.shutdown().await;

@@ -135,14 +135,7 @@ async fn errors_the_real_engine_cannot_show() {
         )
         .await;
         assert_eq!((s, v["model"].as_str()), (200, Some("sql")));
-        let models: Value = client()
-            .get(url(a.http, "/v1/models"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let models: Value = kvroute_testkit::get_json(&client(), url(a.http, "/v1/models")).await;
         assert_eq!(models["data"][1]["id"], "sql");
         assert_eq!(models["data"][1]["parent"], MODEL);
     })

@@ -287,12 +287,5 @@ pub fn client() -> reqwest::Client {
 
 /// The Prometheus text a picker's metrics listener serves.
 pub async fn metrics_text(addr: SocketAddr) -> String {
-    client()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvroute_testkit::get_text(&client(), format!("http://{addr}/metrics")).await
 }

@@ -158,14 +158,7 @@ pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
 }
 
 pub async fn get_json(addr: SocketAddr, path: &str) -> Value {
-    client()
-        .get(url(addr, path))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    kvroute_testkit::get_json(&client(), url(addr, path)).await
 }
 
 pub fn cached(v: &Value) -> u64 {
@@ -175,14 +168,7 @@ pub fn cached(v: &Value) -> u64 {
 }
 
 pub async fn metrics_text(addr: SocketAddr) -> String {
-    client()
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    kvroute_testkit::get_text(&client(), url(addr, "/metrics")).await
 }
 
 /// The value of the series `name{labels}` exactly as written (vLLM writes `engine` then
