@@ -2,25 +2,32 @@
 //! KV-event batches, resyncs, learned capacities, staleness, routed requests and time run
 //! against the real pool and a plain reference model, compared after every step: who is a
 //! member and in what state, which blocks each endpoint is credited with (by prefix lookups
-//! over every document), whose load is kept, and whether its version moved.
+//! over every document), whose load is kept, and whether its version moved; and, for the
+//! `Pool` around it, in-flight counts, session pins and calibration's pool, with departed
+//! endpoints forgotten by every table.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use kvroute_routing::block_keys::{BlockHasher, BlockKey, ChainRoot};
+use kvroute_routing::config::RoutingConfig;
 use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointState, ModelConfig};
 use kvroute_routing::index::{IndexConfig, PrefixMatch};
+use kvroute_routing::inflight::InflightGuard;
 use kvroute_routing::kv_events::ingest::IngestKeys;
 use kvroute_routing::kv_events::{EventBatch, KvEvent};
 use kvroute_routing::load::EndpointLoad;
-use kvroute_routing::pool_state::{ClearCause, IndexBudget, Membership, PoolMember, PoolState};
+use kvroute_routing::place::{Pool, PoolSettings};
+use kvroute_routing::pool_state::{ClearCause, IndexBudget, Membership, PoolMember};
+use kvroute_routing::router::Router;
 use proptest::prelude::*;
 
 const ENDPOINTS: u8 = 4;
 /// Fewer than `ENDPOINTS`, so that some views are refused.
 const MAX_ENDPOINTS: usize = 3;
 const DOCS: u8 = 3;
+const SESSIONS: u8 = 3;
 const BLOCKS: u8 = 6;
 const BLOCK_SIZE: u32 = 4;
 const MODEL: &str = "m";
@@ -31,6 +38,10 @@ const BUDGET: IndexBudget = IndexBudget {
     // below the default's 5 × 2: precise endpoints are often clamped
     max_blocks_per_endpoint: 8,
 };
+
+fn session_key(s: u8) -> u64 {
+    Router::session_key(None, Some(&format!("s{s}"))).expect("a session")
+}
 
 fn id(n: u8) -> EndpointId {
     EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, n)), 8000, 0)
@@ -83,6 +94,12 @@ enum Op {
     Stale(u8, bool),
     Routed(u8, u8, u8),
     Advance(u64),
+    /// A request sent to an endpoint (member or not) begins.
+    Begin(u8),
+    /// The `k`-th oldest request still in flight ends.
+    End(usize),
+    /// Session `s` is served by endpoint `n`.
+    Pin(u8, u8),
 }
 
 fn member() -> impl Strategy<Value = Member> {
@@ -124,6 +141,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..ENDPOINTS, any::<bool>()).prop_map(|(n, s)| Op::Stale(n, s)),
         4 => (0..ENDPOINTS, 0..DOCS, 1..=BLOCKS).prop_map(|(n, d, len)| Op::Routed(n, d, len)),
         1 => (0u64..40).prop_map(Op::Advance),
+        2 => (0..ENDPOINTS).prop_map(Op::Begin),
+        1 => (0usize..8).prop_map(Op::End),
+        2 => (0..SESSIONS, 0..ENDPOINTS).prop_map(|(s, n)| Op::Pin(s, n)),
     ]
 }
 
@@ -379,8 +399,19 @@ proptest! {
 
     #[test]
     fn the_pool_state_matches_its_reference_model(ops in prop::collection::vec(op(), 1..60)) {
-        let pool = PoolState::new(IndexConfig { max_endpoints: MAX_ENDPOINTS }, BUDGET);
+        let settings = PoolSettings {
+            index: IndexConfig { max_endpoints: MAX_ENDPOINTS },
+            budget: BUDGET,
+            ..PoolSettings::default()
+        };
+        let whole = Pool::new(settings, Router::new(RoutingConfig::default()));
+        let pool = whole.state();
         let mut version = pool.version();
+        // requests in flight: (endpoint, the endpoint's membership epoch then, guard); an
+        // endpoint that leaves starts a new epoch, and what began before it counts no more
+        let mut inflight: Vec<(u8, u32, InflightGuard)> = Vec::new();
+        let mut epochs: BTreeMap<u8, u32> = BTreeMap::new();
+        let mut pins: BTreeMap<u8, u8> = BTreeMap::new();
         let config = Arc::new(ModelConfig::new("c", MODEL));
         let keys = IngestKeys { hasher: BlockHasher::new(BLOCK_SIZE), model: MODEL };
         let docs: Vec<Vec<BlockKey>> = (0..DOCS).map(doc_keys).collect();
@@ -391,12 +422,17 @@ proptest! {
                 Op::View(view) => {
                     let view = dedup(view);
                     let published = std::cell::Cell::new(false);
-                    let got = pool
+                    let got = whole
                         .apply_view(members(&view, &config), || published.set(true))
                         .ok();
                     let want = model.view(&view);
                     prop_assert_eq!(published.get(), want.is_some(), "publish runs once a view is accepted");
                     wakes = want.is_some();
+                    // a departed endpoint is forgotten by every table
+                    for gone in want.iter().flat_map(|m| &m.removed) {
+                        *epochs.entry(number(gone)).or_default() += 1;
+                        pins.retain(|_, n| *n != number(gone));
+                    }
                     prop_assert_eq!(got, want);
                 }
                 Op::Batch(n, events) => {
@@ -454,6 +490,19 @@ proptest! {
                     pool.record_routed(&id(n), &docs[usize::from(d)][..usize::from(len)], model.now);
                     model.routed(n, d, len);
                 }
+                Op::Begin(n) => {
+                    let epoch = epochs.get(&n).copied().unwrap_or_default();
+                    inflight.push((n, epoch, whole.begin(id(n), 4, 4, true)));
+                }
+                Op::End(k) => {
+                    if !inflight.is_empty() {
+                        drop(inflight.remove(k % inflight.len()));
+                    }
+                }
+                Op::Pin(s, n) => {
+                    whole.pin(session_key(s), id(n));
+                    pins.insert(s, n);
+                }
                 Op::Advance(dt) => {
                     model.now += dt;
                     pool.expire(model.now);
@@ -466,7 +515,25 @@ proptest! {
             prop_assert_eq!(now_version != version, wakes, "the version moves exactly on a change");
             version = now_version;
 
-            // after every step: members and states, credited blocks, loads
+            // after every step: in-flight counts, pins, calibration's pool
+            for n in 0..ENDPOINTS {
+                let epoch = epochs.get(&n).copied().unwrap_or_default();
+                let want = inflight.iter().filter(|(m, e, _)| *m == n && *e == epoch).count() as u64;
+                prop_assert_eq!(whole.inflight().get(&id(n)).requests, want, "in flight on {}", n);
+            }
+            for s in 0..SESSIONS {
+                prop_assert_eq!(whole.pinned(session_key(s)), pins.get(&s).map(|&n| id(n)), "session {}", s);
+            }
+            let calibrated: BTreeSet<u8> = whole
+                .calibration()
+                .read()
+                .statuses()
+                .map(|(e, _)| number(&e))
+                .collect();
+            let members_now: BTreeSet<u8> = model.members.keys().copied().collect();
+            prop_assert_eq!(calibrated, members_now, "calibration follows the pool");
+
+            // members and states, credited blocks, loads
             let read = pool.read();
             let states: BTreeMap<u8, EndpointState> = read
                 .endpoints
