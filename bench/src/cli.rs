@@ -593,7 +593,7 @@ fn run_offline_parallel(
                     let Some(&p) = policies.get(i) else { break };
                     let pb = multi.add(progress_bar(total, &p.name(), hide_progress));
                     let mut last = 0;
-                    let r = offline::run(workload, p, opts, &mut |done, _| {
+                    let r = offline::run(workload, p, &p.options(opts), &mut |done, _| {
                         if done != last && (done % 64 == 0 || done == total) {
                             pb.set_position(done as u64);
                             last = done;
@@ -664,6 +664,8 @@ pub async fn run_policies_jobs(
             format!("{} #{}", p.name(), round + 1)
         };
         let pb = progress_bar(total, &name, hide_progress);
+        let popts = p.options(opts);
+        let opts = &*popts;
         let run = match mode {
             Mode::Offline => {
                 let mut last = 0;

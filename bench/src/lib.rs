@@ -181,6 +181,10 @@ pub struct PolicySpec {
     /// `routing.costModel.calibrate` for this run (`cost-model-static`: off); `None` keeps
     /// the configured one.
     pub calibrate: Option<bool>,
+    /// Send the session header with this policy's requests whatever `--session-header` says:
+    /// `sticky-least-load` and `sticky-round-robin` (the load-only baselines keep a session
+    /// where it was served), and `session-hash` (which hashes it).
+    pub sessions: bool,
 }
 
 impl From<Strategy> for PolicySpec {
@@ -189,6 +193,7 @@ impl From<Strategy> for PolicySpec {
             strategy,
             recompute_weight: None,
             calibrate: None,
+            sessions: strategy == Strategy::SessionHash,
         }
     }
 }
@@ -198,11 +203,26 @@ impl PolicySpec {
     pub fn name(&self) -> String {
         let base = match self.calibrate {
             Some(false) => format!("{}-static", self.strategy.as_str()),
+            _ if self.sessions && self.strategy != Strategy::SessionHash => {
+                format!("sticky-{}", self.strategy.as_str())
+            }
             _ => self.strategy.as_str().into(),
         };
         match self.recompute_weight {
             Some(w) => format!("{base}:{w}"),
             None => base,
+        }
+    }
+
+    /// The run's options: `opts`, with the session header on when this policy sends it.
+    pub fn options<'o>(&self, opts: &'o BenchOptions) -> std::borrow::Cow<'o, BenchOptions> {
+        if self.sessions && !opts.session_header {
+            std::borrow::Cow::Owned(BenchOptions {
+                session_header: true,
+                ..opts.clone()
+            })
+        } else {
+            std::borrow::Cow::Borrowed(opts)
         }
     }
 
@@ -242,6 +262,18 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             Some((s, w)) => (s, Some(w)),
             None => (name, None),
         };
+        // `sticky-least-load`, `sticky-round-robin`: the baseline with the session header
+        let (strategy, sticky) = match strategy.strip_prefix("sticky-") {
+            Some(s)
+                if matches!(
+                    Strategy::from_cli(s),
+                    Some(Strategy::LeastLoad | Strategy::RoundRobin)
+                ) =>
+            {
+                (s, true)
+            }
+            _ => (strategy, false),
+        };
         // `cost-model-static`: the cost model with the configured constants only
         let (strategy, calibrate) = match strategy.strip_suffix("-static") {
             Some(s) if Strategy::from_cli(s) == Some(Strategy::CostModel) => (s, Some(false)),
@@ -251,7 +283,8 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             format!(
                 "unknown policy {name:?}: expected cost-model[:RECOMPUTE_WEIGHT], \
                  cost-model-static[:RECOMPUTE_WEIGHT] (not calibrated), weighted, cache-aware, \
-                 kv-cost, least-load, round-robin, random"
+                 kv-cost, least-load, round-robin, random, session-hash, sticky-least-load, \
+                 sticky-round-robin"
             )
         })?;
         let recompute_weight = match weight {
@@ -272,6 +305,7 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             strategy,
             recompute_weight,
             calibrate,
+            sessions: sticky || strategy == Strategy::SessionHash,
         };
         if !out.contains(&spec) {
             out.push(spec);
@@ -304,5 +338,30 @@ mod tests {
         assert!(parse_policies("least-load:3").is_err());
         assert!(parse_policies("cost-model:-1").is_err());
         assert!(parse_policies(" , ").is_err());
+    }
+
+    #[test]
+    fn sticky_baselines_and_session_hash_send_the_session_header() {
+        let p = parse_policies("sticky-least-load,sticky-round-robin,session-hash,least-load")
+            .expect("valid");
+        let names: Vec<String> = p.iter().map(PolicySpec::name).collect();
+        assert_eq!(
+            names,
+            [
+                "sticky-least-load",
+                "sticky-round-robin",
+                "session-hash",
+                "least-load"
+            ]
+        );
+        let sessions: Vec<bool> = p.iter().map(|s| s.sessions).collect();
+        assert_eq!(sessions, [true, true, true, false]);
+        let opts = BenchOptions::default();
+        assert!(p[0].options(&opts).session_header);
+        assert!(!p[3].options(&opts).session_header);
+        assert!(
+            parse_policies("sticky-cost-model").is_err(),
+            "only the load-only baselines"
+        );
     }
 }

@@ -11,7 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// How the picker chooses among eligible endpoints: `CostModel` (default), `Weighted`,
-/// `LeastLoad`, `RoundRobin`, `Random`, `CacheAware` or `KvCost`.
+/// `LeastLoad`, `RoundRobin`, `Random`, `CacheAware`, `KvCost` or `SessionHash`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 pub enum Strategy {
     /// Estimate each endpoint's time-to-first-token (queued prefill work ahead of the request
@@ -34,6 +34,11 @@ pub enum Strategy {
     /// Dynamo-router style cost: `overlapWeight * prefill blocks + decode blocks`, chosen by
     /// softmax sampling with `temperature` (0 = always the minimum).
     KvCost,
+    /// Consistent (rendezvous) hashing of the session (`sessionHeader`, within its tenant;
+    /// a request without one hashes its first block): a session stays on one endpoint while
+    /// the set holds, and only the sessions of an endpoint that leaves move. Ignores load and
+    /// cache. A baseline: what agentic deployments of other routers run.
+    SessionHash,
 }
 
 impl Strategy {
@@ -46,6 +51,7 @@ impl Strategy {
             Self::Random => "random",
             Self::CacheAware => "cache-aware",
             Self::KvCost => "kv-cost",
+            Self::SessionHash => "session-hash",
         }
     }
 
@@ -59,6 +65,7 @@ impl Strategy {
             Self::Random,
             Self::CacheAware,
             Self::KvCost,
+            Self::SessionHash,
         ]
         .into_iter()
         .find(|k| k.as_str() == s)

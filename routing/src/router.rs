@@ -372,6 +372,7 @@ impl Router {
             prompt_blocks: req.keys.len() as u32,
             block_size: req.model_config.block_size.max(1),
             request_hash: req.keys.first().copied().unwrap_or(req.fallback_hash),
+            session: Self::session_key(req.tenant, req.session),
             turn,
         };
         let mut scores = vec![0.0; eligible.len()];

@@ -95,6 +95,33 @@ impl Policy for RandomPolicy {
     }
 }
 
+/// Consistent hashing of the session: the endpoint with the highest rendezvous hash of (the
+/// session key, or the request's hash without one, and the endpoint).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SessionHash;
+
+impl Policy for SessionHash {
+    fn name(&self) -> &'static str {
+        "session-hash"
+    }
+
+    fn uses_balance_guard(&self) -> bool {
+        false
+    }
+
+    fn places_by_cache(&self) -> bool {
+        false
+    }
+
+    fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
+        let key = req.session.unwrap_or(req.request_hash);
+        for (c, s) in cands.iter().zip(scores.iter_mut()) {
+            // 53 bits: exact in an f64, so the order is the hash's
+            *s = (super::rendezvous(key, &c.endpoint) >> 11) as f64;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::Features;
@@ -152,5 +179,39 @@ mod tests {
         // a turn asked twice gets the same draw: asking changes nothing
         let p = RandomPolicy::new(7);
         assert_eq!(pick(&p, &turn(5), &cands), pick(&p, &turn(5), &cands));
+    }
+
+    #[test]
+    fn session_hash_keeps_a_session_on_one_endpoint_and_moves_only_a_departed_ones() {
+        let all: Vec<_> = (1..=4).map(|n| cand(n, Features::default())).collect();
+        let session = |s: u64| RequestFacts {
+            session: Some(s),
+            ..req(16)
+        };
+        let placed: Vec<crate::endpoint::EndpointId> = (0..64)
+            .map(|s| pick(&SessionHash, &session(s), &all))
+            .collect();
+        // every turn of a session lands where its first did, whatever the request
+        for s in 0..64 {
+            let other_turn = RequestFacts {
+                request_hash: s * 7 + 1,
+                ..session(s)
+            };
+            assert_eq!(pick(&SessionHash, &other_turn, &all), placed[s as usize]);
+        }
+        let used: std::collections::BTreeSet<_> = placed.iter().collect();
+        assert_eq!(used.len(), 4, "sessions spread over every endpoint");
+        // endpoint 2 leaves: only its sessions move
+        let three: Vec<_> = all
+            .iter()
+            .copied()
+            .filter(|c| c.endpoint != ep(2))
+            .collect();
+        for s in 0..64 {
+            let now = pick(&SessionHash, &session(s), &three);
+            if placed[s as usize] != ep(2) {
+                assert_eq!(now, placed[s as usize], "session {s} moved");
+            }
+        }
     }
 }

@@ -14,7 +14,7 @@ mod weighted;
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub use baselines::{LeastLoad, RandomPolicy, RoundRobin};
+pub use baselines::{LeastLoad, RandomPolicy, RoundRobin, SessionHash};
 pub use cache_aware::CacheAware;
 pub use cost_model::{
     CostModel, decode_step_ms, estimated_ttft_ms, learned_prefill_ms, prefill_ms,
@@ -37,6 +37,8 @@ pub struct RequestFacts {
     /// A hash of the request (its first block key, or of its text): tie-breaks and sampling
     /// derive from it so every replica decides alike for the same request.
     pub request_hash: u64,
+    /// The request's session key (its id within its tenant), when it names one.
+    pub session: Option<u64>,
     /// How many placements the pool has recorded before this one: round robin's turn and the
     /// random policy's draw derive from it, so a policy holds no state of its own and asking
     /// where a request would go changes nothing.
@@ -126,6 +128,12 @@ pub trait Policy: Send + Sync {
 
 /// Rendezvous hash of a request and an endpoint.
 pub fn tie_break(req: &RequestFacts, e: &EndpointId) -> u64 {
+    rendezvous(req.request_hash, e)
+}
+
+/// Rendezvous hash of `key` and an endpoint: every key ranks the endpoints its own way, the
+/// same in every replica, and an endpoint leaving moves only the keys it ranked first.
+pub fn rendezvous(key: u64, e: &EndpointId) -> u64 {
     let mut buf = [0u8; 22];
     match e.address {
         std::net::IpAddr::V4(a) => buf[..4].copy_from_slice(&a.octets()),
@@ -133,7 +141,7 @@ pub fn tie_break(req: &RequestFacts, e: &EndpointId) -> u64 {
     }
     buf[16..18].copy_from_slice(&e.port.to_le_bytes());
     buf[18..22].copy_from_slice(&e.rank.to_le_bytes());
-    xxh3_64_with_seed(&buf, req.request_hash)
+    xxh3_64_with_seed(&buf, key)
 }
 
 /// Compare two candidates: better score first, then the tie-break.
@@ -176,6 +184,7 @@ pub fn build(config: &RoutingConfig, seed: u64) -> Box<dyn Policy> {
         Strategy::Random => Box::new(RandomPolicy::new(seed)),
         Strategy::CacheAware => Box::new(CacheAware::new(config.balance, config.cache_aware)),
         Strategy::KvCost => Box::new(KvCost::new(config.overlap_weight, config.temperature)),
+        Strategy::SessionHash => Box::new(SessionHash),
     }
 }
 
@@ -194,6 +203,7 @@ pub(crate) mod test_support {
             prompt_blocks: prompt_tokens / 16,
             block_size: 16,
             request_hash: 42,
+            session: None,
             turn: 0,
         }
     }
