@@ -227,40 +227,52 @@ fn bench_decision(c: &mut Criterion) {
                     })
                 },
             );
-            let pool = Pool::new(PoolSettings::default(), Router::new(routing));
-            let members = (0..n)
-                .map(|i| PoolMember {
-                    endpoint: Endpoint::new(endpoint(i), mc.clone()),
-                    precise: true,
-                    kv_capacity_blocks: Some(1 << 20),
-                })
-                .collect();
-            pool.apply_view(members, || {}).expect("view");
-            let keys = IngestKeys {
-                hasher: BlockHasher::new(BLOCK),
-                model: "model",
-            };
-            for i in 0..n {
-                pool.state()
-                    .apply_batch(&endpoint(i), keys, &stored_events(i, n, &prompt))
-                    .expect("precise");
-            }
-            pool.state()
-                .learn_loads((0..n).map(|i| (endpoint(i), load(i))));
-            g.bench_function(
-                BenchmarkId::new(format!("8k_{}_pool", strategy.as_str()), format!("{n}ep")),
-                |b| {
-                    b.iter(|| {
-                        let plan = plan();
-                        let req = plan.route_request(&mc, Scope::default(), false);
-                        let placed = pool.place(&req, 0).ok();
-                        if let Some(p) = &placed {
-                            pool.record(p, &plan.keys, 0);
-                        }
-                        black_box(placed.map(|p| p.decision.endpoint))
+            // the service's default calibrates; `_pool_static` has calibration off, as `_router`
+            for calibrate in [true, false] {
+                let mut routing = routing.clone();
+                routing.cost_model.calibrate = calibrate;
+                let pool = Pool::new(PoolSettings::default(), Router::new(routing));
+                let members = (0..n)
+                    .map(|i| PoolMember {
+                        endpoint: Endpoint::new(endpoint(i), mc.clone()),
+                        precise: true,
+                        kv_capacity_blocks: Some(1 << 20),
                     })
-                },
-            );
+                    .collect();
+                pool.apply_view(members, || {}).expect("view");
+                let keys = IngestKeys {
+                    hasher: BlockHasher::new(BLOCK),
+                    model: "model",
+                };
+                for i in 0..n {
+                    pool.state()
+                        .apply_batch(&endpoint(i), keys, &stored_events(i, n, &prompt))
+                        .expect("precise");
+                }
+                pool.state()
+                    .learn_loads((0..n).map(|i| (endpoint(i), load(i))));
+                g.bench_function(
+                    BenchmarkId::new(
+                        format!(
+                            "8k_{}_pool{}",
+                            strategy.as_str(),
+                            if calibrate { "" } else { "_static" }
+                        ),
+                        format!("{n}ep"),
+                    ),
+                    |b| {
+                        b.iter(|| {
+                            let plan = plan();
+                            let req = plan.route_request(&mc, Scope::default(), false);
+                            let placed = pool.place(&req, 0).ok();
+                            if let Some(p) = &placed {
+                                pool.record(p, &plan.keys, 0);
+                            }
+                            black_box(placed.map(|p| p.decision.endpoint))
+                        })
+                    },
+                );
+            }
         }
     }
     g.finish();
