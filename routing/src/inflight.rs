@@ -90,6 +90,23 @@ impl InflightTracker {
         }
     }
 
+    /// A request counted nowhere: for an endpoint that is no longer tracked (it left between
+    /// its placement and its sending), so that no entry outlives the endpoint.
+    pub fn begin_detached(prompt_tokens: u64, uncached_tokens: u64) -> InflightGuard {
+        let c = Arc::new(Counters::default());
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        c.pending_requests.fetch_add(1, Ordering::Relaxed);
+        c.pending_tokens
+            .fetch_add(uncached_tokens, Ordering::Relaxed);
+        InflightGuard {
+            counters: c,
+            prompt_tokens,
+            uncached_tokens,
+            pending: true,
+        }
+    }
+
     /// Whether a request with a full block was begun on `id` ([`InflightTracker::begin_blocks`]).
     pub fn full_block_sent(&self, id: &EndpointId) -> bool {
         self.by_endpoint

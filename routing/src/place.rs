@@ -287,7 +287,8 @@ impl Pool {
 
     /// Count a request of `prompt_tokens` (`uncached_tokens` of them to prefill) sent to
     /// `endpoint` until the guard drops; `has_blocks`: the prompt has a full KV block (see
-    /// [`InflightTracker::begin_blocks`]).
+    /// [`InflightTracker::begin_blocks`]). An endpoint that is no longer a member (it left
+    /// after the request was placed) is counted nowhere, so no entry outlives it.
     pub fn begin(
         &self,
         endpoint: EndpointId,
@@ -295,6 +296,9 @@ impl Pool {
         uncached_tokens: u64,
         has_blocks: bool,
     ) -> InflightGuard {
+        if self.state.endpoints().get(&endpoint).is_none() {
+            return InflightTracker::begin_detached(prompt_tokens, uncached_tokens);
+        }
         self.inflight
             .begin_blocks(endpoint, prompt_tokens, uncached_tokens, has_blocks)
     }

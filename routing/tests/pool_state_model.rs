@@ -3,8 +3,8 @@
 //! against the real pool and a plain reference model, compared after every step: who is a
 //! member and in what state, which blocks each endpoint is credited with (by prefix lookups
 //! over every document), whose load is kept, and whether its version moved; and, for the
-//! `Pool` around it, in-flight counts, session pins and calibration's pool, with departed
-//! endpoints forgotten by every table.
+//! `Pool` around it, in-flight counts (a request sent to a non-member counted nowhere),
+//! session pins and calibration's pool, with departed endpoints forgotten by every table.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
@@ -491,7 +491,12 @@ proptest! {
                     model.routed(n, d, len);
                 }
                 Op::Begin(n) => {
-                    let epoch = epochs.get(&n).copied().unwrap_or_default();
+                    // a non-member's request is counted nowhere (no entry outlives an endpoint)
+                    let epoch = if model.members.contains_key(&n) {
+                        epochs.get(&n).copied().unwrap_or_default()
+                    } else {
+                        u32::MAX
+                    };
                     inflight.push((n, epoch, whole.begin(id(n), 4, 4, true)));
                 }
                 Op::End(k) => {
