@@ -217,7 +217,7 @@ fn bench_decision(c: &mut Criterion) {
                             now_ms: 0,
                             ejected: &[],
                             calibration: None,
-                            sessions: None,
+                            pinned: None,
                             turn: 0,
                         };
                         let req = plan.route_request(&mc, Scope::default(), false);

@@ -233,10 +233,11 @@ impl Pool {
         let router = self.router.load();
         let calibrating = router.config().cost_model.calibrate;
         let ejected = self.outliers.lock().ejected(now_ms);
+        let session_key = Router::session_key(req.tenant, req.session);
+        let pinned = session_key.and_then(|k| self.pinned(k));
         let decision = {
             let pool = self.state.read();
             let calibration = self.calibration.read();
-            let sessions = self.sessions.lock();
             let ctx = RouteContext {
                 endpoints: &pool.endpoints,
                 index: pool.index(),
@@ -245,7 +246,7 @@ impl Pool {
                 now_ms,
                 ejected: &ejected,
                 calibration: calibrating.then_some(&*calibration),
-                sessions: Some(&sessions),
+                pinned,
                 turn: self.turn(),
             };
             router.decide(&ctx, req)?
@@ -258,7 +259,7 @@ impl Pool {
         let ttft_basis = (calibrating && decision.endpoint == chosen)
             .then(|| crate::policy::ttft_basis(&router.config().cost_model, &decision.features));
         Ok(Placement {
-            session_key: Router::session_key(req.tenant, req.session),
+            session_key,
             decision,
             ttft_basis,
         })

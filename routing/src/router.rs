@@ -144,8 +144,9 @@ pub struct RouteContext<'a> {
     /// The cost model's per-endpoint calibration; `None` (calibration off) leaves every
     /// candidate on the configured one.
     pub calibration: Option<&'a Calibration>,
-    /// Where sessions are pinned; `None`: no pins.
-    pub sessions: Option<&'a SessionTable>,
+    /// Where the request's session is pinned, if it has a session and a pin (the pool reads
+    /// it before deciding, so no lock is held across the decision).
+    pub pinned: Option<EndpointId>,
     /// Placements recorded so far (the policies' [`RequestFacts::turn`]).
     pub turn: u64,
 }
@@ -231,8 +232,7 @@ impl Router {
         req: &RouteRequest<'_>,
     ) -> Result<Decision, RouteError> {
         let (pool, failed_open) = self.eligible(ctx, req)?;
-        let session_key = Self::session_key(req.tenant, req.session);
-        let pinned = session_key.and_then(|k| ctx.sessions.and_then(|t| t.peek(k)));
+        let pinned = ctx.pinned;
         let cands = features(ctx, req, &pool, failed_open, pinned);
         let overloaded = self.overloaded(&cands);
         // a pin holds only while its endpoint is not overloaded, for every policy
@@ -565,7 +565,8 @@ mod tests {
             calibrated: bool,
         ) -> Result<Decision, RouteError> {
             let snap = self.set.load();
-            let sessions = self.sessions.lock();
+            let pinned =
+                Router::session_key(None, session).and_then(|k| self.sessions.lock().peek(k));
             let ctx = RouteContext {
                 endpoints: &snap,
                 index: &self.index,
@@ -574,7 +575,7 @@ mod tests {
                 now_ms: 0,
                 ejected: &[],
                 calibration: calibrated.then_some(&self.calibration),
-                sessions: Some(&sessions),
+                pinned,
                 turn: 0,
             };
             let req = RouteRequest {
@@ -589,7 +590,6 @@ mod tests {
                 explain: true,
             };
             let d = r.decide(&ctx, &req)?;
-            drop(sessions);
             // served where it was decided: the session is pinned there
             if let Some(k) = Router::session_key(None, session) {
                 self.sessions.lock().set(k, d.endpoint);
@@ -657,7 +657,7 @@ mod tests {
                 now_ms: 0,
                 ejected: &[],
                 calibration: None,
-                sessions: None,
+                pinned: None,
                 turn: 0,
             };
             let req = RouteRequest {
@@ -858,7 +858,7 @@ mod tests {
             now_ms: 0,
             ejected: &[],
             calibration: None,
-            sessions: None,
+            pinned: None,
             turn: 0,
         };
         let subset = [SocketAddr::new(ids[1].address, 8000)];
@@ -904,7 +904,7 @@ mod tests {
                 now_ms: 0,
                 ejected,
                 calibration: None,
-                sessions: None,
+                pinned: None,
                 turn: 0,
             };
             let req = RouteRequest {
