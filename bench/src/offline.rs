@@ -271,7 +271,7 @@ impl<'a> Sim<'a> {
             return false;
         }
         // the simulated engine serves it where it goes: the session is pinned there
-        self.pool.served(&placement, endpoint);
+        self.pool.served(&placement, endpoint, t as u64);
         self.inflight.insert(
             issue.id,
             InFlight {

@@ -582,6 +582,18 @@ async fn models_health_and_metrics() {
         text.contains("kvroute_picker_decision_seconds_bucket"),
         "{text}"
     );
+    // every member has a working-set gauge (nothing is pinned: no session header), and the
+    // reuse horizon starts at its default minute
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("kvroute_picker_working_set_tokens{") && l.ends_with(" 0")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l == "kvroute_picker_session_reuse_horizon_seconds 60.0"),
+        "{text}"
+    );
     let dbg: Value =
         kvroute_testkit::get_json(&c, format!("http://{}/debug/endpoints", picker.addrs.admin))
             .await;

@@ -98,6 +98,8 @@ pub struct Placement {
     pub decision: Decision,
     /// The session's pin key, when the request names a session.
     pub session_key: Option<u64>,
+    /// The request's prompt tokens (what its session's next turn will reuse).
+    pub prompt_tokens: u32,
     /// What the cost model's TTFT estimate for the chosen endpoint rested on, while
     /// calibration is on and the in-flight cap did not move the request: its first token is
     /// measured against it.
@@ -258,8 +260,20 @@ impl Pool {
             .ok_or(PlaceError::Shed { cap })?;
         let ttft_basis = (calibrating && decision.endpoint == chosen)
             .then(|| crate::policy::ttft_basis(&router.config().cost_model, &decision.features));
+        let mut decision = decision;
+        if req.explain && !decision.candidates.is_empty() {
+            let sets: hashbrown::HashMap<String, u64> = self
+                .working_sets(now_ms)
+                .into_iter()
+                .map(|(e, t)| (e.to_string(), t))
+                .collect();
+            for c in &mut decision.candidates {
+                c.working_set_tokens = Some(sets.get(&c.endpoint).copied().unwrap_or(0));
+            }
+        }
         Ok(Placement {
             session_key,
+            prompt_tokens: req.prompt_tokens,
             decision,
             ttft_basis,
         })
@@ -273,17 +287,29 @@ impl Pool {
             .record_routed(&placement.decision.endpoint, keys, now_ms);
     }
 
-    /// `endpoint` answered `placement`'s request: its session, if it has one, is pinned there,
-    /// wherever the in-flight cap, a fallback or a retry sent it.
-    pub fn served(&self, placement: &Placement, endpoint: EndpointId) {
+    /// `endpoint` answered `placement`'s request at `now_ms`: its session, if it has one, is
+    /// pinned there, wherever the in-flight cap, a fallback or a retry sent it, with the
+    /// prompt's size (its working set) and the time (the reuse horizon learns the gap).
+    pub fn served(&self, placement: &Placement, endpoint: EndpointId, now_ms: u64) {
         if let Some(key) = placement.session_key {
-            self.pin(key, endpoint);
+            self.pin(key, endpoint, u64::from(placement.prompt_tokens), now_ms);
         }
     }
 
-    /// Pin session `key` to `endpoint` (see [`Pool::served`]).
-    pub fn pin(&self, key: u64, endpoint: EndpointId) {
-        self.sessions.lock().set(key, endpoint);
+    /// Pin session `key` to `endpoint`, served a prompt of `tokens` at `now_ms` (see
+    /// [`Pool::served`]).
+    pub fn pin(&self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
+        self.sessions.lock().served(key, endpoint, tokens, now_ms);
+    }
+
+    /// Each endpoint's working set at `now_ms` (see [`SessionTable::working_sets`]).
+    pub fn working_sets(&self, now_ms: u64) -> hashbrown::HashMap<EndpointId, u64> {
+        self.sessions.lock().working_sets(now_ms)
+    }
+
+    /// How long a session's context is taken to stay wanted ([`crate::session::ReuseHorizon`]).
+    pub fn reuse_horizon_ms(&self) -> u64 {
+        self.sessions.lock().horizon_ms()
     }
 
     /// Count a request of `prompt_tokens` (`uncached_tokens` of them to prefill) sent to
@@ -429,7 +455,7 @@ mod tests {
             "a turn was taken"
         );
         let pinned = pool.place(&request(&mc, Some("s")), 0).expect("placed");
-        pool.served(&pinned, id(3));
+        pool.served(&pinned, id(3), 0);
         let key = pinned.session_key.expect("a session");
         pool.set_router(Router::new(RoutingConfig {
             strategy: Strategy::RoundRobin,

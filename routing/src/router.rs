@@ -60,6 +60,9 @@ pub struct CandidateExplain {
     /// The policy's score; `None` for candidates the balance guard removed.
     pub score: Option<f64>,
     pub overloaded: bool,
+    /// Prompt tokens of the live sessions pinned to the endpoint (its working set, against
+    /// `features.kv_capacity_blocks`); filled by the pool (`place::Pool::place`).
+    pub working_set_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -490,6 +493,7 @@ fn explain(cands: &[Candidate], overloaded: &[bool], scores: &[f64]) -> Vec<Cand
             features: c.features,
             score: if o { None } else { ranked.next().copied() },
             overloaded: o,
+            working_set_tokens: None,
         })
         .collect()
 }

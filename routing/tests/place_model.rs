@@ -2,7 +2,8 @@
 //! or approximate, cached prefixes, loads, in-flight requests, pinned sessions, ejections,
 //! learned costs, every strategy) and random requests (documents, sessions, tenants, gateway
 //! subsets, explanations), `place` changes nothing a later decision could see — the index,
-//! the loads, the in-flight counts, the pins, the turn, calibration, ejections — and asking
+//! the loads, the in-flight counts, the pins and working sets, the turn, calibration,
+//! ejections — and asking
 //! twice gives the same answer; `record` and `served` then change exactly what they commit.
 
 use std::collections::BTreeMap;
@@ -213,7 +214,7 @@ fn build(
         }));
     for &(s, t, m) in pins {
         if let Some(key) = Router::session_key(TENANTS[t], Some(SESSIONS[s])) {
-            pool.pin(key, id(m % members.len() as u8 + 1));
+            pool.pin(key, id(m % members.len() as u8 + 1), 64, 1);
         }
     }
     (pool, guards)
@@ -230,6 +231,8 @@ struct Seen {
     pins: Vec<Option<EndpointId>>,
     calibration: BTreeMap<EndpointId, String>,
     ejected: Vec<EndpointId>,
+    working_sets: BTreeMap<EndpointId, u64>,
+    horizon_ms: u64,
 }
 
 fn seen(pool: &Pool, n: usize) -> Seen {
@@ -269,6 +272,8 @@ fn seen(pool: &Pool, n: usize) -> Seen {
             .map(|(e, s)| (e, format!("{s:?}")))
             .collect(),
         ejected: pool.outliers().lock().ejected(0),
+        working_sets: pool.working_sets(10).into_iter().collect(),
+        horizon_ms: pool.reuse_horizon_ms(),
     }
 }
 
@@ -323,11 +328,15 @@ proptest! {
             }
             pool.record(&first, &keys, 0);
             let served = first.decision.fallbacks.first().copied().unwrap_or(first.decision.endpoint);
-            pool.served(&first, served);
+            pool.served(&first, served, 2);
             let after = seen(&pool, n);
             prop_assert_eq!(after.turn, before.turn + 1, "a recorded placement takes one turn");
             if let Some(key) = first.session_key {
                 prop_assert_eq!(pool.pinned(key), Some(served), "pinned where served");
+                prop_assert!(
+                    after.working_sets.get(&served).copied().unwrap_or(0) >= u64::from(first.prompt_tokens),
+                    "the served endpoint's working set holds the session's prompt"
+                );
             }
             let chosen = usize::from(match first.decision.endpoint.address {
                 IpAddr::V4(a) => a.octets()[3],

@@ -505,7 +505,7 @@ proptest! {
                     }
                 }
                 Op::Pin(s, n) => {
-                    whole.pin(session_key(s), id(n));
+                    whole.pin(session_key(s), id(n), 8, model.now);
                     pins.insert(s, n);
                 }
                 Op::Advance(dt) => {

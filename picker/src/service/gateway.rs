@@ -35,8 +35,10 @@ struct Pending {
     /// Set when the gateway fell back from the chosen endpoint: charged to it once the
     /// fallback's status shows the request itself was not failing.
     primary_failed: bool,
-    /// The request's session, pinned to the endpoint that serves it with a success.
+    /// The request's session, pinned to the endpoint that serves it with a success, and its
+    /// prompt tokens (the session's working set there).
     session_key: Option<u64>,
+    prompt_tokens: u32,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -128,6 +130,7 @@ impl EndpointPicker for GatewayPicker {
                 stream: parsed.stream,
                 primary_failed: false,
                 session_key: routed.session_key(),
+                prompt_tokens: routed.placement.prompt_tokens,
             },
         );
         Ok(PickOutput {
@@ -159,7 +162,7 @@ impl EndpointPicker for GatewayPicker {
     }
 
     fn on_response_status(&self, request_id: u64, status: u16) {
-        let (endpoint, primary, stream, session) = {
+        let (endpoint, primary, stream, session, tokens) = {
             let mut pending = self.pending.lock();
             let Some(p) = pending.get_mut(&request_id) else {
                 return;
@@ -171,10 +174,13 @@ impl EndpointPicker for GatewayPicker {
                 primary,
                 p.stream,
                 p.session_key,
+                p.prompt_tokens,
             )
         };
         if let Some(key) = session.filter(|_| (200..300).contains(&status)) {
-            self.picker.pool.pin(key, endpoint);
+            self.picker
+                .pool
+                .pin(key, endpoint, u64::from(tokens), self.picker.now_ms());
         }
         let outcome = Outcome::from_status(status);
         if primary.is_some() && outcome != Outcome::Success {

@@ -148,6 +148,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 async fn metrics(State(state): State<AppState>) -> Response {
     state.picker.refresh_outlier_gauges();
     state.picker.refresh_calibration_gauges();
+    state.picker.refresh_working_set_gauges();
     (
         [(
             header::CONTENT_TYPE,

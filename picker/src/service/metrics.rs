@@ -75,6 +75,8 @@ pub struct Metrics {
     pub endpoint_misconfigured: Family<MisconfigLabels, Gauge>,
     pub outlier_ejections: Family<EjectionLabels, Counter>,
     pub outlier_ejected: Family<EndpointLabels, Gauge>,
+    pub working_set_tokens: Family<EndpointLabels, Gauge>,
+    pub session_reuse_horizon_seconds: FloatGauge,
     pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
     pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
     pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
@@ -211,6 +213,18 @@ impl Metrics {
             "1 while passive health keeps the endpoint out of rotation",
             outlier_ejected.clone(),
         );
+        let working_set_tokens = Family::<EndpointLabels, Gauge>::default();
+        registry.register(
+            "working_set_tokens",
+            "Prompt tokens of the live sessions pinned to the endpoint (served within the reuse horizon): what its KV cache must hold for their next turns to hit",
+            working_set_tokens.clone(),
+        );
+        let session_reuse_horizon_seconds = FloatGauge::default();
+        registry.register(
+            "session_reuse_horizon_seconds",
+            "How long a session's context is taken to stay wanted: the 90th percentile of the gaps between a session's turns",
+            session_reuse_horizon_seconds.clone(),
+        );
         let cost_model_overhead_ms = Family::<EndpointLabels, FloatGauge>::default();
         registry.register(
             "cost_model_overhead_ms",
@@ -262,6 +276,8 @@ impl Metrics {
             endpoint_misconfigured,
             outlier_ejections,
             outlier_ejected,
+            working_set_tokens,
+            session_reuse_horizon_seconds,
             cost_model_overhead_ms,
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,

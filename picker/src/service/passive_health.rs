@@ -53,11 +53,32 @@ impl PickerState {
     /// pool view is applied.
     pub(super) fn sync_outlier_pool(&self, departed: &[EndpointId]) {
         for id in departed {
-            self.metrics.outlier_ejected.remove(&EndpointLabels {
+            let labels = EndpointLabels {
                 endpoint: id.to_string(),
-            });
+            };
+            self.metrics.outlier_ejected.remove(&labels);
+            self.metrics.working_set_tokens.remove(&labels);
         }
         self.refresh_outlier_gauges();
+    }
+
+    /// Sessions age out of working sets as time passes: bring the gauges up to date (before
+    /// metrics are served). Every member has its gauge (0 when nothing is pinned there); a
+    /// departed endpoint's goes with it.
+    pub fn refresh_working_set_gauges(&self) {
+        let now = self.now_ms();
+        let sets = self.pool.working_sets(now);
+        for e in self.pool.state().endpoints().endpoints() {
+            self.metrics
+                .working_set_tokens
+                .get_or_create(&EndpointLabels {
+                    endpoint: e.id.to_string(),
+                })
+                .set(sets.get(&e.id).copied().unwrap_or(0) as i64);
+        }
+        self.metrics
+            .session_reuse_horizon_seconds
+            .set(self.pool.reuse_horizon_ms() as f64 / 1000.0);
     }
 
     /// Ejections end by themselves as time passes: bring the per-endpoint gauges up to date

@@ -642,7 +642,7 @@ impl PickerState {
     /// `endpoint` served `routed` (answered with a success): the request's session, if it has
     /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
     pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
-        self.pool.served(&routed.placement, endpoint);
+        self.pool.served(&routed.placement, endpoint, self.now_ms());
     }
 
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
@@ -807,6 +807,24 @@ endpoints:
             next.placement.decision.endpoint, served,
             "the session follows its pin"
         );
+        // the explanation shows each candidate's working set: the session's prompt is on the
+        // endpoint that served it, and nowhere else
+        let working: Vec<(String, Option<u64>)> = next
+            .placement
+            .decision
+            .candidates
+            .iter()
+            .map(|c| (c.endpoint.clone(), c.working_set_tokens))
+            .collect();
+        let prompt = u64::from(forwarded.plan.prompt_tokens);
+        for (endpoint, tokens) in &working {
+            let want = if *endpoint == served.to_string() {
+                prompt
+            } else {
+                0
+            };
+            assert_eq!(*tokens, Some(want), "{endpoint}: {working:?}");
+        }
         // a routing edit rebuilds the policy, not the pins
         let config = PickerConfig::from_yaml(POOL).expect("valid");
         let mut view = view_from_config(&config);
