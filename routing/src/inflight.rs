@@ -77,34 +77,13 @@ impl InflightTracker {
         if full_block && !c.full_block_sent.load(Ordering::Relaxed) {
             c.full_block_sent.store(true, Ordering::Relaxed);
         }
-        c.requests.fetch_add(1, Ordering::Relaxed);
-        c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        c.pending_requests.fetch_add(1, Ordering::Relaxed);
-        c.pending_tokens
-            .fetch_add(uncached_tokens, Ordering::Relaxed);
-        InflightGuard {
-            counters: c,
-            prompt_tokens,
-            uncached_tokens,
-            pending: true,
-        }
+        InflightGuard::start(c, prompt_tokens, uncached_tokens)
     }
 
     /// A request counted nowhere: for an endpoint that is no longer tracked (it left between
     /// its placement and its sending), so that no entry outlives the endpoint.
     pub fn begin_detached(prompt_tokens: u64, uncached_tokens: u64) -> InflightGuard {
-        let c = Arc::new(Counters::default());
-        c.requests.fetch_add(1, Ordering::Relaxed);
-        c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        c.pending_requests.fetch_add(1, Ordering::Relaxed);
-        c.pending_tokens
-            .fetch_add(uncached_tokens, Ordering::Relaxed);
-        InflightGuard {
-            counters: c,
-            prompt_tokens,
-            uncached_tokens,
-            pending: true,
-        }
+        InflightGuard::start(Arc::default(), prompt_tokens, uncached_tokens)
     }
 
     /// Whether a request with a full block was begun on `id` ([`InflightTracker::begin_blocks`]).
@@ -143,6 +122,22 @@ pub struct InflightGuard {
 }
 
 impl InflightGuard {
+    /// Count one request on `counters` until the guard drops.
+    fn start(counters: Arc<Counters>, prompt_tokens: u64, uncached_tokens: u64) -> Self {
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+        counters.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        counters.pending_requests.fetch_add(1, Ordering::Relaxed);
+        counters
+            .pending_tokens
+            .fetch_add(uncached_tokens, Ordering::Relaxed);
+        Self {
+            counters,
+            prompt_tokens,
+            uncached_tokens,
+            pending: true,
+        }
+    }
+
     /// The first token arrived: the request's prefill is no longer queued work.
     pub fn first_token(&mut self) {
         if std::mem::take(&mut self.pending) {
