@@ -275,6 +275,11 @@ pub struct ReplayArgs {
     /// Session format: sessions running at once.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
+    /// Session format, offline: replay at each of these concurrencies in turn (e.g.
+    /// `16,32,48,64,96`, an oversubscription sweep) instead of `--concurrency`; `--report`
+    /// then plots hit rate, p90 TTFT and output throughput against it.
+    #[arg(long, value_delimiter = ',')]
+    pub sweep: Vec<usize>,
     /// Session format: ms between the first sessions' starts.
     #[arg(long, default_value_t = 1000.0)]
     pub stagger_ms: f64,
@@ -793,6 +798,9 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
         workload.requests_per_pass(),
         cluster_text_for(&cluster, &opts.backend)
     );
+    if !a.sweep.is_empty() {
+        return sweep(a, command).await;
+    }
     let runs = match (&a.router, a.mode) {
         (Some(router), Mode::Live) => {
             let engines = match &a.engines_json {
@@ -855,6 +863,61 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
         command,
     };
     output(&runs, &info, a.json.as_ref(), a.report.as_ref())
+}
+
+/// `replay --sweep`: the offline replay at each concurrency, then one report.
+async fn sweep(a: ReplayArgs, command: String) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.mode == Mode::Offline && a.router.is_none(),
+        "--sweep runs offline (--mode offline, no --router)"
+    );
+    anyhow::ensure!(
+        a.sweep.iter().all(|&c| c >= 1),
+        "--sweep concurrencies must be at least 1"
+    );
+    let cluster = a.cluster.cluster()?;
+    let policies = parse_policies(&a.policies).map_err(anyhow::Error::msg)?;
+    let exe = live::self_exe()?;
+    let jobs = a
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
+    let hide = a.no_progress || !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut points = Vec::new();
+    let mut workload_name = String::new();
+    for &c in &a.sweep {
+        let mut at = a.clone();
+        at.concurrency = c;
+        let opts = bench_options(&at, cluster.clone())?;
+        let workload = load_workload(&at)?;
+        anyhow::ensure!(
+            matches!(workload.plan, super::workload::Plan::Concurrent { .. }),
+            "--sweep needs a session format (--format weka)"
+        );
+        eprintln!("concurrency {c}: {}", workload.name);
+        workload_name.clone_from(&workload.name);
+        let runs =
+            run_policies_jobs(&exe, &workload, a.mode, &policies, &opts, hide, jobs.max(1)).await?;
+        println!("concurrency {c}");
+        println!("{}", report::table(&runs));
+        print!("{}", report::notes(&runs));
+        points.push((c, runs));
+    }
+    let info = RunInfo {
+        mode: "offline sweep".into(),
+        workload: workload_name,
+        cluster: cluster_text_for(&cluster, &BenchOptions::default().backend),
+        command,
+    };
+    if let Some(p) = &a.json {
+        let all: Vec<PolicyRun> = points.iter().flat_map(|(_, r)| r.iter().cloned()).collect();
+        report::write_json(p, &all)?;
+        println!("wrote {}", p.display());
+    }
+    if let Some(d) = &a.report {
+        report::write_sweep_html(d, &info, &points)?;
+        println!("wrote {}", d.join("index.html").display());
+    }
+    Ok(())
 }
 
 /// The demo's workload: the generator's defaults over `duration_s`.

@@ -181,6 +181,13 @@ pub struct PolicySpec {
     /// `routing.costModel.calibrate` for this run (`cost-model-static`: off); `None` keeps
     /// the configured one.
     pub calibrate: Option<bool>,
+    /// `routing.costModel.displacementWeight` for this run (`cost-model@W`); `None` keeps the
+    /// configured one. Cache balance counts sessions, so such a run sends the session header.
+    pub displacement_weight: Option<f64>,
+    /// Session admission on, with this `maxWait` in seconds (`cost-model+admit=S`); `None`
+    /// keeps the configured setting. Admission counts sessions: such a run sends the session
+    /// header.
+    pub admit_wait_s: Option<f64>,
     /// Send the session header with this policy's requests whatever `--session-header` says:
     /// `sticky-least-load` and `sticky-round-robin` (the load-only baselines keep a session
     /// where it was served), and `session-hash` (which hashes it).
@@ -193,6 +200,8 @@ impl From<Strategy> for PolicySpec {
             strategy,
             recompute_weight: None,
             calibrate: None,
+            displacement_weight: None,
+            admit_wait_s: None,
             sessions: strategy == Strategy::SessionHash,
         }
     }
@@ -203,13 +212,28 @@ impl PolicySpec {
     pub fn name(&self) -> String {
         let base = match self.calibrate {
             Some(false) => format!("{}-static", self.strategy.as_str()),
-            _ if self.sessions && self.strategy != Strategy::SessionHash => {
+            // the load-only baselines with the session header are sticky; the cost model is
+            // called so when the header is all that is added
+            _ if self.sessions
+                && (matches!(self.strategy, Strategy::LeastLoad | Strategy::RoundRobin)
+                    || (self.strategy == Strategy::CostModel
+                        && self.displacement_weight.is_none()
+                        && self.admit_wait_s.is_none())) =>
+            {
                 format!("sticky-{}", self.strategy.as_str())
             }
             _ => self.strategy.as_str().into(),
         };
-        match self.recompute_weight {
+        let base = match self.recompute_weight {
             Some(w) => format!("{base}:{w}"),
+            None => base,
+        };
+        let base = match self.displacement_weight {
+            Some(w) => format!("{base}@{w}"),
+            None => base,
+        };
+        match self.admit_wait_s {
+            Some(w) => format!("{base}+admit={w}"),
             None => base,
         }
     }
@@ -241,6 +265,13 @@ impl PolicySpec {
         if let Some(c) = self.calibrate {
             r.cost_model.calibrate = c;
         }
+        if let Some(w) = self.displacement_weight {
+            r.cost_model.displacement_weight = w;
+        }
+        if let Some(w) = self.admit_wait_s {
+            r.admission.enabled = true;
+            r.admission.max_wait = std::time::Duration::from_secs_f64(w);
+        }
         r
     }
 
@@ -258,16 +289,42 @@ impl PolicySpec {
 pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (strategy, weight) = match name.split_once(':') {
-            Some((s, w)) => (s, Some(w)),
+        // `...+admit=S`: with session admission, waiting at most S seconds
+        let (name, admit_wait_s) = match name.split_once("+admit=") {
+            Some((n, w)) => (
+                n,
+                Some(
+                    w.parse::<f64>()
+                        .ok()
+                        .filter(|w| w.is_finite() && *w >= 0.001)
+                        .ok_or_else(|| format!("bad admission wait in {name:?}"))?,
+                ),
+            ),
             None => (name, None),
+        };
+        // `cost-model@W`: with cache balance weighted W (and the session header)
+        let (head, displacement_weight) = match name.split_once('@') {
+            Some((h, w)) => (
+                h,
+                Some(
+                    w.parse::<f64>()
+                        .ok()
+                        .filter(|w| w.is_finite() && *w >= 0.0)
+                        .ok_or_else(|| format!("bad displacement weight in {name:?}"))?,
+                ),
+            ),
+            None => (name, None),
+        };
+        let (strategy, weight) = match head.split_once(':') {
+            Some((s, w)) => (s, Some(w)),
+            None => (head, None),
         };
         // `sticky-least-load`, `sticky-round-robin`: the baseline with the session header
         let (strategy, sticky) = match strategy.strip_prefix("sticky-") {
             Some(s)
                 if matches!(
                     Strategy::from_cli(s),
-                    Some(Strategy::LeastLoad | Strategy::RoundRobin)
+                    Some(Strategy::LeastLoad | Strategy::RoundRobin | Strategy::CostModel)
                 ) =>
             {
                 (s, true)
@@ -301,11 +358,21 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
                     .ok_or_else(|| format!("bad recompute weight in {name:?}"))?,
             ),
         };
+        if displacement_weight.is_some() && strategy != Strategy::CostModel {
+            return Err(format!(
+                "{name:?}: only cost-model takes a displacement weight"
+            ));
+        }
         let spec = PolicySpec {
             strategy,
             recompute_weight,
             calibrate,
-            sessions: sticky || strategy == Strategy::SessionHash,
+            displacement_weight,
+            admit_wait_s,
+            sessions: sticky
+                || strategy == Strategy::SessionHash
+                || displacement_weight.is_some()
+                || admit_wait_s.is_some(),
         };
         if !out.contains(&spec) {
             out.push(spec);
@@ -360,8 +427,21 @@ mod tests {
         assert!(p[0].options(&opts).session_header);
         assert!(!p[3].options(&opts).session_header);
         assert!(
-            parse_policies("sticky-cost-model").is_err(),
-            "only the load-only baselines"
+            parse_policies("sticky-weighted").is_err(),
+            "only the load-only baselines and the cost model"
         );
+        // the cost model with the session header, and with cache balance (which needs it)
+        let p = parse_policies("sticky-cost-model,cost-model@4,cost-model:2@0.5").expect("valid");
+        let names: Vec<String> = p.iter().map(PolicySpec::name).collect();
+        assert_eq!(
+            names,
+            ["sticky-cost-model", "cost-model@4", "cost-model:2@0.5"]
+        );
+        assert!(p.iter().all(|s| s.sessions));
+        let base = kvroute_picker::config::RoutingConfig::default();
+        assert_eq!(p[1].routing(&base).cost_model.displacement_weight, 4.0);
+        assert_eq!(p[0].routing(&base).cost_model.displacement_weight, 0.0);
+        assert!(parse_policies("least-load@1").is_err());
+        assert!(parse_policies("cost-model@-1").is_err());
     }
 }

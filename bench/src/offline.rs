@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
+use kvroute_picker::admission::{Admitted, Gate, Ticket, Turn};
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
@@ -43,7 +44,7 @@ use rustc_hash::FxHashMap;
 
 use super::ceiling::Ceilings;
 use super::driver::{Driver, Issue};
-use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
+use super::stats::{self, AdmissionFigures, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
 use super::workload::tokens::{mix64, prompt_tokens};
 use super::{BenchOptions, MODEL, PolicyRun, PolicySpec};
@@ -55,6 +56,8 @@ const MAX_SERIES_POINTS: usize = 2_000;
 enum Event {
     StepEnd(usize),
     Scrape,
+    /// Poll the turns session admission holds (a deadline or a session's context expiring).
+    Admission,
 }
 
 struct Engine {
@@ -70,6 +73,8 @@ struct Engine {
 struct InFlight {
     guard: InflightGuard,
     engine: usize,
+    /// When the driver released it (earlier than `sent_ms` when admission held it).
+    release_ms: f64,
     /// When it was sent, and what the cost model estimated its TTFT on (calibration learns
     /// from its first token, as the service does from a streamed response's first chunk).
     sent_ms: f64,
@@ -100,6 +105,13 @@ struct Sim<'a> {
     ceilings: Ceilings,
     scrapes: u64,
     series_every: u64,
+    /// Turns session admission holds, in arrival order.
+    held: Vec<(Issue, Ticket)>,
+    /// When an `Event::Admission` is scheduled, if one is.
+    admission_check: Option<f64>,
+    /// How long each held turn waited (ms), and how it left the queue.
+    held_waits: Vec<f64>,
+    held_timeouts: usize,
 }
 
 impl<'a> Sim<'a> {
@@ -174,6 +186,10 @@ impl<'a> Sim<'a> {
             ceilings: Ceilings::new(workload.block_tokens, block, c.capacity_tokens()),
             scrapes: 0,
             series_every,
+            held: Vec::new(),
+            admission_check: None,
+            held_waits: Vec::new(),
+            held_timeouts: 0,
         })
     }
 
@@ -196,31 +212,130 @@ impl<'a> Sim<'a> {
         });
     }
 
-    /// Route and submit one request at `t`. Returns `false` when it failed (and must be
-    /// completed in the driver right away).
-    fn dispatch(&mut self, issue: &Issue, t: f64) -> bool {
-        let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
-        self.ceilings.observe(&issue.hash_ids, issue.input_len);
-        let session = self
-            .opts
+    fn session(&self, issue: &Issue) -> Option<String> {
+        self.opts
             .session_header
-            .then(|| format!("s{}", issue.session));
-        let started = self.opts.time_decisions.then(Instant::now);
-        // the request as the service would plan it: no tenant or client salt, no adapter
-        let plan = RequestPlan::new(PlanInput {
+            .then(|| format!("s{}", issue.session))
+    }
+
+    /// The request as the service would plan it: no tenant or client salt, no adapter.
+    fn plan(
+        &self,
+        issue: &Issue,
+        tokens: &[u32],
+        session: Option<&str>,
+    ) -> Result<RequestPlan, String> {
+        RequestPlan::new(PlanInput {
             config: &self.model_config,
             lora: None,
-            tokens: &tokens,
+            tokens,
             token_kind: TokenKind::Tokens,
             char_chunk_tokens: self.model_config.block_size,
             tenant_salt: None,
             client_salt: None,
-            session: session.as_deref(),
+            session,
             request_bytes: &issue.id.to_le_bytes(),
             max_prompt_tokens: self.limits.max_prompt_tokens,
-        });
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    /// A released request at `t`: held by session admission when its session does not fit
+    /// (as the service's gate holds it), else sent. Returns `false` when it failed (and must
+    /// be completed in the driver right away).
+    fn dispatch(&mut self, issue: &Issue, t: f64) -> bool {
+        if self.admission_holds(issue, t) {
+            return true;
+        }
+        self.send(issue, t, None)
+    }
+
+    /// Whether the gate holds `issue` (it then waits in the pool's admission queue).
+    fn admission_holds(&mut self, issue: &Issue, t: f64) -> bool {
+        if !self.pool.router().config().admission.enabled {
+            return false;
+        }
+        let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
+        let session = self.session(issue);
+        let Ok(plan) = self.plan(issue, &tokens, session.as_deref()) else {
+            return false;
+        };
+        let req = plan.route_request(&self.model_config, Scope::default(), false);
+        if !matches!(self.pool.gate(&req, t as u64), Gate::Hold(_)) {
+            return false;
+        }
+        let Some(ticket) = self.pool.join_admission(t as u64) else {
+            return false;
+        };
+        self.held.push((issue.clone(), ticket));
+        self.schedule_admission_check();
+        true
+    }
+
+    fn schedule_admission_check(&mut self) {
+        if let Some(at) = self.pool.next_admission_check() {
+            let at = at as f64;
+            if self.admission_check.is_none_or(|s| at < s) {
+                self.admission_check = Some(at);
+                self.push(at, Event::Admission);
+            }
+        }
+    }
+
+    /// Poll the held turns in arrival order at `t`; the ones admitted are returned to be sent.
+    fn admit_waiting(&mut self, t: f64) -> Vec<(Issue, Option<Ticket>)> {
+        let mut out = Vec::new();
+        if self.held.is_empty() {
+            return out;
+        }
+        let held = std::mem::take(&mut self.held);
+        for (issue, ticket) in held {
+            let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
+            let session = self.session(&issue);
+            let turn = match self.plan(&issue, &tokens, session.as_deref()) {
+                Ok(plan) => {
+                    let req = plan.route_request(&self.model_config, Scope::default(), false);
+                    self.pool.poll_admission(ticket, &req, t as u64)
+                }
+                Err(_) => {
+                    self.pool.admission().lock().leave(ticket);
+                    Turn::Admit(Admitted::NoSession)
+                }
+            };
+            match turn {
+                Turn::Admit(why) => {
+                    self.held_waits.push(t - issue.release_ms);
+                    if why == Admitted::Timeout {
+                        self.held_timeouts += 1;
+                    }
+                    out.push((issue, Some(ticket)));
+                }
+                Turn::Wait { .. } => self.held.push((issue, ticket)),
+            }
+        }
+        self.schedule_admission_check();
+        out
+    }
+
+    /// Route and submit one request at `t` (`admitted`: its ticket, when admission held it:
+    /// the reservation goes once it is served). Returns `false` when it failed (and must be
+    /// completed in the driver right away).
+    fn send(&mut self, issue: &Issue, t: f64, admitted: Option<Ticket>) -> bool {
+        let sent = self.route_and_submit(issue, t);
+        if let Some(ticket) = admitted {
+            self.pool.admission().lock().release(ticket);
+        }
+        sent
+    }
+
+    fn route_and_submit(&mut self, issue: &Issue, t: f64) -> bool {
+        let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
+        self.ceilings.observe(&issue.hash_ids, issue.input_len);
+        let session = self.session(issue);
+        let started = self.opts.time_decisions.then(Instant::now);
+        let plan = self.plan(issue, &tokens, session.as_deref());
         let now = t as u64;
-        let placed = plan.map_err(|e| e.to_string()).and_then(|plan| {
+        let placed = plan.and_then(|plan| {
             let req = plan.route_request(&self.model_config, Scope::default(), false);
             let placement = self.pool.place(&req, now).map_err(|e| e.to_string())?;
             // what the service records for a forwarded request
@@ -277,6 +392,7 @@ impl<'a> Sim<'a> {
             InFlight {
                 guard,
                 engine: e,
+                release_ms: issue.release_ms,
                 sent_ms: t,
                 basis: placement.ttft_basis,
             },
@@ -342,11 +458,12 @@ impl<'a> Sim<'a> {
             drop(fl.guard);
             let tpot = (f.output_tokens > 1)
                 .then(|| (f.finish_ms - f.first_token_ms) / f64::from(f.output_tokens - 1));
+            // from its release: a turn admission held waited that long too
             self.records.push(RequestRecord {
-                release_ms: f.arrival_ms,
+                release_ms: fl.release_ms,
                 prompt_tokens: f.prompt_tokens,
-                ttft_ms: Some(f.first_token_ms - f.arrival_ms),
-                e2e_ms: Some(f.finish_ms - f.arrival_ms),
+                ttft_ms: Some(f.first_token_ms - fl.release_ms),
+                e2e_ms: Some(f.finish_ms - fl.release_ms),
                 tpot_ms: tpot,
                 output_tokens: f.output_tokens,
                 cached_tokens: Some(f.cached_tokens),
@@ -439,6 +556,7 @@ pub fn run(
                             sim.push(t + opts.scrape_ms.max(1.0), Event::Scrape);
                         }
                     }
+                    Event::Admission => sim.admission_check = None,
                 }
                 t
             }
@@ -447,11 +565,25 @@ pub fn run(
             completed += 1;
             driver.complete(id, t, &mut issues);
         }
-        // dispatching may fail a request, which completes it and may release the next one
-        while !issues.is_empty() {
-            let batch: Vec<Issue> = std::mem::take(&mut issues);
-            for issue in batch {
-                if !sim.dispatch(&issue, t) {
+        // dispatching may fail a request, which completes it and may release the next one;
+        // the turns admission holds are polled after every event (served turns and expiring
+        // sessions change the room)
+        loop {
+            while !issues.is_empty() {
+                let batch: Vec<Issue> = std::mem::take(&mut issues);
+                for issue in batch {
+                    if !sim.dispatch(&issue, t) {
+                        completed += 1;
+                        driver.complete(issue.id, t, &mut issues);
+                    }
+                }
+            }
+            let admitted = sim.admit_waiting(t);
+            if admitted.is_empty() {
+                break;
+            }
+            for (issue, ticket) in admitted {
+                if !sim.send(&issue, t, ticket) {
                     completed += 1;
                     driver.complete(issue.id, t, &mut issues);
                 }
@@ -541,6 +673,13 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             error_samples: errors,
             picker: None,
             engine_prefill_tokens: prefill_tokens,
+            admission: sim
+                .pool
+                .router()
+                .config()
+                .admission
+                .enabled
+                .then(|| AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts)),
         },
     }
 }

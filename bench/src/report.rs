@@ -130,6 +130,13 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 );
             }
         }
+        if let Some(a) = &d.admission {
+            let _ = writeln!(
+                out,
+                "{}: admission held {} first turns ({} until maxWait), waits p50 {:.0} / p99 {:.0} / max {:.0} ms (in their TTFT)",
+                r.summary.policy, a.held, a.timeouts, a.wait_ms_p50, a.wait_ms_p99, a.wait_ms_max
+            );
+        }
         if !d.engine_prefill_tokens.is_empty() {
             let per: Vec<String> = d
                 .engine_prefill_tokens
@@ -370,9 +377,8 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// Write `index.html` (with inline SVG plots) and `results.json` into `dir`.
-pub fn write_html(dir: &Path, info: &RunInfo, runs: &[PolicyRun]) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+/// The page's start: title, style and what was run.
+fn html_head(info: &RunInfo) -> String {
     let mut html = String::new();
     let _ = write!(
         html,
@@ -388,7 +394,12 @@ pub fn write_html(dir: &Path, info: &RunInfo, runs: &[PolicyRun]) -> anyhow::Res
         esc(&info.cluster),
         esc(&info.command)
     );
-    html.push_str("<h2>Results</h2><table><tr>");
+    html
+}
+
+/// The results as an HTML table (one row per policy).
+fn results_table(runs: &[PolicyRun]) -> String {
+    let mut html = String::from("<table><tr>");
     for h in [
         "policy",
         "requests",
@@ -438,7 +449,17 @@ pub fn write_html(dir: &Path, info: &RunInfo, runs: &[PolicyRun]) -> anyhow::Res
                 .map_or_else(|| "-".into(), |v| format!("{v:.1}"))
         );
     }
-    html.push_str("</table><p>Times are simulated milliseconds.</p>");
+    html.push_str("</table>");
+    html
+}
+
+/// Write `index.html` (with inline SVG plots) and `results.json` into `dir`.
+pub fn write_html(dir: &Path, info: &RunInfo, runs: &[PolicyRun]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut html = html_head(info);
+    html.push_str("<h2>Results</h2>");
+    html.push_str(&results_table(runs));
+    html.push_str("<p>Times are simulated milliseconds.</p>");
     let _ = write!(html, "<pre>{}</pre>", esc(&notes(runs)));
     html.push_str("<h2>Time to first token</h2>");
     html.push_str(&ttft_cdf_svg(runs)?);
@@ -452,4 +473,144 @@ pub fn write_html(dir: &Path, info: &RunInfo, runs: &[PolicyRun]) -> anyhow::Res
     let page = dir.join("index.html");
     std::fs::write(&page, html).with_context(|| format!("writing {}", page.display()))?;
     write_json(&dir.join("results.json"), runs)
+}
+
+/// One sweep chart: a figure of every policy's run against the concurrency, one line per
+/// policy (and, for the hit rate, the pooled-LRU ideal at each point as a dashed line).
+fn sweep_svg(
+    points: &[(usize, Vec<PolicyRun>)],
+    title: &str,
+    y_desc: &str,
+    figure: impl Fn(&PolicyRun) -> f64,
+    ideal: bool,
+) -> anyhow::Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (760, 380)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_err)?;
+        let xs: Vec<f64> = points.iter().map(|(c, _)| *c as f64).collect();
+        let (x0, x1) = (
+            xs.iter().copied().fold(f64::INFINITY, f64::min).min(0.0),
+            xs.iter().copied().fold(1.0, f64::max) * 1.05,
+        );
+        let mut ymax = points
+            .iter()
+            .flat_map(|(_, runs)| runs.iter().map(&figure))
+            .fold(0.0_f64, f64::max);
+        if ideal {
+            ymax = ymax.max(1.0);
+        }
+        let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(x0..x1, 0.0..ymax)
+            .map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .x_desc("sessions at once")
+            .y_desc(y_desc)
+            .draw()
+            .map_err(plot_err)?;
+        let names: Vec<String> = points
+            .first()
+            .map(|(_, runs)| runs.iter().map(|r| r.summary.policy.clone()).collect())
+            .unwrap_or_default();
+        for (i, name) in names.iter().enumerate() {
+            let pts: Vec<(f64, f64)> = points
+                .iter()
+                .filter_map(|(c, runs)| {
+                    runs.iter()
+                        .find(|r| &r.summary.policy == name)
+                        .map(|r| (*c as f64, figure(r)))
+                })
+                .collect();
+            let c = color(i);
+            chart
+                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(name.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))
+                .map_err(plot_err)?;
+        }
+        if ideal {
+            let pts: Vec<(f64, f64)> = points
+                .iter()
+                .filter_map(|(c, runs)| {
+                    runs.iter()
+                        .find_map(|r| r.detail.hit_rate_ideal)
+                        .map(|v| (*c as f64, v))
+                })
+                .collect();
+            let grey = RGBColor(120, 120, 120);
+            chart
+                .draw_series(DashedLineSeries::new(pts, 6, 4, grey.stroke_width(1)))
+                .map_err(plot_err)?
+                .label("ideal with this capacity (pooled LRU)")
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], grey.stroke_width(1))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(plot_err)?;
+        root.present().map_err(plot_err)?;
+    }
+    Ok(svg)
+}
+
+/// Write an oversubscription sweep's `index.html` (hit rate, p90 TTFT and output throughput
+/// against the concurrency, then each point's table) and `results.json` into `dir`.
+pub fn write_sweep_html(
+    dir: &Path,
+    info: &RunInfo,
+    points: &[(usize, Vec<PolicyRun>)],
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut html = html_head(info);
+    html.push_str("<h2>Hit rate</h2>");
+    html.push_str(&sweep_svg(
+        points,
+        "prefix hit rate against sessions at once",
+        "hit rate",
+        |r| r.summary.hit_rate,
+        true,
+    )?);
+    html.push_str("<h2>p90 time to first token</h2>");
+    html.push_str(&sweep_svg(
+        points,
+        "p90 TTFT against sessions at once (simulated ms)",
+        "p90 TTFT ms",
+        |r| r.summary.ttft_ms_p90,
+        false,
+    )?);
+    html.push_str("<h2>Output throughput</h2>");
+    html.push_str(&sweep_svg(
+        points,
+        "output tokens per second against sessions at once",
+        "output tok/s",
+        |r| r.summary.output_tok_s,
+        false,
+    )?);
+    for (c, runs) in points {
+        let _ = write!(html, "<h2>{c} sessions at once</h2>");
+        html.push_str(&results_table(runs));
+        let _ = write!(html, "<pre>{}</pre>", esc(&notes(runs)));
+    }
+    html.push_str("<p>Times are simulated milliseconds.</p></body></html>\n");
+    let page = dir.join("index.html");
+    std::fs::write(&page, html).with_context(|| format!("writing {}", page.display()))?;
+    let all: Vec<PolicyRun> = points.iter().flat_map(|(_, r)| r.iter().cloned()).collect();
+    write_json(&dir.join("results.json"), &all)
 }

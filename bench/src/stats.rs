@@ -66,6 +66,33 @@ pub struct RunDetail {
     /// Tokens each engine rank prefilled (prompt tokens minus its cache hits), by its own
     /// counters (live runs).
     pub engine_prefill_tokens: Vec<f64>,
+    /// The turns session admission held (offline runs with admission on).
+    pub admission: Option<AdmissionFigures>,
+}
+
+/// What session admission held: how many first turns and how long (their TTFTs include it).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AdmissionFigures {
+    pub held: usize,
+    /// Placed because they waited `maxWait`.
+    pub timeouts: usize,
+    pub wait_ms_p50: f64,
+    pub wait_ms_p99: f64,
+    pub wait_ms_max: f64,
+}
+
+impl AdmissionFigures {
+    pub fn from_waits(waits: &[f64], timeouts: usize) -> Self {
+        let mut v = waits.to_vec();
+        v.sort_by(f64::total_cmp);
+        Self {
+            held: v.len(),
+            timeouts,
+            wait_ms_p50: percentile(&v, 50.0),
+            wait_ms_p99: percentile(&v, 99.0),
+            wait_ms_max: v.last().copied().unwrap_or(0.0),
+        }
+    }
 }
 
 /// The picker's view of a run: set beside the engines' counters, it shows whether the picker

@@ -78,3 +78,74 @@ fn cost_model_beats_round_robin_on_hit_rate() {
     );
     assert!(cm.prefill_util > 0.0 && cm.prefill_util < 1.0);
 }
+
+/// Issue 32: with the sessions' context beyond the engines' KV capacity, session admission
+/// holds first turns (never longer than `maxWait`, in simulated time), every request still
+/// completes, and the held turns' waits are in their TTFT.
+#[test]
+fn session_admission_holds_first_turns_within_max_wait() {
+    let w = small_workload();
+    let mut opts = small_options();
+    opts.cluster.engines = 2;
+    opts.cluster.engine.num_blocks = 1_500;
+    let spec = |p: &str| kvroute_bench::parse_policies(p).expect("valid")[0];
+    let run = |p: &str| {
+        let p = spec(p);
+        offline::run(&w, p, &p.options(&opts), &mut |_, _| {}).expect("runs")
+    };
+    let plain = run("sticky-cost-model");
+    let held = run("cost-model+admit=5");
+    assert!(plain.detail.admission.is_none());
+    let a = held.detail.admission.clone().expect("admission on");
+    assert!(a.held > 0, "{a:?}");
+    assert!(a.wait_ms_max <= 5_001.0, "{a:?}");
+    assert!(a.timeouts <= a.held);
+    assert_eq!(held.summary.errors, 0, "{:?}", held.detail.error_samples);
+    assert_eq!(held.summary.requests, plain.summary.requests);
+    // a held turn's TTFT counts from its release: the slowest first token is no earlier
+    // than the longest wait
+    let slowest = held.detail.ttfts_sorted.last().copied().unwrap_or(0.0);
+    assert!(slowest >= a.wait_ms_max, "{slowest} < {}", a.wait_ms_max);
+}
+
+/// `replay --sweep --report`: one page with the three figures against the concurrency and
+/// every point's table.
+#[test]
+fn a_sweep_report_plots_every_policy_at_every_point() {
+    let w = small_workload();
+    let opts = small_options();
+    let policies = kvroute_bench::parse_policies("cost-model,least-load").expect("valid");
+    let points: Vec<(usize, Vec<kvroute_bench::PolicyRun>)> = [4, 8]
+        .into_iter()
+        .map(|c| {
+            let runs = policies
+                .iter()
+                .map(|p| offline::run(&w, *p, &opts, &mut |_, _| {}).expect("runs"))
+                .collect();
+            (c, runs)
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kvroute-sweep-{}", std::process::id()));
+    let info = kvroute_bench::report::RunInfo {
+        mode: "offline sweep".into(),
+        workload: "test".into(),
+        cluster: "test".into(),
+        command: "test".into(),
+    };
+    kvroute_bench::report::write_sweep_html(&dir, &info, &points).expect("written");
+    let page = std::fs::read_to_string(dir.join("index.html")).expect("page");
+    assert_eq!(page.matches("<svg").count(), 3, "hit rate, p90 TTFT, tok/s");
+    for needle in [
+        "4 sessions at once",
+        "8 sessions at once",
+        "cost-model",
+        "least-load",
+        "ideal with this capacity",
+    ] {
+        assert!(page.contains(needle), "{needle}");
+    }
+    let json = std::fs::read_to_string(dir.join("results.json")).expect("json");
+    let json: Vec<serde_json::Value> = serde_json::from_str(&json).expect("a list");
+    assert_eq!(json.len(), 4, "every run of every point");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -218,6 +218,8 @@ fn bench_decision(c: &mut Criterion) {
                             ejected: &[],
                             calibration: None,
                             pinned: None,
+                            pinned_tokens: 0,
+                            working_sets: None,
                             turn: 0,
                         };
                         let req = plan.route_request(&mc, Scope::default(), false);

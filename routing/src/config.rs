@@ -211,6 +211,15 @@ pub struct CostModelCalibration {
     /// bench/BENCHMARKS.md: best or near best on every Mooncake load tested).
     #[schemars(range(min = 0.0))]
     pub recompute_weight: f64,
+    /// The value of cache balance: each candidate is also charged this many times the prefill
+    /// time of the other live sessions' context that placing the request there would evict,
+    /// so that they will recompute it on their next turn. A session's context is live until
+    /// its reuse horizon passes (learned from the gaps between its turns); what an endpoint
+    /// must hold is the live context of the sessions pinned to it (requests need the session
+    /// header), and what does not fit in the engine's reported KV capacity is evicted. 0 = no
+    /// charge. Default 0 (see bench/BENCHMARKS.md §2, issue 32).
+    #[schemars(range(min = 0.0))]
+    pub displacement_weight: f64,
     /// Learn each endpoint's prefill cost (per step and per token) and decode step time
     /// online, with the values above as the prior: from this picker's own time-to-first-token
     /// measurements of streamed responses and, with less weight, from the engine's latency
@@ -232,6 +241,7 @@ impl Default for CostModelCalibration {
             max_batched_tokens: 8192,
             assumed_waiting_tokens: 1024,
             recompute_weight: 8.0,
+            displacement_weight: 0.0,
             calibrate: true,
         }
     }
@@ -288,6 +298,42 @@ pub struct RoutingConfig {
     pub cost_model: CostModelCalibration,
     /// Settings of the `CacheAware` strategy.
     pub cache_aware: CacheAwareSettings,
+    /// Session admission: hold a new session's first turn while the pool's KV cache is
+    /// taken by the live context of the sessions already in it.
+    pub admission: AdmissionSettings,
+}
+
+/// Session admission. Once the live sessions' context (their working sets: see
+/// `costModel.displacementWeight`; requests need the session header) fills the KV capacity the
+/// engines report, one more session makes the others recompute theirs. With `enabled`, the
+/// first turn of a session that has no live context in the pool (a new one, or one idle past
+/// its reuse horizon) waits, in arrival order, until the live context plus its expected
+/// footprint (the mean live context of a session, or its prompt if larger) fits; then, or
+/// after `maxWait`, it is placed as usual. Turns of live sessions and requests without a
+/// session are never held.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct AdmissionSettings {
+    /// Hold new sessions while the pool's cache is full. Default false.
+    pub enabled: bool,
+    /// Longest a first turn waits; then it is placed anyway, e.g. `30s`. Default `30s`.
+    #[serde(with = "duration_str")]
+    #[schemars(with = "String", regex(pattern = r"^[1-9][0-9]*(ms|s|m)$"))]
+    pub max_wait: Duration,
+    /// First turns waiting at once (per pool); one more is placed without waiting.
+    /// Default 1024.
+    #[schemars(range(min = 1))]
+    pub max_queue: u32,
+}
+
+impl Default for AdmissionSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_wait: Duration::from_secs(30),
+            max_queue: 1024,
+        }
+    }
 }
 
 impl Default for RoutingConfig {
@@ -303,6 +349,7 @@ impl Default for RoutingConfig {
             session_header: "x-session-id".into(),
             cost_model: CostModelCalibration::default(),
             cache_aware: CacheAwareSettings::default(),
+            admission: AdmissionSettings::default(),
         }
     }
 }
@@ -331,6 +378,10 @@ impl RoutingConfig {
                 "routing.costModel.recomputeWeight",
                 self.cost_model.recompute_weight,
             ),
+            (
+                "routing.costModel.displacementWeight",
+                self.cost_model.displacement_weight,
+            ),
         ];
         for (name, v) in finite_nonneg {
             if !v.is_finite() || v < 0.0 {
@@ -354,6 +405,12 @@ impl RoutingConfig {
         }
         if self.staleness_threshold.is_zero() {
             return Err("routing.stalenessThreshold must be positive".into());
+        }
+        if self.admission.max_wait.is_zero() {
+            return Err("routing.admission.maxWait must be positive".into());
+        }
+        if self.admission.max_queue == 0 {
+            return Err("routing.admission.maxQueue must be >= 1".into());
         }
         if self.session_header.is_empty()
             || !self

@@ -19,6 +19,7 @@
 //! - Configuration: [`config`] (routing policy) and [`pool`] (model configs, tenancy), the
 //!   types the `InferencePool` resource's `spec` is generated from.
 
+pub mod admission;
 pub mod block_keys;
 pub mod calibration;
 pub mod config;

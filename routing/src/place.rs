@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 use parking_lot::{Mutex, RwLock};
 
+use crate::admission::{AdmissionQueue, Admitted, Gate, Room, Ticket, Turn};
 use crate::block_keys::BlockKey;
 use crate::calibration::{Calibration, TtftBasis};
 use crate::endpoint::EndpointId;
@@ -116,6 +117,8 @@ pub struct Pool {
     router: ArcSwap<Router>,
     calibration: RwLock<Calibration>,
     outliers: Mutex<OutlierDetector>,
+    /// Session admission's waiting turns (`routing.admission`).
+    admission: Mutex<AdmissionQueue>,
     max_inflight_per_endpoint: u64,
 }
 
@@ -140,6 +143,7 @@ impl Pool {
             router: ArcSwap::from_pointee(router),
             calibration: RwLock::new(Calibration::new(prior)),
             outliers: Mutex::new(OutlierDetector::new(settings.outlier_detection)),
+            admission: Mutex::new(AdmissionQueue::new()),
             max_inflight_per_endpoint: settings.max_inflight_per_endpoint,
         }
     }
@@ -236,7 +240,18 @@ impl Pool {
         let calibrating = router.config().cost_model.calibrate;
         let ejected = self.outliers.lock().ejected(now_ms);
         let session_key = Router::session_key(req.tenant, req.session);
-        let pinned = session_key.and_then(|k| self.pinned(k));
+        // the session's pin and, when the policy prices cache balance, the working sets: read
+        // now, so no lock is held across the decision
+        let balance = router.config().cost_model.displacement_weight > 0.0;
+        let (pin, working_sets) = {
+            let sessions = self.sessions.lock();
+            (
+                session_key.and_then(|k| sessions.pin(k)),
+                balance.then(|| sessions.live().clone()),
+            )
+        };
+        let pinned = pin.map(|p| p.endpoint);
+        let pinned_tokens = pin.filter(|p| p.live).map_or(0, |p| p.tokens);
         let decision = {
             let pool = self.state.read();
             let calibration = self.calibration.read();
@@ -249,6 +264,8 @@ impl Pool {
                 ejected: &ejected,
                 calibration: calibrating.then_some(&*calibration),
                 pinned,
+                pinned_tokens,
+                working_sets: working_sets.as_ref(),
                 turn: self.turn(),
             };
             router.decide(&ctx, req)?
@@ -263,9 +280,11 @@ impl Pool {
         let mut decision = decision;
         if req.explain && !decision.candidates.is_empty() {
             let sets: hashbrown::HashMap<String, u64> = self
-                .working_sets(now_ms)
-                .into_iter()
-                .map(|(e, t)| (e.to_string(), t))
+                .sessions
+                .lock()
+                .live()
+                .iter()
+                .map(|(e, t)| (e.to_string(), *t))
                 .collect();
             for c in &mut decision.candidates {
                 c.working_set_tokens = Some(sets.get(&c.endpoint).copied().unwrap_or(0));
@@ -277,6 +296,103 @@ impl Pool {
             decision,
             ttft_basis,
         })
+    }
+
+    /// Whether `req`'s turn may go on to placement now, or must wait for room (see
+    /// [`crate::admission`]). Changes nothing.
+    pub fn gate(&self, req: &RouteRequest<'_>, now_ms: u64) -> Gate {
+        if !self.router.load().config().admission.enabled {
+            return Gate::Admit(Admitted::Disabled);
+        }
+        match self.room(req, now_ms) {
+            Err(why) => Gate::Admit(why),
+            Ok(room) if room.fits() => Gate::Admit(Admitted::Fits),
+            Ok(room) => Gate::Hold(room),
+        }
+    }
+
+    /// The pool's room for `req`'s session, or why it is not asked: no session, a session
+    /// with live context, an endpoint without a reported KV capacity.
+    pub fn room(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Room, Admitted> {
+        let key = Router::session_key(req.tenant, req.session).ok_or(Admitted::NoSession)?;
+        let (live, sessions) = {
+            let table = self.sessions.lock();
+            if table.pin(key).is_some_and(|p| p.live) {
+                return Err(Admitted::LiveSession);
+            }
+            (table.live().values().sum::<u64>(), table.live_sessions())
+        };
+        let capacity = {
+            let pool = self.state.read();
+            let mut total = 0u64;
+            for e in pool.endpoints.endpoints() {
+                let blocks = pool
+                    .loads()
+                    .get(&e.id)
+                    .and_then(|l| l.kv_capacity_blocks)
+                    .ok_or(Admitted::CapacityUnknown)?;
+                total = total.saturating_add(
+                    blocks.saturating_mul(u64::from(e.model_config.block_size.max(1))),
+                );
+            }
+            total
+        };
+        if capacity == 0 {
+            return Err(Admitted::CapacityUnknown);
+        }
+        let mean = if sessions > 0 {
+            live / sessions as u64
+        } else {
+            0
+        };
+        Ok(Room {
+            live_tokens: live.saturating_add(self.admission.lock().reserved(now_ms)),
+            capacity_tokens: capacity,
+            footprint_tokens: mean.max(u64::from(req.prompt_tokens)),
+        })
+    }
+
+    /// Session admission's queue (join, leave, release: [`AdmissionQueue`]).
+    pub fn admission(&self) -> &Mutex<AdmissionQueue> {
+        &self.admission
+    }
+
+    /// Join the admission queue for `req` at `now_ms`; `None` when `maxQueue` turns wait.
+    pub fn join_admission(&self, now_ms: u64) -> Option<Ticket> {
+        let max = self.router.load().config().admission.max_queue as usize;
+        self.admission.lock().join(now_ms, max)
+    }
+
+    /// `ticket`'s turn for `req` at `now_ms` ([`AdmissionQueue::poll`]), with the sessions
+    /// idle past the reuse horizon taken out of the working sets first. A turn whose room is
+    /// no longer asked (its session became live, admission was switched off) leaves the
+    /// queue admitted.
+    pub fn poll_admission(&self, ticket: Ticket, req: &RouteRequest<'_>, now_ms: u64) -> Turn {
+        let settings = self.router.load().config().admission;
+        self.sessions.lock().expire(now_ms);
+        let room = if settings.enabled {
+            self.room(req, now_ms)
+        } else {
+            Err(Admitted::Disabled)
+        };
+        let room = match room {
+            Ok(room) => room,
+            Err(why) => {
+                self.admission.lock().leave(ticket);
+                return Turn::Admit(why);
+            }
+        };
+        let max_wait = settings.max_wait.as_millis() as u64;
+        self.admission.lock().poll(ticket, now_ms, max_wait, &room)
+    }
+
+    /// When the waiting turns should be polled again at the latest: the first deadline, or
+    /// the first moment a session's context passes the horizon (the working sets shrink).
+    pub fn next_admission_check(&self) -> Option<u64> {
+        let max_wait = self.router.load().config().admission.max_wait.as_millis() as u64;
+        let deadline = self.admission.lock().next_deadline(max_wait)?;
+        let expiry = self.sessions.lock().next_expiry_ms();
+        Some(expiry.map_or(deadline, |e| e.min(deadline)))
     }
 
     /// `placement` is being sent: the turn advances and an approximate index credits its

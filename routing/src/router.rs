@@ -150,6 +150,12 @@ pub struct RouteContext<'a> {
     /// Where the request's session is pinned, if it has a session and a pin (the pool reads
     /// it before deciding, so no lock is held across the decision).
     pub pinned: Option<EndpointId>,
+    /// The live context of the request's own session at its pin, in tokens (it is replaced
+    /// by this turn's, so it is not part of what the turn would displace there).
+    pub pinned_tokens: u64,
+    /// Each endpoint's live working set in tokens (`session::SessionTable::live`), when the
+    /// policy prices cache balance; `None`: not read.
+    pub working_sets: Option<&'a hashbrown::HashMap<EndpointId, u64>>,
     /// Placements recorded so far (the policies' [`RequestFacts::turn`]).
     pub turn: u64,
 }
@@ -466,6 +472,14 @@ fn features(
                     pending_requests: inflight.pending_requests,
                     pending_tokens: inflight.pending_tokens,
                     session_affinity: pinned == Some(e.id),
+                    working_set_tokens: ctx.working_sets.map_or(0, |w| {
+                        let own = if pinned == Some(e.id) {
+                            ctx.pinned_tokens
+                        } else {
+                            0
+                        };
+                        w.get(&e.id).copied().unwrap_or(0).saturating_sub(own)
+                    }),
                     stale: failed_open,
                     learned: ctx.calibration.and_then(|c| c.learned(&e.id)),
                 },
@@ -580,6 +594,8 @@ mod tests {
                 ejected: &[],
                 calibration: calibrated.then_some(&self.calibration),
                 pinned,
+                pinned_tokens: 0,
+                working_sets: None,
                 turn: 0,
             };
             let req = RouteRequest {
@@ -662,6 +678,8 @@ mod tests {
                 ejected: &[],
                 calibration: None,
                 pinned: None,
+                pinned_tokens: 0,
+                working_sets: None,
                 turn: 0,
             };
             let req = RouteRequest {
@@ -863,6 +881,8 @@ mod tests {
             ejected: &[],
             calibration: None,
             pinned: None,
+            pinned_tokens: 0,
+            working_sets: None,
             turn: 0,
         };
         let subset = [SocketAddr::new(ids[1].address, 8000)];
@@ -909,6 +929,8 @@ mod tests {
                 ejected,
                 calibration: None,
                 pinned: None,
+                pinned_tokens: 0,
+                working_sets: None,
                 turn: 0,
             };
             let req = RouteRequest {

@@ -1,5 +1,7 @@
 //! Session affinity: which endpoint (and rank) a session's blocks live on.
 
+use std::collections::VecDeque;
+
 use hashlink::LruCache;
 use rustc_hash::FxBuildHasher;
 use xxhash_rust::xxh3::xxh3_64;
@@ -13,6 +15,8 @@ pub struct SessionPin {
     pub endpoint: EndpointId,
     pub tokens: u64,
     pub served_ms: u64,
+    /// Counted in its endpoint's live working set (served within the reuse horizon).
+    pub live: bool,
 }
 
 /// A bounded LRU from session to endpoint. Keys are hashes of `(tenant, session)` so that two
@@ -20,10 +24,24 @@ pub struct SessionPin {
 /// not depend on what clients send. It also learns how long a session's context stays wanted
 /// ([`ReuseHorizon`], from the gaps between a session's turns), which makes each endpoint's
 /// working set ([`SessionTable::working_sets`]).
+///
+/// The working sets are kept as running sums, so a decision reads them without a pass over the
+/// table: a served turn adds its tokens to its endpoint's sum (and takes its session's previous
+/// turn out of its sum), and [`SessionTable::expire`] takes out the turns that passed the
+/// horizon, oldest first, from a queue of served turns. A horizon that grows does not bring
+/// back turns already expired; one that shrinks expires more at the next call.
 #[derive(Debug)]
 pub struct SessionTable {
     map: LruCache<u64, SessionPin, FxBuildHasher>,
     horizon: ReuseHorizon,
+    /// A fixed horizon in place of the learned one (`None`: learned).
+    fixed_horizon_ms: Option<u64>,
+    /// Live prompt tokens per endpoint.
+    live: hashbrown::HashMap<EndpointId, u64>,
+    /// Sessions counted in `live`.
+    live_sessions: usize,
+    /// Served turns, oldest first: `(served_ms, key)`; at most four per remembered session.
+    turns: VecDeque<(u64, u64)>,
 }
 
 impl SessionTable {
@@ -32,6 +50,18 @@ impl SessionTable {
         Self {
             map: LruCache::with_hasher(capacity.max(1), FxBuildHasher),
             horizon: ReuseHorizon::default(),
+            fixed_horizon_ms: None,
+            live: hashbrown::HashMap::new(),
+            live_sessions: 0,
+            turns: VecDeque::new(),
+        }
+    }
+
+    /// The same with the reuse horizon fixed at `horizon_ms` instead of learned.
+    pub fn with_horizon(capacity: usize, horizon_ms: Option<u64>) -> Self {
+        Self {
+            fixed_horizon_ms: horizon_ms,
+            ..Self::new(capacity)
         }
     }
 
@@ -56,14 +86,39 @@ impl SessionTable {
 
     /// Pin `key` to `endpoint`, no size or time known (a working set counts it as empty).
     pub fn set(&mut self, key: u64, endpoint: EndpointId) {
-        self.map.insert(
+        self.insert(
             key,
             SessionPin {
                 endpoint,
                 tokens: 0,
                 served_ms: 0,
+                live: false,
             },
         );
+    }
+
+    /// Insert `pin` under `key`, taking the pin it replaces, or the one the LRU bound
+    /// forgets, out of the live sums.
+    fn insert(&mut self, key: u64, pin: SessionPin) {
+        if !self.map.contains_key(&key)
+            && self.map.len() >= self.map.capacity()
+            && let Some((_, old)) = self.map.remove_lru()
+        {
+            self.unlive(&old);
+        }
+        if pin.live {
+            *self.live.entry(pin.endpoint).or_insert(0) += pin.tokens;
+            self.live_sessions += 1;
+        }
+        if let Some(old) = self.map.insert(key, pin) {
+            self.unlive(&old);
+        }
+    }
+
+    fn unlive(&mut self, pin: &SessionPin) {
+        if pin.live {
+            self.live_sub(pin);
+        }
     }
 
     /// `endpoint` served a turn of session `key` with a prompt of `tokens` at `now_ms`: the
@@ -75,19 +130,93 @@ impl SessionTable {
         {
             self.horizon.observe(now_ms - prev.served_ms);
         }
-        self.map.insert(
+        self.insert(
             key,
             SessionPin {
                 endpoint,
                 tokens,
                 served_ms: now_ms,
+                live: tokens > 0,
             },
         );
+        if tokens > 0 {
+            // superseded turns stay queued until they age out; at the bound they are dropped
+            // (what remains is one turn per live pin, at most the table's capacity)
+            if self.turns.len() >= 4 * self.map.capacity() {
+                let map = &self.map;
+                self.turns.retain(|(served, k)| {
+                    map.peek(k)
+                        .is_some_and(|p| p.live && p.served_ms == *served)
+                });
+            }
+            self.turns.push_back((now_ms, key));
+        }
+        self.expire(now_ms);
+    }
+
+    /// Take the turns served more than the horizon before `now_ms` out of the live sums.
+    pub fn expire(&mut self, now_ms: u64) {
+        let horizon = self.horizon_ms();
+        while let Some(&(served, _)) = self.turns.front() {
+            if now_ms.saturating_sub(served) <= horizon {
+                break;
+            }
+            self.expire_front();
+        }
+    }
+
+    fn expire_front(&mut self) {
+        let Some((served, key)) = self.turns.pop_front() else {
+            return;
+        };
+        if let Some(pin) = self.map.peek_mut(&key)
+            && pin.live
+            && pin.served_ms == served
+        {
+            pin.live = false;
+            let pin = *pin;
+            self.live_sub(&pin);
+        }
+    }
+
+    fn live_sub(&mut self, pin: &SessionPin) {
+        self.live_sessions = self.live_sessions.saturating_sub(1);
+        if let Some(sum) = self.live.get_mut(&pin.endpoint) {
+            *sum = sum.saturating_sub(pin.tokens);
+            if *sum == 0 {
+                self.live.remove(&pin.endpoint);
+            }
+        }
+    }
+
+    /// The live working set of each endpoint as of the last [`SessionTable::served`] or
+    /// [`SessionTable::expire`]: what [`SessionTable::working_sets`] counts, kept as sums.
+    pub fn live(&self) -> &hashbrown::HashMap<EndpointId, u64> {
+        &self.live
+    }
+
+    /// Sessions with live context.
+    pub fn live_sessions(&self) -> usize {
+        self.live_sessions
+    }
+
+    /// When the oldest live turn passes the horizon (the working sets shrink then), if any
+    /// turn is queued.
+    pub fn next_expiry_ms(&self) -> Option<u64> {
+        self.turns
+            .front()
+            .map(|(served, _)| served.saturating_add(self.horizon_ms()).saturating_add(1))
+    }
+
+    /// The pin of session `key`, without touching its place in the LRU order.
+    pub fn pin(&self, key: u64) -> Option<SessionPin> {
+        self.map.peek(&key).copied()
     }
 
     /// The horizon past which a session's context is taken to be no longer wanted.
     pub fn horizon_ms(&self) -> u64 {
-        self.horizon.horizon_ms()
+        self.fixed_horizon_ms
+            .unwrap_or_else(|| self.horizon.horizon_ms())
     }
 
     /// Each endpoint's working set at `now_ms`: the prompt tokens of the sessions pinned there
@@ -113,8 +242,11 @@ impl SessionTable {
             .map(|(k, _)| *k)
             .collect();
         for k in stale {
-            self.map.remove(&k);
+            if let Some(old) = self.map.remove(&k) {
+                self.unlive(&old);
+            }
         }
+        debug_assert!(!self.live.contains_key(endpoint), "its pins left its sum");
     }
 
     pub fn len(&self) -> usize {
@@ -254,5 +386,34 @@ mod tests {
         // an endpoint that leaves takes its sessions with it
         t.remove_endpoint(&e(2));
         assert!(t.working_sets(20_000).get(&e(2)).is_none());
+    }
+
+    proptest::proptest! {
+        /// The running sums against a pass over the table (the reference), through turns,
+        /// unsized pins, the LRU bound, departing endpoints and time passing the horizon.
+        #[test]
+        fn live_sums_match_the_reference(
+            ops in proptest::collection::vec((0u8..4, 0u64..12, 0u8..4, 0u64..5_000, 0u64..3_000), 1..300),
+        ) {
+            let e = |n| EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, n)), 1, 0);
+            let mut t = SessionTable::with_horizon(6, Some(5_000));
+            let mut now = 0;
+            for (op, session, endpoint, tokens, dt) in ops {
+                now += dt;
+                match op {
+                    0 | 1 => t.served(session, e(endpoint), tokens, now),
+                    2 => t.set(session, e(endpoint)),
+                    _ => t.remove_endpoint(&e(endpoint)),
+                }
+                t.expire(now);
+                let reference = t.working_sets(now);
+                let live: hashbrown::HashMap<EndpointId, u64> =
+                    t.live().iter().map(|(k, v)| (*k, *v)).collect();
+                proptest::prop_assert_eq!(&live, &reference);
+                let sessions = t.map.iter().filter(|(_, p)| p.tokens > 0 && now - p.served_ms <= 5_000).count();
+                proptest::prop_assert_eq!(t.live_sessions(), sessions);
+                proptest::prop_assert!(t.turns.len() <= 4 * 6);
+            }
+        }
     }
 }

@@ -129,13 +129,19 @@ fn policy() -> impl Strategy<Value = Policy> {
 fn build(
     members: &[Member],
     strategy: Policy,
+    balance: bool,
     pins: &[(usize, usize, u8)],
     mc: &Arc<ModelConfig>,
 ) -> (Pool, Vec<InflightGuard>) {
-    let routing = RoutingConfig {
+    let mut routing = RoutingConfig {
         strategy,
         ..RoutingConfig::default()
     };
+    // cache balance's working sets and session admission's gate are read too
+    if balance {
+        routing.cost_model.displacement_weight = 4.0;
+        routing.admission.enabled = true;
+    }
     let pool = Pool::new(PoolSettings::default(), Router::new(routing));
     let view = members
         .iter()
@@ -233,6 +239,8 @@ struct Seen {
     ejected: Vec<EndpointId>,
     working_sets: BTreeMap<EndpointId, u64>,
     horizon_ms: u64,
+    /// Session admission's queue: turns waiting, tokens reserved.
+    admission: (usize, u64),
 }
 
 fn seen(pool: &Pool, n: usize) -> Seen {
@@ -274,6 +282,10 @@ fn seen(pool: &Pool, n: usize) -> Seen {
         ejected: pool.outliers().lock().ejected(0),
         working_sets: pool.working_sets(10).into_iter().collect(),
         horizon_ms: pool.reuse_horizon_ms(),
+        admission: {
+            let q = pool.admission().lock();
+            (q.len(), q.reserved(0))
+        },
     }
 }
 
@@ -296,6 +308,7 @@ fn place(pool: &Pool, mc: &ModelConfig, r: &Request, n: usize) -> (Vec<BlockKey>
         fallback_hash: u64::from(r.doc),
         explain: r.explain,
     };
+    let _ = pool.gate(&req, 0);
     let placement = pool.place(&req, 0);
     (keys, placement.unwrap_or_else(|e| panic!("{e}")))
 }
@@ -307,12 +320,13 @@ proptest! {
     fn placing_changes_nothing_and_recording_commits_exactly_the_placement(
         members in prop::collection::vec(member(), 1..6),
         strategy in policy(),
+        balance in any::<bool>(),
         pins in prop::collection::vec((0..SESSIONS.len(), 0..TENANTS.len(), any::<u8>()), 0..5),
         requests in prop::collection::vec(request(), 1..8),
     ) {
         let mc = Arc::new(ModelConfig::new("c", MODEL));
         let n = members.len();
-        let (pool, _guards) = build(&members, strategy, &pins, &mc);
+        let (pool, _guards) = build(&members, strategy, balance, &pins, &mc);
         for r in &requests {
             // a subset naming no member has nothing to place on
             if r.subset.is_some_and(|bits| (0..n).all(|i| bits & (1 << i) == 0)) {

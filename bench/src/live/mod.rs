@@ -686,6 +686,7 @@ pub async fn replay(
             error_samples: errs,
             picker,
             engine_prefill_tokens: per_rank_prefill,
+            admission: None,
         },
     })
 }

@@ -39,6 +39,8 @@ struct Pending {
     /// prompt tokens (the session's working set there).
     session_key: Option<u64>,
     prompt_tokens: u32,
+    /// Session admission's ticket, when the pick waited for room.
+    admission_ticket: Option<crate::admission::Ticket>,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -131,6 +133,7 @@ impl EndpointPicker for GatewayPicker {
                 primary_failed: false,
                 session_key: routed.session_key(),
                 prompt_tokens: routed.placement.prompt_tokens,
+                admission_ticket: routed.admission_ticket,
             },
         );
         Ok(PickOutput {
@@ -162,7 +165,7 @@ impl EndpointPicker for GatewayPicker {
     }
 
     fn on_response_status(&self, request_id: u64, status: u16) {
-        let (endpoint, primary, stream, session, tokens) = {
+        let (endpoint, primary, stream, session, tokens, ticket) = {
             let mut pending = self.pending.lock();
             let Some(p) = pending.get_mut(&request_id) else {
                 return;
@@ -175,12 +178,14 @@ impl EndpointPicker for GatewayPicker {
                 p.stream,
                 p.session_key,
                 p.prompt_tokens,
+                p.admission_ticket,
             )
         };
         if let Some(key) = session.filter(|_| (200..300).contains(&status)) {
             self.picker
                 .pool
                 .pin(key, endpoint, u64::from(tokens), self.picker.now_ms());
+            self.picker.session_served(ticket);
         }
         let outcome = Outcome::from_status(status);
         if primary.is_some() && outcome != Outcome::Success {

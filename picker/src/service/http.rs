@@ -498,7 +498,12 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             .await?;
         let d = &routed.placement.decision;
         let mut candidates = serde_json::to_value(&d.candidates).unwrap_or_default();
+        let mut admission = serde_json::to_value(routed.admission).unwrap_or_default();
         if picker.tenancy().spec.isolation != crate::pool::Isolation::None {
+            // the pool's live context counts every tenant's sessions
+            if let Some(room) = admission.get_mut("hold") {
+                *room = Value::Null;
+            }
             // how many blocks an endpoint holds counts every tenant's traffic: a tenant
             // explaining its own request must not learn where the others' went
             for c in candidates.as_array_mut().into_iter().flatten() {
@@ -522,6 +527,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             "tenant": routed.tenant,
             "headers": routed.upstream.headers.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
             "candidates": candidates,
+            "admission": admission,
         }))
     }
     .await;

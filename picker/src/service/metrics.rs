@@ -77,6 +77,10 @@ pub struct Metrics {
     pub outlier_ejected: Family<EndpointLabels, Gauge>,
     pub working_set_tokens: Family<EndpointLabels, Gauge>,
     pub session_reuse_horizon_seconds: FloatGauge,
+    /// Session admission: turns by how they went on to placement (`admission::Admitted`).
+    pub admission: Family<KindLabels, Counter>,
+    pub admission_wait_seconds: Histogram,
+    pub admission_waiting: Gauge,
     pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
     pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
     pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
@@ -225,6 +229,24 @@ impl Metrics {
             "How long a session's context is taken to stay wanted: the 90th percentile of the gaps between a session's turns",
             session_reuse_horizon_seconds.clone(),
         );
+        let admission = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "admission",
+            "Session admission (routing.admission): turns by kind of admission: fits, timeout (waited maxWait), queue_full, live_session, no_session, capacity_unknown, disabled",
+            admission.clone(),
+        );
+        let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 22));
+        registry.register(
+            "admission_wait_seconds",
+            "How long session admission held a new session's first turn before placing it",
+            admission_wait_seconds.clone(),
+        );
+        let admission_waiting = Gauge::default();
+        registry.register(
+            "admission_waiting",
+            "First turns session admission holds now",
+            admission_waiting.clone(),
+        );
         let cost_model_overhead_ms = Family::<EndpointLabels, FloatGauge>::default();
         registry.register(
             "cost_model_overhead_ms",
@@ -278,6 +300,9 @@ impl Metrics {
             outlier_ejected,
             working_set_tokens,
             session_reuse_horizon_seconds,
+            admission,
+            admission_wait_seconds,
+            admission_waiting,
             cost_model_overhead_ms,
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,
@@ -288,6 +313,14 @@ impl Metrics {
     pub fn error(&self, kind: &str) {
         self.errors
             .get_or_create(&KindLabels { kind: kind.into() })
+            .inc();
+    }
+
+    pub fn admitted(&self, why: crate::admission::Admitted) {
+        self.admission
+            .get_or_create(&KindLabels {
+                kind: why.as_str().into(),
+            })
             .inc();
     }
 

@@ -21,6 +21,7 @@ use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
 
+use crate::admission::{Admitted, Gate, Ticket, Turn};
 use crate::config::RoutingConfig;
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
@@ -32,7 +33,7 @@ use crate::place::{PlaceError, Placement, Pool};
 use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
 use crate::pool_state::{Membership, PoolMember};
-use crate::router::{RouteError, Router, subset_allows};
+use crate::router::{RouteError, RouteRequest, Router, subset_allows};
 use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
@@ -55,6 +56,10 @@ pub struct Routed {
     /// The request for the chosen endpoint, built when it was decided (a body that cannot
     /// carry what the engine must see is refused then, before anything is recorded).
     pub upstream: Upstream,
+    /// Session admission: what the gate says of this request (the pick API shows it), and the
+    /// ticket it was admitted with after waiting (its reservation goes once it is served).
+    pub admission: Gate,
+    pub admission_ticket: Option<Ticket>,
 }
 
 /// What the picker forwards to one endpoint beyond the client's request: extra headers and
@@ -158,6 +163,9 @@ pub struct PickerState {
     pub body_buffer: Semaphore,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
     pub diagnostics: parking_lot::Mutex<Diagnostics>,
+    /// Woken when session admission's room may have grown (a session served, a turn
+    /// admitted or gone).
+    admission_changed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -196,6 +204,7 @@ impl PickerState {
             first_metrics: tokio::sync::watch::Sender::new(false),
             pool_loaded: tokio::sync::watch::Sender::new(false),
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
+            admission_changed: tokio::sync::Notify::new(),
         })
     }
 
@@ -420,23 +429,23 @@ impl PickerState {
         subset: Option<&[SocketAddr]>,
         purpose: Purpose,
     ) -> Result<Routed, ApiError> {
-        let routed = self
-            .route(req, headers, subset, purpose == Purpose::Explain)
-            .await?;
+        let routed = self.route(req, headers, subset, purpose).await?;
         if purpose == Purpose::Forward {
             self.record_routed(&routed);
         }
         Ok(routed)
     }
 
-    /// Tokenize, hash and decide. `explain` fills per-candidate details (pick API).
+    /// Tokenize, hash, pass session admission and decide. The pick API's requests are
+    /// explained per candidate and never held (the gate's answer is shown instead).
     async fn route(
         &self,
         req: &ParsedRequest,
         headers: &HeaderMap,
         subset: Option<&[SocketAddr]>,
-        explain: bool,
+        purpose: Purpose,
     ) -> Result<Routed, ApiError> {
+        let explain = purpose == Purpose::Explain;
         let started = Instant::now();
         let snapshot = self.pool.state().endpoints();
         let (config, lora) = Router::resolve_model(&snapshot, &req.model).map_err(|_| {
@@ -490,9 +499,20 @@ impl PickerState {
             allow: (tenancy.spec.isolation == Isolation::DedicatedEndpoints)
                 .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
         };
+        let route_request = plan.route_request(&config, scope, explain);
+        let (admission, admission_ticket) = match purpose {
+            Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
+            Purpose::Forward => self.pass_admission(&route_request).await,
+        };
+        let started = if admission_ticket.is_some() {
+            // the decision's time does not include the wait
+            Instant::now()
+        } else {
+            started
+        };
         let placement = self
             .pool
-            .place(&plan.route_request(&config, scope, explain), self.now_ms())
+            .place(&route_request, self.now_ms())
             .map_err(|e| {
                 self.metrics.error(e.kind());
                 match e {
@@ -517,7 +537,76 @@ impl PickerState {
             tenant,
             lora,
             upstream,
+            admission,
+            admission_ticket,
         })
+    }
+
+    /// Session admission (`routing.admission`) for a request about to be placed: returns at
+    /// once unless the gate holds it, else when it is admitted (first in line with room, or
+    /// after `maxWait`). A client that goes away while held leaves the line (the future is
+    /// dropped). Returns the gate's first answer, and the ticket when the request waited.
+    async fn pass_admission(&self, req: &RouteRequest<'_>) -> (Gate, Option<Ticket>) {
+        let gate = self.pool.gate(req, self.now_ms());
+        if let Gate::Admit(why) = gate {
+            self.metrics.admitted(why);
+            return (gate, None);
+        }
+        let Some(ticket) = self.pool.join_admission(self.now_ms()) else {
+            self.metrics.admitted(Admitted::QueueFull);
+            return (gate, None);
+        };
+        /// Leaves the line when the wait ends any way but admission.
+        struct InLine<'a> {
+            state: &'a PickerState,
+            ticket: Ticket,
+            admitted: bool,
+        }
+        impl Drop for InLine<'_> {
+            fn drop(&mut self) {
+                self.state.metrics.admission_waiting.dec();
+                if !self.admitted {
+                    self.state.pool.admission().lock().leave(self.ticket);
+                    self.state.admission_changed.notify_waiters();
+                }
+            }
+        }
+        self.metrics.admission_waiting.inc();
+        let mut line = InLine {
+            state: self,
+            ticket,
+            admitted: false,
+        };
+        let started = Instant::now();
+        loop {
+            let changed = self.admission_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let now = self.now_ms();
+            match self.pool.poll_admission(ticket, req, now) {
+                Turn::Admit(why) => {
+                    line.admitted = true;
+                    self.metrics.admitted(why);
+                    self.metrics
+                        .admission_wait_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    // the next in line may go now
+                    self.admission_changed.notify_waiters();
+                    return (gate, Some(ticket));
+                }
+                Turn::Wait { deadline_ms } => {
+                    let next = self
+                        .pool
+                        .next_admission_check()
+                        .map_or(deadline_ms, |c| c.min(deadline_ms));
+                    let wait = Duration::from_millis(next.saturating_sub(now).max(1));
+                    tokio::select! {
+                        () = &mut changed => {}
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
     }
 
     /// Token ids of a request: from the engine's render endpoint when configured (exact
@@ -643,6 +732,21 @@ impl PickerState {
     /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
     pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
         self.pool.served(&routed.placement, endpoint, self.now_ms());
+        if routed.placement.session_key.is_some() {
+            self.session_served(routed.admission_ticket);
+        }
+    }
+
+    /// A turn of a session was served (its pin moved): the reservation session admission made
+    /// for it, if it waited, goes (its context now counts in the working sets), and the turns
+    /// waiting look at the room again.
+    pub fn session_served(&self, admission_ticket: Option<Ticket>) {
+        if let Some(ticket) = admission_ticket {
+            self.pool.admission().lock().release(ticket);
+        }
+        if self.routing.load().admission.enabled {
+            self.admission_changed.notify_waiters();
+        }
     }
 
     pub fn begin(&self, routed: &Routed, endpoint: EndpointId) -> InflightGuard {
@@ -832,6 +936,149 @@ endpoints:
         picker.apply_pool(&view).expect("applied");
         assert_eq!(picker.router().policy_name(), "least-load");
         assert_eq!(pinned(), Some(served));
+    }
+
+    /// Issue 32: session admission holds a new session's first turn while the live sessions'
+    /// context fills the engines' KV capacity; it goes on when a served turn makes room, when
+    /// its client leaves (out of the line), or after `maxWait`.
+    #[tokio::test]
+    async fn session_admission_holds_new_sessions_until_there_is_room() {
+        let pool = |max_wait: &str| {
+            format!("{POOL}routing: {{admission: {{enabled: true, maxWait: {max_wait}}}}}\n")
+        };
+        let picker = Arc::new(picker(Limits::default()));
+        let config = PickerConfig::from_yaml(&pool("1m")).expect("valid");
+        picker
+            .apply_pool(&view_from_config(&config))
+            .expect("applied");
+        let session = |id: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-session-id", id.parse().expect("value"));
+            h
+        };
+        let long = completion(&"a long agent context ".repeat(60));
+        // session a is served: its context is live
+        let a = picker
+            .decide(&long, &session("a"), None, Purpose::Forward)
+            .await
+            .expect("decided");
+        assert_eq!(a.admission, Gate::Admit(Admitted::CapacityUnknown));
+        picker.served(&a, a.placement.decision.endpoint);
+        let p = u64::from(a.plan.prompt_tokens);
+        // the engines report room for one and a half such contexts
+        let block = 16;
+        let blocks = (3 * p / 4).div_ceil(block);
+        let now = picker.now_ms();
+        let ids: Vec<EndpointId> = picker
+            .pool
+            .state()
+            .endpoints()
+            .endpoints()
+            .iter()
+            .map(|e| e.id)
+            .collect();
+        let scrape = |now| {
+            ids.iter().map(move |id| {
+                (
+                    *id,
+                    crate::load::EndpointLoad {
+                        kv_capacity_blocks: Some(blocks),
+                        sampled_at_ms: now,
+                        ..Default::default()
+                    },
+                )
+            })
+        };
+        picker.pool.observe_scrape(now, scrape(now));
+        // a's next turn is never held; a new session b does not fit
+        let next = picker
+            .decide(&long, &session("a"), None, Purpose::Explain)
+            .await
+            .expect("decided");
+        assert_eq!(next.admission, Gate::Admit(Admitted::LiveSession));
+        let explained = picker
+            .decide(&long, &session("b"), None, Purpose::Explain)
+            .await
+            .expect("decided");
+        let Gate::Hold(room) = explained.admission else {
+            panic!("held: {:?}", explained.admission);
+        };
+        assert_eq!(room.live_tokens, p);
+        assert_eq!(room.capacity_tokens, 2 * blocks * block);
+        assert!(room.footprint_tokens >= p);
+        // forwarded, b waits in line
+        let waiting = || picker.metrics.admission_waiting.get();
+        let until_waiting = |n: i64| {
+            let picker = picker.clone();
+            async move {
+                for _ in 0..1_000 {
+                    if picker.metrics.admission_waiting.get() == n {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                panic!("never {n} waiting");
+            }
+        };
+        let b = tokio::spawn({
+            let (picker, long, h) = (picker.clone(), long.clone(), session("b"));
+            async move { picker.decide(&long, &h, None, Purpose::Forward).await }
+        });
+        until_waiting(1).await;
+        assert!(!b.is_finished());
+        assert_eq!(picker.pool.admission().lock().len(), 1);
+        // a's next turn is short: its live context shrinks, and b goes on
+        let short = picker
+            .decide(&completion("ok"), &session("a"), None, Purpose::Forward)
+            .await
+            .expect("decided");
+        picker.served(&short, short.placement.decision.endpoint);
+        let b = b.await.expect("joined").expect("decided");
+        assert_eq!(waiting(), 0);
+        let ticket = b.admission_ticket.expect("admitted after waiting");
+        assert!(picker.pool.admission().lock().reserved(picker.now_ms()) >= p);
+        let text = picker.metrics.encode();
+        assert!(
+            text.contains("kvroute_picker_admission_total{kind=\"fits\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_picker_admission_wait_seconds_count 1"),
+            "{text}"
+        );
+        // served: its reservation goes, its context counts instead
+        picker.served(&b, b.placement.decision.endpoint);
+        assert_eq!(picker.pool.admission().lock().reserved(picker.now_ms()), 0);
+        let _ = ticket;
+        // c does not fit beside b; its client leaves while it waits: out of the line
+        let c = tokio::spawn({
+            let (picker, long, h) = (picker.clone(), long.clone(), session("c"));
+            async move { picker.decide(&long, &h, None, Purpose::Forward).await }
+        });
+        until_waiting(1).await;
+        c.abort();
+        assert!(c.await.expect_err("aborted").is_cancelled());
+        assert_eq!(waiting(), 0);
+        assert!(picker.pool.admission().lock().is_empty());
+        // with a short maxWait, d goes on when it has waited that long
+        let config = PickerConfig::from_yaml(&pool("50ms")).expect("valid");
+        picker
+            .apply_pool(&view_from_config(&config))
+            .expect("applied");
+        picker
+            .pool
+            .observe_scrape(picker.now_ms(), scrape(picker.now_ms()));
+        let d = picker
+            .decide(&long, &session("d"), None, Purpose::Forward)
+            .await
+            .expect("decided");
+        assert!(d.admission_ticket.is_some());
+        assert!(
+            picker
+                .metrics
+                .encode()
+                .contains("kvroute_picker_admission_total{kind=\"timeout\"} 1")
+        );
     }
 
     #[tokio::test]

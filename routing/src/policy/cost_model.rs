@@ -110,6 +110,19 @@ pub fn estimated_ttft_ms(cal: &CostModelCalibration, f: &Features) -> f64 {
     candidate_prefill_ms(cal, f, basis.work_tokens) + basis.decode_ms
 }
 
+/// Tokens of other live sessions' context that placing `req` on the candidate evicts: what
+/// its working set and the request's prompt hold beyond the engine's KV capacity, at most the
+/// working set itself (0 when the capacity is not reported).
+pub fn displaced_tokens(req: &RequestFacts, f: &Features) -> u64 {
+    let Some(blocks) = f.kv_capacity_blocks else {
+        return 0;
+    };
+    let capacity = blocks.saturating_mul(u64::from(req.block_size.max(1)));
+    (f.working_set_tokens + u64::from(req.prompt_tokens))
+        .saturating_sub(capacity)
+        .min(f.working_set_tokens)
+}
+
 #[derive(Debug, Clone)]
 pub struct CostModel {
     cal: CostModelCalibration,
@@ -126,7 +139,7 @@ impl Policy for CostModel {
         "cost-model"
     }
 
-    fn score(&self, _req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
+    fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             // the greedy TTFT, plus the recomputation's cost to everyone else (locality has a
             // future value: see `CostModelCalibration::recompute_weight`)
@@ -135,8 +148,15 @@ impl Policy for CostModel {
                 &c.features,
                 f64::from(c.features.uncached_tokens),
             );
-            *s = -(estimated_ttft_ms(&self.cal, &c.features)
-                + self.cal.recompute_weight * recompute);
+            let mut cost =
+                estimated_ttft_ms(&self.cal, &c.features) + self.cal.recompute_weight * recompute;
+            if self.cal.displacement_weight > 0.0 {
+                // and the other live sessions' context it evicts (cache balance)
+                let displaced = displaced_tokens(req, &c.features);
+                cost += self.cal.displacement_weight
+                    * candidate_prefill_ms(&self.cal, &c.features, displaced as f64);
+            }
+            *s = -cost;
         }
     }
 }
@@ -262,5 +282,53 @@ mod tests {
         warm.pending_tokens = 100;
         let cands = [cand(1, feat(2048, 0, 0.0, 0.0)), cand(2, warm)];
         assert_eq!(pick(&p, &r, &cands), ep(2));
+    }
+
+    #[test]
+    fn cache_balance_charges_the_live_context_a_placement_evicts() {
+        let r = req(40_000);
+        // two idle cold endpoints of 100k tokens: one holds 90k tokens of other live sessions,
+        // the other 20k
+        let full = Features {
+            kv_capacity_blocks: Some(100_000 / u64::from(r.block_size)),
+            working_set_tokens: 90_000,
+            ..feat(40_000, 0, 0.0, 0.0)
+        };
+        let roomy = Features {
+            working_set_tokens: 20_000,
+            ..full
+        };
+        assert_eq!(displaced_tokens(&r, &full), 30_000);
+        assert_eq!(displaced_tokens(&r, &roomy), 0);
+        // never more than the working set, nothing without a reported capacity
+        let tiny = Features {
+            working_set_tokens: 5_000,
+            kv_capacity_blocks: Some(1),
+            ..full
+        };
+        assert_eq!(displaced_tokens(&r, &tiny), 5_000);
+        let unknown = Features {
+            kv_capacity_blocks: None,
+            ..full
+        };
+        assert_eq!(displaced_tokens(&r, &unknown), 0);
+        let cands = [cand(1, full), cand(2, roomy)];
+        let mut s = [0.0; 2];
+        // off by default: equal scores (the tie-break decides)
+        CostModel::new(CostModelCalibration::default()).score(&r, &cands, &mut s);
+        assert_eq!(s[0], s[1]);
+        // on: the endpoint with room wins, by the displaced context's prefill
+        let cal = CostModelCalibration {
+            displacement_weight: 2.0,
+            ..CostModelCalibration::default()
+        };
+        let p = CostModel::new(cal);
+        p.score(&r, &cands, &mut s);
+        assert!(
+            (s[1] - s[0] - 2.0 * prefill_ms(&cal, 30_000.0)).abs() < 1e-6,
+            "{s:?}"
+        );
+        assert_eq!(pick(&p, &r, &cands), ep(2));
+        assert_eq!(pick(&p, &r, &[cand(2, full), cand(1, roomy)]), ep(1));
     }
 }

@@ -66,6 +66,9 @@ pub struct Features {
     pub pending_tokens: u64,
     /// The endpoint served this request's session before.
     pub session_affinity: bool,
+    /// Prompt tokens of the other live sessions pinned to the endpoint: the context its cache
+    /// must keep for their next turns (this request's own session not counted).
+    pub working_set_tokens: u64,
     /// Its metrics are older than the staleness threshold (only routed to when failing open).
     pub stale: bool,
     /// The cost model's constants learned for this endpoint, when calibration is on and has
