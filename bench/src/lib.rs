@@ -285,36 +285,32 @@ impl PolicySpec {
     }
 }
 
+/// `name` split at `sep` into its head and the finite number at least `min` that follows.
+fn number_suffix<'a>(
+    name: &'a str,
+    sep: &str,
+    min: f64,
+    what: &str,
+) -> Result<(&'a str, Option<f64>), String> {
+    let Some((head, v)) = name.split_once(sep) else {
+        return Ok((name, None));
+    };
+    let v = v
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= min)
+        .ok_or_else(|| format!("{what} in {name:?}"))?;
+    Ok((head, Some(v)))
+}
+
 /// Parse a comma-separated policy list (`cost-model,least-load,...`).
 pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         // `...+admit=S`: with session admission, waiting at most S seconds
-        let (name, admit_wait_s) = match name.split_once("+admit=") {
-            Some((n, w)) => (
-                n,
-                Some(
-                    w.parse::<f64>()
-                        .ok()
-                        .filter(|w| w.is_finite() && *w >= 0.001)
-                        .ok_or_else(|| format!("bad admission wait in {name:?}"))?,
-                ),
-            ),
-            None => (name, None),
-        };
+        let (name, admit_wait_s) = number_suffix(name, "+admit=", 0.001, "bad admission wait")?;
         // `cost-model@W`: with cache balance weighted W (and the session header)
-        let (head, displacement_weight) = match name.split_once('@') {
-            Some((h, w)) => (
-                h,
-                Some(
-                    w.parse::<f64>()
-                        .ok()
-                        .filter(|w| w.is_finite() && *w >= 0.0)
-                        .ok_or_else(|| format!("bad displacement weight in {name:?}"))?,
-                ),
-            ),
-            None => (name, None),
-        };
+        let (head, displacement_weight) = number_suffix(name, "@", 0.0, "bad displacement weight")?;
         let (strategy, weight) = match head.split_once(':') {
             Some((s, w)) => (s, Some(w)),
             None => (head, None),

@@ -105,8 +105,8 @@ struct Sim<'a> {
     ceilings: Ceilings,
     scrapes: u64,
     series_every: u64,
-    /// Turns session admission holds, in arrival order.
-    held: Vec<(Issue, Ticket)>,
+    /// Turns session admission holds, in arrival order, with their plans (what the gate reads).
+    held: Vec<(Issue, Ticket, RequestPlan)>,
     /// When an `Event::Admission` is scheduled, if one is.
     admission_check: Option<f64>,
     /// How long each held turn waited (ms), and how it left the queue.
@@ -267,7 +267,7 @@ impl<'a> Sim<'a> {
         let Some(ticket) = self.pool.join_admission(t as u64) else {
             return false;
         };
-        self.held.push((issue.clone(), ticket));
+        self.held.push((issue.clone(), ticket, plan));
         self.schedule_admission_check();
         true
     }
@@ -289,19 +289,9 @@ impl<'a> Sim<'a> {
             return out;
         }
         let held = std::mem::take(&mut self.held);
-        for (issue, ticket) in held {
-            let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
-            let session = self.session(&issue);
-            let turn = match self.plan(&issue, &tokens, session.as_deref()) {
-                Ok(plan) => {
-                    let req = plan.route_request(&self.model_config, Scope::default(), false);
-                    self.pool.poll_admission(ticket, &req, t as u64)
-                }
-                Err(_) => {
-                    self.pool.admission().lock().leave(ticket);
-                    Turn::Admit(Admitted::NoSession)
-                }
-            };
+        for (issue, ticket, plan) in held {
+            let req = plan.route_request(&self.model_config, Scope::default(), false);
+            let turn = self.pool.poll_admission(ticket, &req, t as u64);
             match turn {
                 Turn::Admit(why) => {
                     self.held_waits.push(t - issue.release_ms);
@@ -310,7 +300,7 @@ impl<'a> Sim<'a> {
                     }
                     out.push((issue, Some(ticket)));
                 }
-                Turn::Wait { .. } => self.held.push((issue, ticket)),
+                Turn::Wait { .. } => self.held.push((issue, ticket, plan)),
             }
         }
         self.schedule_admission_check();

@@ -105,6 +105,24 @@ pub fn notes(runs: &[PolicyRun]) -> String {
             runs.first().map_or(0.0, |r| r.summary.hit_rate_ceiling) * 100.0,
             ideal * 100.0
         );
+        // the ideal follows the order the requests were sent in, which a closed loop's policy
+        // (and session admission) changes
+        if runs
+            .iter()
+            .filter_map(|r| r.detail.hit_rate_ideal)
+            .any(|i| (i - ideal).abs() > 0.001)
+        {
+            for r in runs {
+                if let Some(i) = r.detail.hit_rate_ideal {
+                    let _ = writeln!(
+                        out,
+                        "{}: ideal with this capacity in its own request order {:.1}%",
+                        r.summary.policy,
+                        i * 100.0
+                    );
+                }
+            }
+        }
     }
     for r in runs {
         let d = &r.detail;
@@ -184,6 +202,25 @@ fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing a plot: {e:?}")
 }
 
+/// Draw the legend at `position` and finish the drawing.
+fn finish_chart<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
+    root.present().map_err(plot_err)
+}
+
 fn ttft_cdf_svg(runs: &[PolicyRun]) -> anyhow::Result<String> {
     let mut svg = String::new();
     {
@@ -239,14 +276,7 @@ fn ttft_cdf_svg(runs: &[PolicyRun]) -> anyhow::Result<String> {
                     PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(plot_err)?;
-        root.present().map_err(plot_err)?;
+        finish_chart(&mut chart, &root, SeriesLabelPosition::LowerRight)?;
     }
     Ok(svg)
 }
@@ -558,14 +588,7 @@ fn sweep_svg(
                     PathElement::new(vec![(x, y), (x + 18, y)], grey.stroke_width(1))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(plot_err)?;
-        root.present().map_err(plot_err)?;
+        finish_chart(&mut chart, &root, SeriesLabelPosition::UpperRight)?;
     }
     Ok(svg)
 }

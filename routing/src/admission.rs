@@ -31,8 +31,8 @@ pub struct Room {
     pub live_tokens: u64,
     /// The KV capacity the engines report (tokens).
     pub capacity_tokens: u64,
-    /// What the new session is expected to hold: the mean live context of a session, or its
-    /// prompt if larger.
+    /// What the new session is expected to hold: its prompt, and for a session not seen
+    /// before at least the mean live context of a session.
     pub footprint_tokens: u64,
 }
 

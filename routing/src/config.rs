@@ -308,7 +308,8 @@ pub struct RoutingConfig {
 /// engines report, one more session makes the others recompute theirs. With `enabled`, the
 /// first turn of a session that has no live context in the pool (a new one, or one idle past
 /// its reuse horizon) waits, in arrival order, until the live context plus its expected
-/// footprint (the mean live context of a session, or its prompt if larger) fits; then, or
+/// footprint (its prompt; for a session not seen before, at least the mean live context of a
+/// session) fits; then, or
 /// after `maxWait`, it is placed as usual. Turns of live sessions and requests without a
 /// session are never held.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]

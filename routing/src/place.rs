@@ -315,12 +315,17 @@ impl Pool {
     /// with live context, an endpoint without a reported KV capacity.
     pub fn room(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Room, Admitted> {
         let key = Router::session_key(req.tenant, req.session).ok_or(Admitted::NoSession)?;
-        let (live, sessions) = {
+        let (live, sessions, returning) = {
             let table = self.sessions.lock();
-            if table.pin(key).is_some_and(|p| p.live) {
+            let pin = table.pin(key);
+            if pin.is_some_and(|p| p.live) {
                 return Err(Admitted::LiveSession);
             }
-            (table.live().values().sum::<u64>(), table.live_sessions())
+            (
+                table.live().values().sum::<u64>(),
+                table.live_sessions(),
+                pin.is_some(),
+            )
         };
         let capacity = {
             let pool = self.state.read();
@@ -340,7 +345,9 @@ impl Pool {
         if capacity == 0 {
             return Err(Admitted::CapacityUnknown);
         }
-        let mean = if sessions > 0 {
+        // a session back after its horizon brings its whole context in its prompt; a new one
+        // is expected to grow as large as the sessions already in
+        let mean = if sessions > 0 && !returning {
             live / sessions as u64
         } else {
             0
