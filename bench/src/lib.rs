@@ -188,6 +188,8 @@ pub struct PolicySpec {
     /// keeps the configured setting. Admission counts sessions: such a run sends the session
     /// header.
     pub admit_wait_s: Option<f64>,
+    /// `routing.admission.overcommit` for this run (`...+admit=S+over=F`).
+    pub overcommit: Option<f64>,
     /// Send the session header with this policy's requests whatever `--session-header` says:
     /// `sticky-least-load` and `sticky-round-robin` (the load-only baselines keep a session
     /// where it was served), and `session-hash` (which hashes it).
@@ -202,6 +204,7 @@ impl From<Strategy> for PolicySpec {
             calibrate: None,
             displacement_weight: None,
             admit_wait_s: None,
+            overcommit: None,
             sessions: strategy == Strategy::SessionHash,
         }
     }
@@ -232,8 +235,12 @@ impl PolicySpec {
             Some(w) => format!("{base}@{w}"),
             None => base,
         };
-        match self.admit_wait_s {
+        let base = match self.admit_wait_s {
             Some(w) => format!("{base}+admit={w}"),
+            None => base,
+        };
+        match self.overcommit {
+            Some(o) => format!("{base}+over={o}"),
             None => base,
         }
     }
@@ -272,6 +279,9 @@ impl PolicySpec {
             r.admission.enabled = true;
             r.admission.max_wait = std::time::Duration::from_secs_f64(w);
         }
+        if let Some(o) = self.overcommit {
+            r.admission.overcommit = o;
+        }
         r
     }
 
@@ -307,6 +317,8 @@ fn number_suffix<'a>(
 pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        // `...+over=F`: session admission's overcommit
+        let (name, overcommit) = number_suffix(name, "+over=", 0.1, "bad overcommit")?;
         // `...+admit=S`: with session admission, waiting at most S seconds
         let (name, admit_wait_s) = number_suffix(name, "+admit=", 0.001, "bad admission wait")?;
         // `cost-model@W`: with cache balance weighted W (and the session header)
@@ -365,6 +377,7 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
             calibrate,
             displacement_weight,
             admit_wait_s,
+            overcommit,
             sessions: sticky
                 || strategy == Strategy::SessionHash
                 || displacement_weight.is_some()
@@ -439,5 +452,28 @@ mod tests {
         assert_eq!(p[0].routing(&base).cost_model.displacement_weight, 0.0);
         assert!(parse_policies("least-load@1").is_err());
         assert!(parse_policies("cost-model@-1").is_err());
+        // session admission: any policy, with the session header
+        let p = parse_policies(
+            "cost-model@4+admit=120,least-load+admit=30,cost-model+admit=60+over=1.5",
+        )
+        .expect("valid");
+        let names: Vec<String> = p.iter().map(PolicySpec::name).collect();
+        assert_eq!(
+            names,
+            [
+                "cost-model@4+admit=120",
+                "sticky-least-load+admit=30",
+                "cost-model+admit=60+over=1.5"
+            ]
+        );
+        assert!(p.iter().all(|s| s.sessions));
+        let r = p[0].routing(&base);
+        assert!(r.admission.enabled);
+        assert_eq!(r.admission.max_wait, std::time::Duration::from_secs(120));
+        assert_eq!(r.admission.overcommit, 1.0);
+        assert_eq!(p[2].routing(&base).admission.overcommit, 1.5);
+        assert!(!base.admission.enabled, "off by default");
+        assert!(parse_policies("cost-model+admit=0").is_err());
+        assert!(parse_policies("cost-model+admit=1+over=0").is_err());
     }
 }

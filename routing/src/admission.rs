@@ -29,7 +29,7 @@ pub struct Room {
     /// The live context of the sessions in the pool, and the footprints of turns admitted
     /// but not yet served (tokens).
     pub live_tokens: u64,
-    /// The KV capacity the engines report (tokens).
+    /// The KV capacity the engines report (tokens), times `admission.overcommit`.
     pub capacity_tokens: u64,
     /// What the new session is expected to hold: its prompt, and for a session not seen
     /// before at least the mean live context of a session.

@@ -325,6 +325,12 @@ pub struct AdmissionSettings {
     /// Default 1024.
     #[schemars(range(min = 1))]
     pub max_queue: u32,
+    /// How full the pool's reported KV capacity may get before new sessions wait: the live
+    /// context plus the new session's footprint must be within this multiple of it. Above 1
+    /// admits past the capacity (the engines then evict some live context, but their batches
+    /// stay fuller). Default 1.
+    #[schemars(range(min = 0.1, max = 10.0))]
+    pub overcommit: f64,
 }
 
 impl Default for AdmissionSettings {
@@ -333,6 +339,7 @@ impl Default for AdmissionSettings {
             enabled: false,
             max_wait: Duration::from_secs(30),
             max_queue: 1024,
+            overcommit: 1.0,
         }
     }
 }
@@ -409,6 +416,12 @@ impl RoutingConfig {
         }
         if self.admission.max_wait.is_zero() {
             return Err("routing.admission.maxWait must be positive".into());
+        }
+        let o = self.admission.overcommit;
+        if !(0.1..=10.0).contains(&o) {
+            return Err(format!(
+                "routing.admission.overcommit must be in [0.1, 10], got {o}"
+            ));
         }
         if self.admission.max_queue == 0 {
             return Err("routing.admission.maxQueue must be >= 1".into());

@@ -345,6 +345,8 @@ impl Pool {
         if capacity == 0 {
             return Err(Admitted::CapacityUnknown);
         }
+        let overcommit = self.router.load().config().admission.overcommit;
+        let capacity = (capacity as f64 * overcommit) as u64;
         // a session back after its horizon brings its whole context in its prompt; a new one
         // is expected to grow as large as the sessions already in
         let mean = if sessions > 0 && !returning {
@@ -606,5 +608,68 @@ mod tests {
         assert_eq!(gone.removed, vec![id(3)]);
         assert_eq!(pool.pinned(key), None, "its pins are forgotten");
         assert_eq!(pool.inflight().get(&id(3)).requests, 0, "and its counts");
+    }
+
+    /// Session admission's room: the live context against the reported capacity (times the
+    /// overcommit), a new session's footprint at least the mean live context, a returning
+    /// one's its prompt; no room asked for requests without a session, live sessions, or
+    /// while some endpoint reports no capacity.
+    #[test]
+    fn admission_room_counts_live_context_against_reported_capacity() {
+        let (pool, mc) = pool(Strategy::CostModel, FailureMode::FailOpen, 2);
+        let mut routing = RoutingConfig::default();
+        routing.admission.enabled = true;
+        pool.set_router(Router::new(routing.clone()));
+        let new = request(&mc, Some("new"));
+        assert_eq!(pool.gate(&new, 0), Gate::Admit(Admitted::CapacityUnknown));
+        let capacity = |blocks: u64| {
+            (1..=2).map(move |i| {
+                (
+                    id(i),
+                    EndpointLoad {
+                        kv_capacity_blocks: Some(blocks),
+                        ..load(0.0, 0)
+                    },
+                )
+            })
+        };
+        // 2 × 100 blocks of 16 tokens
+        pool.observe_scrape(0, capacity(100));
+        assert_eq!(
+            pool.gate(&request(&mc, None), 0),
+            Gate::Admit(Admitted::NoSession)
+        );
+        assert_eq!(pool.gate(&new, 0), Gate::Admit(Admitted::Fits));
+        // two live sessions of 1,000 and 1,600 tokens (mean 1,300)
+        let key = |s: &str| Router::session_key(None, Some(s)).expect("key");
+        pool.pin(key("a"), id(1), 1_000, 0);
+        pool.pin(key("b"), id(2), 1_600, 0);
+        let room = pool.room(&new, 0).expect("asked");
+        assert_eq!(
+            room,
+            Room {
+                live_tokens: 2_600,
+                capacity_tokens: 3_200,
+                footprint_tokens: 1_300
+            }
+        );
+        assert_eq!(pool.gate(&new, 0), Gate::Hold(room));
+        assert_eq!(
+            pool.gate(&request(&mc, Some("a")), 0),
+            Gate::Admit(Admitted::LiveSession)
+        );
+        // a session seen before, back after its horizon, brings its prompt
+        pool.pin(key("old"), id(1), 500, 1);
+        let later = pool.reuse_horizon_ms() + 10;
+        pool.pin(key("c"), id(2), 2_000, later);
+        let back = pool.room(&request(&mc, Some("old")), later).expect("asked");
+        assert_eq!(back.live_tokens, 2_000, "only c's context is still live");
+        assert_eq!(back.footprint_tokens, 8, "its prompt");
+        let fresh = pool.room(&new, later).expect("asked");
+        assert_eq!(fresh.footprint_tokens, 2_000, "the mean live context");
+        // overcommit scales the capacity
+        routing.admission.overcommit = 1.5;
+        pool.set_router(Router::new(routing));
+        assert_eq!(pool.room(&new, 0).expect("asked").capacity_tokens, 4_800);
     }
 }
