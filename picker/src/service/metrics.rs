@@ -232,7 +232,7 @@ impl Metrics {
         let admission = Family::<KindLabels, Counter>::default();
         registry.register(
             "admission",
-            "Session admission (routing.admission): turns by kind of admission: fits, timeout (waited maxWait), queue_full, live_session, no_session, capacity_unknown, disabled",
+            "Session admission (routing.admission, while enabled): turns by kind of admission: fits, timeout (waited maxWait), queue_full, live_session, no_session, capacity_unknown",
             admission.clone(),
         );
         let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 22));

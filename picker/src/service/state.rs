@@ -548,9 +548,14 @@ impl PickerState {
     /// dropped). Returns the gate's first answer, and the ticket when the request waited.
     async fn pass_admission(&self, req: &RouteRequest<'_>) -> (Gate, Option<Ticket>) {
         let gate = self.pool.gate(req, self.now_ms());
-        if let Gate::Admit(why) = gate {
-            self.metrics.admitted(why);
-            return (gate, None);
+        match gate {
+            // off: nothing to count on every request
+            Gate::Admit(Admitted::Disabled) => return (gate, None),
+            Gate::Admit(why) => {
+                self.metrics.admitted(why);
+                return (gate, None);
+            }
+            Gate::Hold(_) => {}
         }
         let Some(ticket) = self.pool.join_admission(self.now_ms()) else {
             self.metrics.admitted(Admitted::QueueFull);
@@ -1011,7 +1016,8 @@ endpoints:
         let until_waiting = |n: i64| {
             let picker = picker.clone();
             async move {
-                for _ in 0..1_000 {
+                // bounded, not timed: the task registers long before this runs out
+                for _ in 0..10_000 {
                     if picker.metrics.admission_waiting.get() == n {
                         return;
                     }
