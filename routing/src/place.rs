@@ -427,9 +427,12 @@ impl Pool {
         self.sessions.lock().served(key, endpoint, tokens, now_ms);
     }
 
-    /// Each endpoint's working set at `now_ms` (see [`SessionTable::working_sets`]).
+    /// Each endpoint's working set at `now_ms`: the running sums
+    /// ([`SessionTable::live`]) with the turns past the horizon taken out first.
     pub fn working_sets(&self, now_ms: u64) -> hashbrown::HashMap<EndpointId, u64> {
-        self.sessions.lock().working_sets(now_ms)
+        let mut sessions = self.sessions.lock();
+        sessions.expire(now_ms);
+        sessions.live().clone()
     }
 
     /// How long a session's context is taken to stay wanted ([`crate::session::ReuseHorizon`]).

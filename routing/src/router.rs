@@ -612,7 +612,7 @@ mod tests {
             let d = r.decide(&ctx, &req)?;
             // served where it was decided: the session is pinned there
             if let Some(k) = Router::session_key(None, session) {
-                self.sessions.lock().set(k, d.endpoint);
+                self.sessions.lock().served(k, d.endpoint, 0, 0);
             }
             Ok(d)
         }

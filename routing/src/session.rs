@@ -23,7 +23,8 @@ pub struct SessionPin {
 /// tenants using the same session id never share an entry, and so that memory per entry does
 /// not depend on what clients send. It also learns how long a session's context stays wanted
 /// ([`ReuseHorizon`], from the gaps between a session's turns), which makes each endpoint's
-/// working set ([`SessionTable::working_sets`]).
+/// working set ([`SessionTable::live`]): the prompt tokens of the sessions pinned there whose
+/// last turn is within the horizon, what its cache must hold for their next turns to hit.
 ///
 /// The working sets are kept as running sums, so a decision reads them without a pass over the
 /// table: a served turn adds its tokens to its endpoint's sum (and takes its session's previous
@@ -75,26 +76,9 @@ impl SessionTable {
         xxh3_64(&buf)
     }
 
-    pub fn get(&mut self, key: u64) -> Option<EndpointId> {
-        self.map.get(&key).map(|p| p.endpoint)
-    }
-
     /// The endpoint `key` is pinned to, without touching its place in the LRU order.
     pub fn peek(&self, key: u64) -> Option<EndpointId> {
         self.map.peek(&key).map(|p| p.endpoint)
-    }
-
-    /// Pin `key` to `endpoint`, no size or time known (a working set counts it as empty).
-    pub fn set(&mut self, key: u64, endpoint: EndpointId) {
-        self.insert(
-            key,
-            SessionPin {
-                endpoint,
-                tokens: 0,
-                served_ms: 0,
-                live: false,
-            },
-        );
     }
 
     /// Insert `pin` under `key`, taking the pin it replaces, or the one the LRU bound
@@ -190,7 +174,7 @@ impl SessionTable {
     }
 
     /// The live working set of each endpoint as of the last [`SessionTable::served`] or
-    /// [`SessionTable::expire`]: what [`SessionTable::working_sets`] counts, kept as sums.
+    /// [`SessionTable::expire`].
     pub fn live(&self) -> &hashbrown::HashMap<EndpointId, u64> {
         &self.live
     }
@@ -219,10 +203,10 @@ impl SessionTable {
             .unwrap_or_else(|| self.horizon.horizon_ms())
     }
 
-    /// Each endpoint's working set at `now_ms`: the prompt tokens of the sessions pinned there
-    /// whose last turn is within the horizon (what its cache must hold for their next turns to
-    /// hit). One pass over the table: for explanations and gauges, not every decision.
-    pub fn working_sets(&self, now_ms: u64) -> hashbrown::HashMap<EndpointId, u64> {
+    /// Each endpoint's working set at `now_ms` counted in one pass over the table: the
+    /// reference the running sums ([`SessionTable::live`]) are tested against.
+    #[cfg(test)]
+    fn working_sets(&self, now_ms: u64) -> hashbrown::HashMap<EndpointId, u64> {
         let horizon = self.horizon_ms();
         let mut out = hashbrown::HashMap::new();
         for (_, p) in self.map.iter() {
@@ -335,15 +319,15 @@ mod tests {
             SessionTable::key(None, "s3"),
         );
         assert_ne!(a, b);
-        t.set(a, e(1));
-        t.set(b, e(2));
-        t.set(c, e(3));
+        t.served(a, e(1), 0, 0);
+        t.served(b, e(2), 0, 0);
+        t.served(c, e(3), 0, 0);
         assert_eq!(t.len(), 2);
-        assert_eq!(t.get(a), None, "least recently used evicted");
-        assert_eq!(t.get(b), Some(e(2)));
+        assert_eq!(t.peek(a), None, "least recently used evicted");
+        assert_eq!(t.peek(b), Some(e(2)));
         t.remove_endpoint(&e(2));
-        assert_eq!(t.get(b), None);
-        assert_eq!(t.get(c), Some(e(3)));
+        assert_eq!(t.peek(b), None);
+        assert_eq!(t.peek(c), Some(e(3)));
     }
 
     #[test]
@@ -402,7 +386,7 @@ mod tests {
                 now += dt;
                 match op {
                     0 | 1 => t.served(session, e(endpoint), tokens, now),
-                    2 => t.set(session, e(endpoint)),
+                    2 => t.served(session, e(endpoint), 0, now),
                     _ => t.remove_endpoint(&e(endpoint)),
                 }
                 t.expire(now);
