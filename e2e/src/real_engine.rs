@@ -40,12 +40,31 @@ pub struct Engine {
     pub kv: u16,
     pub replay: u16,
     pub log: PathBuf,
+    /// How it was started, for a start on fresh ports.
+    launch: Launch,
 }
+
+#[derive(Clone)]
+struct Launch {
+    model: PathBuf,
+    core: u32,
+    kv_cache_bytes: u64,
+    logs: PathBuf,
+    /// Its ports were picked free at spawn (not given): if one was taken before vLLM bound
+    /// it, [`Engine::wait_healthy`] starts it again on others.
+    fresh_ports: bool,
+}
+
+/// Starts on fresh ports after a port was taken between its probe and vLLM's bind (the probe
+/// releases the port; vLLM's own internal sockets, or another test's, can take it first).
+const PORT_RETRIES: u32 = 3;
 
 impl Engine {
     pub fn spawn(model: &Path, core: u32, kv_cache_bytes: u64, logs: &Path) -> Self {
         let ports = (free_port(), free_port(), free_port());
-        Self::spawn_on(model, core, kv_cache_bytes, logs, ports)
+        let mut e = Self::spawn_on(model, core, kv_cache_bytes, logs, ports);
+        e.launch.fresh_ports = true;
+        e
     }
 
     /// On given (http, kv, replay) ports: a restart keeps the addresses the picker knows.
@@ -82,6 +101,13 @@ impl Engine {
             kv,
             replay,
             log,
+            launch: Launch {
+                model: model.to_path_buf(),
+                core,
+                kv_cache_bytes,
+                logs: logs.to_path_buf(),
+                fresh_ports: false,
+            },
         }
     }
 
@@ -97,8 +123,12 @@ impl Engine {
         failure_excerpt(&text)
     }
 
+    /// Until `/health` answers. An engine spawned on free ports that lost one of them before
+    /// binding it is started again on others (at most [`PORT_RETRIES`] times): read the
+    /// ports after this returns.
     pub async fn wait_healthy(&mut self) {
-        let deadline = Instant::now() + ENGINE_START;
+        let mut deadline = Instant::now() + ENGINE_START;
+        let mut retries = 0;
         loop {
             if let Ok(r) = client().get(self.url("/health")).send().await
                 && r.status().is_success()
@@ -106,6 +136,20 @@ impl Engine {
                 return;
             }
             if let Some(status) = self.child.try_wait().unwrap() {
+                let taken = std::fs::read_to_string(&self.log)
+                    .is_ok_and(|t| t.contains("Address already in use"));
+                if taken && self.launch.fresh_ports && retries < PORT_RETRIES {
+                    retries += 1;
+                    eprintln!(
+                        "vLLM on port {} lost a port before binding it; starting it on others",
+                        self.http
+                    );
+                    let l = self.launch.clone();
+                    // the old one's group is stopped as it drops
+                    *self = Self::spawn(&l.model, l.core, l.kv_cache_bytes, &l.logs);
+                    deadline = Instant::now() + ENGINE_START;
+                    continue;
+                }
                 panic!(
                     "vLLM on port {} exited ({status}) before it was healthy; log tail:\n{}",
                     self.http,
