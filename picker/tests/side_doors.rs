@@ -228,7 +228,7 @@ async fn ext_proc_applies_tenant_and_model_on_every_path() {
         let answer = gateway::request(&ext, path, &[], llama_body).await;
         assert_eq!(answer.refused(), 400, "{path} without a tenant");
         // an unknown model and a body that is not JSON
-        let nope = br#"{"model":"nope","prompt":"hi","messages":[{"role":"user","content":"hi"}]}"#;
+        let nope = br#"{"model":"nope","prompt":"hi","input":"hi","messages":[{"role":"user","content":"hi"}]}"#;
         let answer = gateway::request(&ext, path, &[("x-tenant", "b")], nope).await;
         assert_eq!(answer.refused(), 404, "{path}: unknown model");
         let answer = gateway::request(&ext, path, &[("x-tenant", "b")], b"model=llama").await;
@@ -264,10 +264,15 @@ async fn ext_proc_salts_every_api_and_answers_with_one_endpoint() {
     let salt = engine.state.last_body.lock().clone().unwrap()["cache_salt"].clone();
 
     for path in ["/v1/completions", "/v1/responses", "/v1/messages"] {
-        let body = if path == "/v1/completions" {
-            json!({"model": "llama", "prompt": "hi", "cache_salt": "attacker-chosen"})
-        } else {
-            json!({"model": "llama", "input": "hi", "cache_salt": "attacker-chosen"})
+        let body = match path {
+            "/v1/completions" => {
+                json!({"model": "llama", "prompt": "hi", "cache_salt": "attacker-chosen"})
+            }
+            "/v1/messages" => json!({
+                "model": "llama", "max_tokens": 4, "cache_salt": "attacker-chosen",
+                "messages": [{"role": "user", "content": "hi"}]
+            }),
+            _ => json!({"model": "llama", "input": "hi", "cache_salt": "attacker-chosen"}),
         };
         let answer = gateway::request(
             &ext,

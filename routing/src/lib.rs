@@ -22,6 +22,7 @@
 pub mod admission;
 pub mod block_keys;
 pub mod calibration;
+pub mod chat_mapping;
 pub mod config;
 pub mod endpoint;
 pub mod engine_metrics;

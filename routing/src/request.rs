@@ -2,6 +2,7 @@
 //! and salt, parsed once; and the body forwarded to the engine.
 
 use bytes::Bytes;
+use serde::Deserialize as _;
 use serde_json::Value;
 
 use crate::tokenize::PromptInput;
@@ -61,10 +62,20 @@ impl Default for RequestLimits {
 pub enum ApiKind {
     Completions,
     ChatCompletions,
-    /// Any other API whose JSON body names a `model` (`/v1/responses`, `/v1/messages`,
-    /// `/v1/embeddings`, a path spelled differently, ...), as the gateway forwards it: routed by
-    /// model, tenant and load, its prompt not read. Only the ext_proc listener takes these; the
-    /// proxy serves the two OpenAI paths above.
+    /// OpenAI Responses (`/v1/responses`): `instructions`, `input` and `tools` read as the chat
+    /// vLLM renders for them ([`crate::chat_mapping`]); `previous_response_id` and
+    /// `session_id` name the conversation.
+    Responses,
+    /// Anthropic Messages (`/v1/messages`): `system`, `messages` and `tools` read as the chat
+    /// vLLM renders for them.
+    Messages,
+    /// Embeddings (`/v1/embeddings`): `input` read as a completions prompt (the engine
+    /// prefills it).
+    Embeddings,
+    /// Any other API whose JSON body names a `model` (the render endpoints, `/tokenize`,
+    /// `/detokenize`, `/v1/messages/count_tokens`, a path spelled differently, ...): routed by
+    /// model, tenant and load, its prompt not read (none of these prefill anything a later
+    /// request could reuse).
     Other,
 }
 
@@ -75,7 +86,22 @@ impl ApiKind {
         match self {
             Self::Completions => Some("/v1/completions"),
             Self::ChatCompletions => Some("/v1/chat/completions"),
+            Self::Responses => Some("/v1/responses"),
+            Self::Messages => Some("/v1/messages"),
+            Self::Embeddings => Some("/v1/embeddings"),
             Self::Other => None,
+        }
+    }
+
+    /// vLLM's render endpoint for this API: the token ids it would prefill, without running
+    /// the model.
+    pub fn render_path(self) -> Option<&'static str> {
+        match self {
+            Self::Completions => Some("/v1/completions/render"),
+            Self::ChatCompletions => Some("/v1/chat/completions/render"),
+            Self::Responses => Some("/v1/responses/render"),
+            Self::Messages => Some("/v1/messages/render"),
+            Self::Embeddings | Self::Other => None,
         }
     }
 
@@ -85,6 +111,9 @@ impl ApiKind {
         match path.split('?').next().unwrap_or(path) {
             "/v1/completions" => Self::Completions,
             "/v1/chat/completions" => Self::ChatCompletions,
+            "/v1/responses" => Self::Responses,
+            "/v1/messages" => Self::Messages,
+            "/v1/embeddings" => Self::Embeddings,
             _ => Self::Other,
         }
     }
@@ -174,6 +203,33 @@ struct BodyFields {
     cache_salt: Option<Value>,
 }
 
+/// The fields the picker reads from a Responses, Messages or embeddings body.
+#[derive(serde::Deserialize)]
+struct ConversationFields {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    stream: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(default)]
+    instructions: Option<Value>,
+    #[serde(default)]
+    system: Option<Value>,
+    #[serde(default)]
+    messages: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    previous_response_id: Option<Value>,
+    #[serde(default)]
+    session_id: Option<Value>,
+}
+
 /// The fields the picker reads from the body of any other API ([`ApiKind::Other`]).
 #[derive(serde::Deserialize)]
 struct OtherBodyFields {
@@ -192,6 +248,9 @@ pub struct ChatFields {
     pub tools: Option<Value>,
     pub add_generation_prompt: bool,
     pub kwargs: Option<Value>,
+    /// A Messages request: its system messages are merged into the first when the template
+    /// needs the system message first ([`crate::chat_mapping::merge_inline_system`]).
+    pub merge_inline_system: bool,
 }
 
 /// A request body parsed once.
@@ -206,6 +265,13 @@ pub struct ParsedRequest {
     /// The client's own `cache_salt` (vLLM): the engine salts the prefix with it, so the
     /// picker hashes with it too (unless tenancy replaces it).
     pub cache_salt: Option<String>,
+    /// A Responses request's `previous_response_id`: the conversation it continues.
+    pub previous_response_id: Option<String>,
+    /// A Responses request's `session_id` (vLLM): the conversation's stable name.
+    pub session_id: Option<String>,
+    /// Why the prompt of a Responses or Messages request is not read (its rendering is not
+    /// reproduced): it is routed by model, tenant and load.
+    pub unread: Option<&'static str>,
 }
 
 impl ParsedRequest {
@@ -255,7 +321,17 @@ impl ParsedRequest {
                 prompt: None,
                 chat: None,
                 cache_salt,
+                previous_response_id: None,
+                session_id: None,
+                unread: None,
             });
+        }
+        if matches!(
+            kind,
+            ApiKind::Responses | ApiKind::Messages | ApiKind::Embeddings
+        ) {
+            let head: ConversationFields = serde_json::from_slice(&raw).map_err(invalid)?;
+            return Self::conversation(kind, raw, head, limits);
         }
         let head: BodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
         let (model, stream, cache_salt) =
@@ -323,8 +399,12 @@ impl ParsedRequest {
                         .and_then(Value::as_bool)
                         .unwrap_or(true),
                     kwargs: head.chat_template_kwargs.filter(Value::is_object),
+                    merge_inline_system: false,
                 };
                 (None, Some(chat))
+            }
+            ApiKind::Responses | ApiKind::Messages | ApiKind::Embeddings => {
+                unreachable!("read by `ConversationFields` above")
             }
         };
         Ok(Self {
@@ -335,7 +415,116 @@ impl ParsedRequest {
             prompt,
             chat,
             cache_salt,
+            previous_response_id: None,
+            session_id: None,
+            unread: None,
         })
+    }
+
+    /// A Responses, Messages or embeddings body: the prompt as chat (or as a completions
+    /// prompt for embeddings), and the conversation it names.
+    fn conversation(
+        kind: ApiKind,
+        raw: Bytes,
+        head: ConversationFields,
+        limits: &RequestLimits,
+    ) -> Result<Self, RequestError> {
+        use crate::chat_mapping::{self as map, Unmapped};
+        let (model, stream, cache_salt) =
+            Self::common_fields(head.model, head.stream, head.cache_salt)?;
+        let id = |v: Option<Value>, name: &str| match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_ID_BYTES => Ok(Some(s)),
+            Some(_) => Err(RequestError::bad_request(
+                "invalid_field",
+                format!("`{name}` must be a non-empty string of at most {MAX_ID_BYTES} bytes"),
+            )),
+        };
+        let mut out = Self {
+            kind,
+            raw,
+            model,
+            stream,
+            prompt: None,
+            chat: None,
+            cache_salt,
+            previous_response_id: None,
+            session_id: None,
+            unread: None,
+        };
+        let mapped = match kind {
+            ApiKind::Embeddings => {
+                let input = head.input.ok_or_else(|| {
+                    RequestError::bad_request("missing_field", "missing required field `input`")
+                })?;
+                // text or token ids; other inputs (images, chat-style inputs) are not read
+                out.prompt = Prompt::deserialize(input).ok();
+                if out.prompt.is_none() {
+                    out.unread = Some("embeddings input");
+                }
+                if let Some(Prompt::Ids(ids)) = &out.prompt
+                    && ids.len() > limits.max_prompt_tokens
+                {
+                    return Err(RequestError::bad_request(
+                        "prompt_too_long",
+                        format!(
+                            "the input has {} tokens, more than the limit of {}",
+                            ids.len(),
+                            limits.max_prompt_tokens
+                        ),
+                    ));
+                }
+                return Ok(out);
+            }
+            ApiKind::Responses => {
+                out.previous_response_id = id(head.previous_response_id, "previous_response_id")?;
+                out.session_id = id(head.session_id, "session_id")?;
+                let input = head.input.ok_or_else(|| {
+                    RequestError::bad_request("missing_field", "missing required field `input`")
+                })?;
+                if out.previous_response_id.is_some() {
+                    // the engine prepends the stored conversation, which the picker does not
+                    // hold: the conversation's pin routes it
+                    out.unread = Some("previous_response_id");
+                    return Ok(out);
+                }
+                map::responses_messages(head.instructions.as_ref(), &input)
+                    .and_then(|m| Ok((m, map::responses_tools(head.tools.as_ref())?, false)))
+            }
+            _ => {
+                let messages = head.messages.ok_or_else(|| {
+                    RequestError::bad_request("missing_field", "missing required field `messages`")
+                })?;
+                map::anthropic_messages(head.system.as_ref(), &messages)
+                    .and_then(|m| Ok((m, map::anthropic_tools(head.tools.as_ref())?, true)))
+            }
+        };
+        match mapped {
+            Ok((messages, tools, merge_inline_system)) => {
+                if messages.len() > limits.max_messages {
+                    return Err(RequestError::bad_request(
+                        "too_many_messages",
+                        format!(
+                            "the request has {} messages, more than the limit of {}",
+                            messages.len(),
+                            limits.max_messages
+                        ),
+                    ));
+                }
+                out.chat = Some(ChatFields {
+                    messages: Value::Array(messages),
+                    tools,
+                    add_generation_prompt: true,
+                    kwargs: head.chat_template_kwargs.filter(Value::is_object),
+                    merge_inline_system,
+                });
+            }
+            Err(Unmapped::Invalid(m)) => {
+                return Err(RequestError::bad_request("invalid_field", m));
+            }
+            Err(Unmapped::NotReproduced(why)) => out.unread = Some(why),
+        }
+        Ok(out)
     }
 
     /// `model`, `stream` and `cache_salt`, which every API reads alike.
@@ -384,6 +573,9 @@ impl ParsedRequest {
         Ok((model, stream, cache_salt))
     }
 }
+
+/// Longest `previous_response_id` or `session_id` accepted.
+pub const MAX_ID_BYTES: usize = 256;
 
 /// Longest client `cache_salt` accepted.
 pub const MAX_CACHE_SALT_BYTES: usize = 1024;
@@ -506,5 +698,72 @@ mod tests {
         .expect("valid");
         let chat = r.chat.expect("chat");
         assert!(!chat.add_generation_prompt && chat.tools.is_none() && r.stream);
+    }
+
+    #[test]
+    fn one_conversation_reads_as_the_same_chat_on_every_api() {
+        let chat = parse(
+            ApiKind::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello."},{"role":"user","content":"Bye"}]}"#,
+        )
+        .expect("chat");
+        let responses = parse(
+            ApiKind::Responses,
+            r#"{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Hello."}]},{"role":"user","content":"Bye"}],"stream":true}"#,
+        )
+        .expect("responses");
+        let messages = parse(
+            ApiKind::Messages,
+            r#"{"model":"m","max_tokens":8,"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"text","text":"Hello."}]},{"role":"user","content":"Bye"}]}"#,
+        )
+        .expect("messages");
+        let want = &chat.chat.as_ref().expect("chat fields").messages;
+        for r in [&responses, &messages] {
+            let c = r.chat.as_ref().expect("chat fields");
+            assert_eq!(&c.messages, want, "{:?}", r.kind);
+            assert!(c.add_generation_prompt && r.unread.is_none());
+        }
+        assert!(responses.stream);
+        assert!(messages.chat.expect("chat").merge_inline_system);
+    }
+
+    #[test]
+    fn a_continuation_or_an_unreproduced_item_is_routed_without_its_prompt() {
+        let r = parse(
+            ApiKind::Responses,
+            r#"{"model":"m","previous_response_id":"resp_1","session_id":"s","input":"more"}"#,
+        )
+        .expect("valid");
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!(r.session_id.as_deref(), Some("s"));
+        assert_eq!(
+            (r.unread, r.prompt_input().is_none()),
+            (Some("previous_response_id"), true)
+        );
+        let r = parse(
+            ApiKind::Responses,
+            r#"{"model":"m","input":[{"type":"item_reference","id":"x"}]}"#,
+        )
+        .expect("valid");
+        assert_eq!(r.unread, Some("input item type"));
+        for (kind, body) in [
+            (ApiKind::Responses, r#"{"model":"m"}"#),
+            (ApiKind::Responses, r#"{"model":"m","input":5}"#),
+            (
+                ApiKind::Responses,
+                r#"{"model":"m","input":"x","previous_response_id":7}"#,
+            ),
+            (ApiKind::Messages, r#"{"model":"m","max_tokens":1}"#),
+            (
+                ApiKind::Messages,
+                r#"{"model":"m","messages":[{"role":"user","content":7}]}"#,
+            ),
+            (ApiKind::Embeddings, r#"{"model":"m"}"#),
+        ] {
+            let e = parse(kind, body).expect_err(body);
+            assert_eq!(e.status, 400, "{body}");
+        }
+        let e = parse(ApiKind::Embeddings, r#"{"model":"m","input":[1,2,3]}"#).expect("ids");
+        assert_eq!(e.prompt, Some(Prompt::Ids(vec![1, 2, 3])));
     }
 }

@@ -170,6 +170,13 @@ pub trait EndpointPicker: Send + Sync + 'static {
     /// request, before `on_response_complete`.
     fn on_first_response_body(&self, _request_id: u64) {}
 
+    /// A non-empty chunk of the response body passed (only seen when the proxy sends response
+    /// bodies). Returns whether to be told of the next chunks too; once it returns `false` it
+    /// is not called again for the request.
+    fn on_response_chunk(&self, _request_id: u64, _chunk: &[u8]) -> bool {
+        false
+    }
+
     /// The request that `pick` answered `Ok` for is over. Called exactly once for every `Ok`
     /// pick, whatever happened next: the response ended, the proxy cancelled, the stream broke,
     /// or the answer could not be delivered. This is what makes in-flight counts safe to keep.
@@ -411,6 +418,8 @@ struct InFlight<P: EndpointPicker> {
     request_id: u64,
     served_reported: bool,
     body_reported: bool,
+    /// Whether the picker still reads the response body's chunks.
+    watch_body: bool,
 }
 
 impl<P: EndpointPicker> Drop for InFlight<P> {
@@ -594,9 +603,15 @@ impl<P: EndpointPicker> StreamTask<P> {
                 self.require_routed("a response body")?;
                 if let Some(inflight) = self.inflight.as_mut()
                     && !body.body.is_empty()
-                    && !std::mem::replace(&mut inflight.body_reported, true)
                 {
-                    inflight.picker.on_first_response_body(inflight.request_id);
+                    if !std::mem::replace(&mut inflight.body_reported, true) {
+                        inflight.picker.on_first_response_body(inflight.request_id);
+                    }
+                    if inflight.watch_body {
+                        inflight.watch_body = inflight
+                            .picker
+                            .on_response_chunk(inflight.request_id, &body.body);
+                    }
                 }
                 let end = body.end_of_stream;
                 // In full-duplex mode the proxy has drained the chunk; what is not sent back
@@ -810,6 +825,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             request_id: self.request_id,
             served_reported: false,
             body_reported: false,
+            watch_body: true,
         });
 
         let endpoints = within_subset(output.endpoints, subset.as_deref());

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
 use super::request::{ApiKind, ParsedRequest};
+use super::responses::ResponseWatch;
 use super::state::{Admission, PickerState, Purpose};
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
@@ -41,6 +42,8 @@ struct Pending {
     prompt_tokens: u32,
     /// Session admission's ticket, when the pick waited for room.
     admission_ticket: Option<crate::admission::Ticket>,
+    /// A Responses request's watch for its response's id, while the body may still show it.
+    watch: Option<ResponseWatch>,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -90,7 +93,7 @@ impl EndpointPicker for GatewayPicker {
         let kind = ApiKind::from_path(&input.path);
         if kind == ApiKind::Other && input.body.is_empty() {
             let id = picker
-                .pick_bodyless(&input.headers, input.subset.as_deref())
+                .pick_bodyless(&input.path, &input.headers, input.subset.as_deref())
                 .map_err(refuse)?;
             return Ok(PickOutput {
                 endpoints: vec![SocketAddr::new(id.address, id.port)],
@@ -134,6 +137,7 @@ impl EndpointPicker for GatewayPicker {
                 session_key: routed.session_key(),
                 prompt_tokens: routed.placement.prompt_tokens,
                 admission_ticket: routed.admission_ticket,
+                watch: picker.watch_response(&routed, d.endpoint),
             },
         );
         Ok(PickOutput {
@@ -157,6 +161,9 @@ impl EndpointPicker for GatewayPicker {
         p.guard.first_token();
         let at = |id: &EndpointId| SocketAddr::new(id.address, id.port) == endpoint;
         p.served = p.targets.iter().copied().find(at);
+        if let (Some(w), Some(served)) = (p.watch.as_mut(), p.served) {
+            w.endpoint = served;
+        }
         // the gateway moves on to a fallback only when the chosen endpoint failed
         if !at(&p.targets[0]) {
             p.primary_failed = true;
@@ -171,6 +178,9 @@ impl EndpointPicker for GatewayPicker {
                 return;
             };
             p.status = Some(status);
+            if !(200..300).contains(&status) {
+                p.watch = None;
+            }
             let primary = std::mem::take(&mut p.primary_failed).then_some(p.targets[0]);
             (
                 p.served.unwrap_or(p.targets[0]),
@@ -224,6 +234,18 @@ impl EndpointPicker for GatewayPicker {
         if let Some((endpoint, basis, ttft)) = observed {
             self.picker.observe_ttft(endpoint, basis, ttft);
         }
+    }
+
+    fn on_response_chunk(&self, request_id: u64, chunk: &[u8]) -> bool {
+        let mut pending = self.pending.lock();
+        let Some(w) = pending.get_mut(&request_id).and_then(|p| p.watch.as_mut()) else {
+            return false;
+        };
+        let more = self.picker.response_chunk(w, chunk);
+        if !more && let Some(p) = pending.get_mut(&request_id) {
+            p.watch = None;
+        }
+        more
     }
 
     fn on_body_timeout(&self) {

@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 
 use super::errors::ApiError;
 use super::request::{ApiKind, ParsedRequest};
+use super::responses::ResponseWatch;
 use super::state::{PickerState, Purpose};
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
@@ -71,11 +72,32 @@ fn forwardable(nominated: &[&str], name: &HeaderName) -> bool {
             .any(|n| n.eq_ignore_ascii_case(name.as_str()))
 }
 
-/// The inference listener: only OpenAI endpoints and health.
+/// The POST paths the proxy forwards, each routed by the request's model: by prefix where the
+/// body carries a prompt the engine prefills ([`ApiKind`]), by load among the model's
+/// endpoints for the rest.
+pub const FORWARDED_PATHS: [&str; 12] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+    "/v1/responses/render",
+    "/v1/messages/render",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+];
+
+/// The inference listener: the OpenAI and Anthropic APIs an engine serves, and health.
 pub fn inference_app(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+    let mut app = Router::new();
+    for path in FORWARDED_PATHS {
+        app = app.route(path, post(forward));
+    }
+    app.route("/v1/responses/{id}", get(stored_response))
+        .route("/v1/responses/{id}/cancel", post(stored_response))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -125,8 +147,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn not_found(uri: Uri) -> ApiError {
-    ApiError::not_found(uri.path())
+async fn not_found(method: axum::http::Method, uri: Uri) -> ApiError {
+    ApiError::not_found(&format!("{method} {}", uri.path()))
 }
 
 async fn healthz() -> &'static str {
@@ -208,16 +230,74 @@ async fn read_body(picker: &PickerState, body: Body) -> Result<Bytes, ApiError> 
         .unwrap_or(Err(ApiError::body_timeout(timeout)))
 }
 
-async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    proxy(state, ApiKind::Completions, headers, body).await
-}
-
-async fn chat_completions(
+async fn forward(
     State(state): State<AppState>,
+    uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    proxy(state, ApiKind::ChatCompletions, headers, body).await
+    let kind = ApiKind::from_path(uri.path());
+    proxy(state, kind, uri, headers, body).await
+}
+
+/// `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: to the endpoint storing the
+/// response when the picker knows it, else the least-loaded one (which answers 404 if it does
+/// not hold it).
+async fn stored_response(
+    State(state): State<AppState>,
+    method: axum::http::Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let picker = &state.picker;
+    let result = async {
+        let admission = picker
+            .admit()
+            .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
+        let ep = picker.pick_bodyless(uri.path(), &headers, None)?;
+        let target = format!(
+            "http://{}{}",
+            ep.host_port(),
+            uri.path_and_query().map_or(uri.path(), |p| p.as_str())
+        );
+        let mut req = picker.http.request(method, target);
+        let hop_by_hop_here = nominated(&headers);
+        for (name, value) in &headers {
+            if forwardable(&hop_by_hop_here, name) {
+                req = req.header(name, value);
+            }
+        }
+        let resp = match tokio::time::timeout(picker.limits.upstream_timeout, req.send()).await {
+            Err(_) => {
+                return Err(ApiError::gateway_timeout(format!(
+                    "endpoint {ep} sent no response within {:?}",
+                    picker.limits.upstream_timeout
+                )));
+            }
+            Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("endpoint {ep} failed: {e}"))),
+            Ok(Ok(resp)) => resp,
+        };
+        let timing = Timing {
+            endpoint: ep,
+            sent: Instant::now(),
+            basis: None,
+            generates: false,
+        };
+        let guard = picker.pool.begin(ep, 0, 0, false);
+        Ok(stream_back(
+            picker.clone(),
+            resp,
+            guard,
+            timing,
+            admission,
+            None,
+        ))
+    }
+    .await;
+    result.unwrap_or_else(|e: ApiError| {
+        picker.metrics.error(e.code);
+        e.into_response()
+    })
 }
 
 async fn models(State(state): State<AppState>) -> Response {
@@ -232,9 +312,15 @@ async fn models(State(state): State<AppState>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn proxy(state: AppState, kind: ApiKind, headers: HeaderMap, body: Body) -> Response {
+async fn proxy(
+    state: AppState,
+    kind: ApiKind,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let picker = &state.picker;
-    match proxy_inner(picker, kind, headers, body).await {
+    match proxy_inner(picker, kind, &uri, headers, body).await {
         Ok(r) => r,
         Err(e) => {
             picker.metrics.error(e.code);
@@ -246,6 +332,7 @@ async fn proxy(state: AppState, kind: ApiKind, headers: HeaderMap, body: Body) -
 async fn proxy_inner(
     picker: &Arc<PickerState>,
     kind: ApiKind,
+    uri: &Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -278,7 +365,7 @@ async fn proxy_inner(
             .post(format!(
                 "http://{}{}",
                 ep.host_port(),
-                kind.path().unwrap_or_default()
+                uri.path_and_query().map_or(uri.path(), |p| p.as_str())
             ))
             .body(upstream.body);
         for (name, value) in &headers {
@@ -362,8 +449,21 @@ async fn proxy_inner(
                     endpoint: ep,
                     sent,
                     basis,
+                    generates: kind != ApiKind::Other,
                 };
-                return Ok(stream_back(picker.clone(), resp, guard, timing, admission));
+                let watch = resp
+                    .status()
+                    .is_success()
+                    .then(|| picker.watch_response(&routed, ep))
+                    .flatten();
+                return Ok(stream_back(
+                    picker.clone(),
+                    resp,
+                    guard,
+                    timing,
+                    admission,
+                    watch,
+                ));
             }
         }
     }
@@ -391,6 +491,8 @@ struct Timing {
     sent: Instant,
     /// Set when the first chunk is a TTFT the calibration learns from.
     basis: Option<TtftBasis>,
+    /// Whether the first chunk is a first token (not for a stored response fetched back).
+    generates: bool,
 }
 
 /// Relay the engine's response chunk by chunk, never buffering it. The in-flight guard (and
@@ -403,6 +505,7 @@ fn stream_back(
     guard: InflightGuard,
     mut timing: Timing,
     admission: super::state::Admission,
+    watch: Option<ResponseWatch>,
 ) -> Response {
     let status = resp.status();
     if !status.is_success() {
@@ -423,6 +526,8 @@ fn stream_back(
         picker: Arc<PickerState>,
         timing: Timing,
         _admission: super::state::Admission,
+        /// A Responses body's head, read until the response's id shows.
+        watch: Option<ResponseWatch>,
     }
     let relay = Relay {
         upstream: resp.bytes_stream().boxed(),
@@ -431,6 +536,7 @@ fn stream_back(
         picker,
         timing,
         _admission: admission,
+        watch,
     };
     let stream = futures::stream::unfold(relay, move |mut r| async move {
         match tokio::time::timeout(idle, r.upstream.next()).await {
@@ -438,13 +544,20 @@ fn stream_back(
                 if std::mem::take(&mut r.first) {
                     r.guard.first_token();
                     let ttft = r.timing.sent.elapsed();
-                    r.picker
-                        .metrics
-                        .upstream_ttft_seconds
-                        .observe(ttft.as_secs_f64());
+                    if r.timing.generates {
+                        r.picker
+                            .metrics
+                            .upstream_ttft_seconds
+                            .observe(ttft.as_secs_f64());
+                    }
                     if let Some(basis) = r.timing.basis.take() {
                         r.picker.observe_ttft(r.timing.endpoint, basis, ttft);
                     }
+                }
+                if let Some(w) = r.watch.as_mut()
+                    && !r.picker.response_chunk(w, &chunk)
+                {
+                    r.watch = None;
                 }
                 Some((Ok::<Bytes, std::io::Error>(chunk), r))
             }

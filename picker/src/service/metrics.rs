@@ -81,6 +81,8 @@ pub struct Metrics {
     pub admission: Family<KindLabels, Counter>,
     pub admission_wait_seconds: Histogram,
     pub admission_waiting: Gauge,
+    /// Responses and Messages requests routed without reading their prompt, by why.
+    pub unread_prompts: Family<KindLabels, Counter>,
     pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
     pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
     pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
@@ -247,6 +249,12 @@ impl Metrics {
             "First turns session admission holds now",
             admission_waiting.clone(),
         );
+        let unread_prompts = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "unread_prompts",
+            "Generating requests routed by model, tenant and load alone, their prompt not read, by why: previous_response_id (the engine holds the conversation; its pin routes it), or an input item, content block or embeddings input whose rendering the picker does not reproduce",
+            unread_prompts.clone(),
+        );
         let cost_model_overhead_ms = Family::<EndpointLabels, FloatGauge>::default();
         registry.register(
             "cost_model_overhead_ms",
@@ -303,6 +311,7 @@ impl Metrics {
             admission,
             admission_wait_seconds,
             admission_waiting,
+            unread_prompts,
             cost_model_overhead_ms,
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,
@@ -321,6 +330,12 @@ impl Metrics {
             .get_or_create(&KindLabels {
                 kind: why.as_str().into(),
             })
+            .inc();
+    }
+
+    pub fn unread_prompt(&self, why: &str) {
+        self.unread_prompts
+            .get_or_create(&KindLabels { kind: why.into() })
             .inc();
     }
 

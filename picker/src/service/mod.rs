@@ -13,6 +13,7 @@ pub mod listener;
 pub mod metrics;
 pub mod passive_health;
 pub use kvroute_routing::request;
+pub mod responses;
 pub mod settings;
 pub mod source;
 pub mod state;

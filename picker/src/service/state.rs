@@ -18,6 +18,7 @@ use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
 use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
+use super::responses::{ResponseOwner, ResponseWatch, Responses, conversation_named_after};
 use super::settings::{IndexSettings, Limits};
 use super::tenancy::Tenancy;
 
@@ -60,6 +61,8 @@ pub struct Routed {
     /// ticket it was admitted with after waiting (its reservation goes once it is served).
     pub admission: Gate,
     pub admission_ticket: Option<Ticket>,
+    /// The API the request came in on.
+    pub api: ApiKind,
 }
 
 /// What the picker forwards to one endpoint beyond the client's request: extra headers and
@@ -166,6 +169,8 @@ pub struct PickerState {
     /// Woken when session admission's room may have grown (a session served, a turn
     /// admitted or gone).
     admission_changed: tokio::sync::Notify,
+    /// Recent Responses and the endpoints storing them.
+    pub responses: Responses,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -205,6 +210,7 @@ impl PickerState {
             pool_loaded: tokio::sync::watch::Sender::new(false),
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
             admission_changed: tokio::sync::Notify::new(),
+            responses: Responses::default(),
         })
     }
 
@@ -384,10 +390,13 @@ impl PickerState {
     }
 
     /// An endpoint for a request that names no model (a bodyless request through the gateway,
-    /// such as `GET /v1/models`): the least-loaded Ready endpoint of any model config that the
-    /// tenant may use, within the gateway's subset.
+    /// such as `GET /v1/models`): for `GET /v1/responses/{id}` and `POST
+    /// /v1/responses/{id}/cancel` the endpoint storing that response when it is known and
+    /// eligible, else the least-loaded Ready endpoint of any model config that the tenant may
+    /// use, within the gateway's subset.
     pub fn pick_bodyless(
         &self,
+        path: &str,
         headers: &HeaderMap,
         subset: Option<&[SocketAddr]>,
     ) -> Result<EndpointId, ApiError> {
@@ -395,14 +404,20 @@ impl PickerState {
         let tenant = tenancy.tenant_of(headers)?;
         let ejected = self.ejected_endpoints();
         let snapshot = self.pool.state().endpoints();
+        let eligible = |e: &&Endpoint| {
+            e.state == EndpointState::Ready
+                && subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
+                && tenancy.allows(tenant.as_deref(), e)
+        };
+        if let Some(holder) = stored_response_id(path).and_then(|id| self.responses.endpoint_of(id))
+            && let Some(e) = snapshot.get(&holder).filter(|e| eligible(e))
+        {
+            return Ok(e.id);
+        }
         snapshot
             .endpoints()
             .iter()
-            .filter(|e| e.state == EndpointState::Ready)
-            .filter(|e| {
-                subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
-            })
-            .filter(|e| tenancy.allows(tenant.as_deref(), e))
+            .filter(eligible)
             // an endpoint passive health ejected only when nothing else is eligible
             .min_by_key(|e| {
                 let ejected = ejected.binary_search(&e.id).is_ok();
@@ -470,13 +485,18 @@ impl PickerState {
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
 
-        // another API's prompt is not read: it is routed by model, tenant and load alone
-        let (ids, kind) = if req.kind == ApiKind::Other {
+        // another API's prompt is not read (nor one whose rendering is not reproduced): it is
+        // routed by model, tenant and load alone
+        let (ids, kind) = if req.kind == ApiKind::Other || req.unread.is_some() {
+            if let Some(why) = req.unread {
+                self.metrics.unread_prompt(why);
+            }
             (Vec::new(), TokenKind::Tokens)
         } else {
             self.tokens(&entry, req, &snapshot).await?
         };
         let routing = self.routing.load();
+        let session = self.conversation(req, headers, &routing);
         let plan = RequestPlan::new(PlanInput {
             config: &config,
             lora: lora.as_deref(),
@@ -485,9 +505,7 @@ impl PickerState {
             char_chunk_tokens: entry.tokenizer.char_chunk_tokens() as u32,
             tenant_salt: tenancy.salt(tenant.as_deref()),
             client_salt: req.cache_salt.as_deref(),
-            session: headers
-                .get(routing.session_header.as_str())
-                .and_then(|v| v.to_str().ok()),
+            session: session.as_deref(),
             request_bytes: &req.raw,
             max_prompt_tokens: self.limits.max_prompt_tokens,
         })
@@ -539,7 +557,77 @@ impl PickerState {
             upstream,
             admission,
             admission_ticket,
+            api: req.kind,
         })
+    }
+
+    /// The session a request belongs to: the session header's; for a Responses request, its
+    /// `session_id`, else the conversation of its `previous_response_id`. Requests that
+    /// generate nothing (renders, tokenize, ...) have none: they must not pin or wait.
+    fn conversation(
+        &self,
+        req: &ParsedRequest,
+        headers: &HeaderMap,
+        routing: &RoutingConfig,
+    ) -> Option<String> {
+        if req.kind == ApiKind::Other {
+            return None;
+        }
+        headers
+            .get(routing.session_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| req.session_id.clone())
+            .or_else(|| {
+                req.previous_response_id
+                    .as_deref()
+                    .map(|p| self.responses.conversation_of(p))
+            })
+    }
+
+    /// A watch for the id of the response `endpoint` gives a Responses request (`None` for
+    /// other APIs), read by [`Self::response_chunk`] as the body is relayed.
+    pub fn watch_response(&self, routed: &Routed, endpoint: EndpointId) -> Option<ResponseWatch> {
+        (routed.api == ApiKind::Responses).then(|| {
+            ResponseWatch::new(
+                routed.plan.session.clone(),
+                routed.tenant.clone(),
+                endpoint,
+                routed.plan.prompt_tokens,
+            )
+        })
+    }
+
+    /// A chunk of a successful Responses body: once the response's id shows, it is recorded
+    /// with its conversation and endpoint, and a conversation's first response pins the
+    /// conversation (named after it) there. Returns whether to keep reading chunks.
+    pub fn response_chunk(&self, watch: &mut ResponseWatch, chunk: &[u8]) -> bool {
+        let Some(id) = watch.feed(chunk) else {
+            return !watch.exhausted();
+        };
+        let conversation = match &watch.conversation {
+            Some(c) => c.clone(),
+            None => {
+                let c = conversation_named_after(&id);
+                if let Some(key) = Router::session_key(watch.tenant.as_deref(), Some(&c)) {
+                    self.pool.pin(
+                        key,
+                        watch.endpoint,
+                        u64::from(watch.prompt_tokens),
+                        self.now_ms(),
+                    );
+                }
+                c
+            }
+        };
+        self.responses.record(
+            &id,
+            ResponseOwner {
+                conversation: conversation.into(),
+                endpoint: watch.endpoint,
+            },
+        );
+        false
     }
 
     /// Session admission (`routing.admission`) for a request about to be placed: returns at
@@ -634,12 +722,23 @@ impl PickerState {
             self.metrics.error("render_fallback");
         }
         let tok = entry.tokenizer.clone();
-        let input = req.prompt_input().ok_or_else(|| {
+        let mut input = req.prompt_input().ok_or_else(|| {
             ApiError::bad_request(
                 "missing_field",
                 "missing required field `prompt` or `messages`",
             )
         })?;
+        // a Messages request's inline system messages, where vLLM merges them
+        let merged;
+        if let PromptInput::Chat { messages, .. } = &mut input
+            && req.chat.as_ref().is_some_and(|c| c.merge_inline_system)
+            && tok.requires_system_first()
+        {
+            merged = Value::Array(crate::chat_mapping::merge_inline_system(
+                messages.as_array().map_or(&[][..], Vec::as_slice),
+            ));
+            *messages = &merged;
+        }
         if let PromptInput::TokenIds(_) = input {
             let out = tok.tokenize(input).map_err(tokenize_error)?;
             // token ids are the engine's own tokens whatever the tokenizer setup
@@ -677,9 +776,9 @@ impl PickerState {
             .min_by_key(|e| self.pool.inflight().get(&e.id).requests)?;
         let _slot = self.render_slots.try_acquire().ok()?;
         let url = format!(
-            "http://{}{}/render",
+            "http://{}{}",
             target.id.host_port(),
-            req.kind.path()?
+            req.kind.render_path()?
         );
         let call = self
             .http
@@ -815,6 +914,13 @@ fn tokenize_error(e: TokenizeError) -> ApiError {
         _ => "tokenization_failed",
     };
     ApiError::bad_request(code, e.to_string())
+}
+
+/// The response id of `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`.
+pub fn stored_response_id(path: &str) -> Option<&str> {
+    let rest = path.split('?').next()?.strip_prefix("/v1/responses/")?;
+    let id = rest.strip_suffix("/cancel").unwrap_or(rest);
+    (!id.is_empty() && !id.contains('/')).then_some(id)
 }
 
 #[cfg(test)]
@@ -1118,12 +1224,12 @@ endpoints:
         assert_eq!((e.status.as_u16(), e.code), (503, "no_eligible_endpoint"));
         // the bodyless path follows the same rule
         let id = picker
-            .pick_bodyless(&h, Some(&[addr("127.0.0.2", 8000)]))
+            .pick_bodyless("/v1/models", &h, Some(&[addr("127.0.0.2", 8000)]))
             .expect("picked");
         assert_eq!(id.address.to_string(), "127.0.0.2");
         assert!(
             picker
-                .pick_bodyless(&h, Some(&[addr("127.0.0.2", 9000)]))
+                .pick_bodyless("/v1/models", &h, Some(&[addr("127.0.0.2", 9000)]))
                 .is_err()
         );
     }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProtocolConfiguration, body_mutation, processing_request, processing_response,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value as PbValue};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
@@ -130,6 +131,46 @@ pub async fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Answer {
+    exchange(channel, path, headers, body, None, None).await
+}
+
+/// The gateway's subset hint (`envoy.lb.subset_hint`) listing `entries`.
+fn subset_metadata(entries: &[&str]) -> Metadata {
+    let list = ListValue {
+        values: entries
+            .iter()
+            .map(|e| PbValue {
+                kind: Some(Kind::StringValue((*e).to_string())),
+            })
+            .collect(),
+    };
+    Metadata {
+        filter_metadata: HashMap::from([(
+            "envoy.lb.subset_hint".to_string(),
+            Struct {
+                fields: HashMap::from([(
+                    "x-gateway-destination-endpoint-subset".to_string(),
+                    PbValue {
+                        kind: Some(Kind::ListValue(list)),
+                    },
+                )]),
+            },
+        )]),
+        ..Default::default()
+    }
+}
+
+/// [`request`] with the gateway's subset hint, and, when `response` is given and the request
+/// was routed, the upstream's answer passed back through the stream: its status, then its
+/// body in one chunk.
+pub async fn exchange(
+    channel: &Channel,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    subset: Option<&[&str]>,
+    response: Option<(u16, &[u8])>,
+) -> Answer {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let mut client = ExternalProcessorClient::new(channel.clone());
     let mut stream = tokio::time::timeout(
@@ -163,6 +204,7 @@ pub async fn request(
             end_of_stream: bodyless,
             ..Default::default()
         })),
+        metadata_context: subset.map(subset_metadata),
         ..Default::default()
     })
     .await
@@ -175,7 +217,9 @@ pub async fn request(
         let Some(processing_response::Response::RequestHeaders(h)) = &first.response else {
             panic!("expected a headers answer, got {first:?}");
         };
-        return route_answer(h.response.clone().unwrap_or_default(), &first);
+        let answer = route_answer(h.response.clone().unwrap_or_default(), &first);
+        respond(&tx, &mut stream, response).await;
+        return answer;
     }
     tx.send(ProcessingRequest {
         request: Some(processing_request::Request::RequestBody(HttpBody {
@@ -191,10 +235,46 @@ pub async fn request(
     if let Some(refusal) = immediate(&answer) {
         return refusal;
     }
-    match &answer.response {
+    let routed = match &answer.response {
         Some(processing_response::Response::RequestBody(b)) => {
             route_answer(b.response.clone().unwrap_or_default(), &answer)
         }
         other => panic!("unexpected answer {other:?}"),
-    }
+    };
+    respond(&tx, &mut stream, response).await;
+    routed
+}
+
+/// The upstream's response through the stream: headers with `:status`, then the body.
+async fn respond(
+    tx: &tokio::sync::mpsc::Sender<ProcessingRequest>,
+    stream: &mut tonic::Streaming<ProcessingResponse>,
+    response: Option<(u16, &[u8])>,
+) {
+    let Some((status, body)) = response else {
+        return;
+    };
+    let status = status.to_string();
+    let send = |request| ProcessingRequest {
+        request: Some(request),
+        ..Default::default()
+    };
+    tx.send(send(processing_request::Request::ResponseHeaders(
+        HttpHeaders {
+            headers: Some(header_map(&[(":status", &status)])),
+            end_of_stream: false,
+            ..Default::default()
+        },
+    )))
+    .await
+    .unwrap();
+    next(stream).await;
+    tx.send(send(processing_request::Request::ResponseBody(HttpBody {
+        body: body.to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    })))
+    .await
+    .unwrap();
+    next(stream).await;
 }

@@ -57,6 +57,13 @@ pub struct EngineState {
     pub first_chunk_delay_ms: AtomicU64,
     /// More exposition lines `/metrics` serves (histograms, say).
     pub extra_metrics: Mutex<String>,
+    /// The path of every POST it was sent, in order.
+    pub paths: Mutex<Vec<String>>,
+    /// The ids of the Responses it answered (`resp_<port>_<n>`); `GET /v1/responses/{id}`
+    /// finds only these.
+    pub responses: Mutex<Vec<String>>,
+    /// Its own address, which names its Responses.
+    pub addr: Mutex<Option<SocketAddr>>,
 }
 
 pub struct FakeEngine {
@@ -83,12 +90,55 @@ pub fn sse_chunks() -> Vec<String> {
         .collect()
 }
 
+/// A Responses answer (a JSON object, or an SSE stream opening with `response.created`) with a
+/// fresh id.
+fn responses_answer(s: &EngineState, stream: bool) -> Response {
+    let id = {
+        let mut ids = s.responses.lock();
+        let port = s.addr.lock().map_or(0, |a| a.port());
+        let id = format!("resp_{port}_{}", ids.len());
+        ids.push(id.clone());
+        id
+    };
+    if stream {
+        let created = format!(
+            "event: response.created\ndata: {{\"response\":{{\"id\":\"{id}\",\"object\":\"response\",\"status\":\"in_progress\"}},\"sequence_number\":0,\"type\":\"response.created\"}}\n\n"
+        );
+        let done = "event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n";
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from(created + done))
+            .unwrap();
+    }
+    axum::Json(serde_json::json!({
+        "id": id, "object": "response", "status": "completed",
+        "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "hello"}]}]
+    }))
+    .into_response()
+}
+
+/// `GET /v1/responses/{id}`: the Responses this engine answered, 404 for any other.
+async fn stored_response(
+    State(s): State<Arc<EngineState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if s.responses.lock().contains(&id) {
+        axum::Json(serde_json::json!({"id": id, "object": "response"})).into_response()
+    } else {
+        let body = serde_json::json!({"error": {"message": format!("Response with id '{id}' not found."), "code": 404}});
+        (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+    }
+}
+
 async fn completion(
     State(s): State<Arc<EngineState>>,
+    uri: axum::http::Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     s.requests.fetch_add(1, Ordering::SeqCst);
+    s.paths.lock().push(uri.path().to_owned());
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     *s.last_headers.lock() = Some(headers);
     *s.last_body.lock() = Some(v.clone());
@@ -114,6 +164,10 @@ async fn completion(
         let status = StatusCode::from_u16(fail).unwrap();
         let body = serde_json::json!({"error": {"message": "engine failure", "code": fail}});
         return (status, axum::Json(body)).into_response();
+    }
+    if uri.path() == "/v1/responses" {
+        let stream = v.get("stream").and_then(serde_json::Value::as_bool) == Some(true);
+        return responses_answer(&s, stream);
     }
     if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
         let stall = s.stall_after_first.load(Ordering::SeqCst);
@@ -188,15 +242,19 @@ async fn metrics(State(s): State<Arc<EngineState>>) -> Response {
 impl FakeEngine {
     pub async fn start(ip: &str) -> Self {
         let state = Arc::new(EngineState::default());
-        let app = Router::new()
-            .route("/v1/completions", post(completion))
-            .route("/v1/chat/completions", post(completion))
+        let mut app = Router::new();
+        for path in kvroute_picker::service::http::FORWARDED_PATHS {
+            app = app.route(path, post(completion));
+        }
+        let app = app
+            .route("/v1/responses/{id}", get(stored_response))
             .route("/metrics", get(metrics))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind(format!("{ip}:0"))
             .await
             .unwrap();
         let addr = listener.local_addr().unwrap();
+        *state.addr.lock() = Some(addr);
         let cancel = CancellationToken::new();
         let c = cancel.clone();
         tokio::spawn(async move {

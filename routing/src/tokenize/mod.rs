@@ -64,6 +64,7 @@ mod tests;
 use self::bounded::{EncodeBound, EncodeFailure, EncodeGate};
 use self::fallback::fallback_render;
 pub use self::piece_cache::{PieceCacheOff, PieceCacheStats, PieceEncoder, PieceEncoding};
+pub(crate) use self::python::push_python_float;
 use self::template::*;
 
 /// Name under which the chat template is stored in the environment. It has no file extension
@@ -426,6 +427,8 @@ pub struct PromptTokenizer {
     template: Option<CompiledTemplate>,
     char_chunk_tokens: usize,
     limits: TokenizeLimits,
+    /// Whether the template refuses a system message after the first message.
+    system_first: bool,
 }
 
 /// A compiled chat template. The environment owns its source, so compilation happens once and
@@ -479,14 +482,33 @@ impl PromptTokenizer {
         let template = template
             .map(|t| compile_template(t, &options.limits))
             .transpose()?;
-        Ok(Self {
+        let mut out = Self {
             tokenizer,
             pieces,
             max_token_id,
             template,
             char_chunk_tokens: options.char_chunk_tokens,
             limits: options.limits,
-        })
+            system_first: true,
+        };
+        out.system_first = out.template.is_none() || {
+            let probe = serde_json::json!([
+                {"role": "system", "content": "t"},
+                {"role": "user", "content": "t"},
+                {"role": "system", "content": "t"},
+                {"role": "user", "content": "t"}
+            ]);
+            out.render_chat(&probe, None, false, None).is_err()
+        };
+        Ok(out)
+    }
+
+    /// Whether the chat template needs the system message first: it fails on
+    /// `[system, user, system, user]`, or there is none. vLLM probes templates the same way
+    /// to decide whether a Messages request's inline system messages are merged into the
+    /// first ([`crate::chat_mapping::merge_inline_system`]).
+    pub fn requires_system_first(&self) -> bool {
+        self.system_first
     }
 
     /// Builds a tokenizer from the contents of a model's `tokenizer.json` and

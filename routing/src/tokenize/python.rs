@@ -291,7 +291,7 @@ pub(super) fn write_python_str_repr(out: &mut String, s: &str) {
 
 /// Python's `repr(float)`: shortest round-trip digits, fixed notation for exponents -4..=15
 /// (always with a fractional part), scientific (`1e+16`, `1.5e-05`) otherwise.
-pub(super) fn push_python_float(out: &mut String, f: f64, nan: &str, inf: &str) {
+pub(crate) fn push_python_float(out: &mut String, f: f64, nan: &str, inf: &str) {
     if f.is_nan() {
         out.push_str(nan);
         return;

@@ -906,3 +906,18 @@ fn a_text_far_over_the_token_limit_is_refused_after_counting_past_the_limit() {
         }
     }
 }
+
+#[test]
+fn templates_that_need_the_system_message_first_are_told_apart() {
+    let strict = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+                  {{ raise_exception('System message must be at the beginning.') }}{% endif %}\
+                  <{{ m.role }}>{{ m.content }}{% endfor %}";
+    let lenient = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+    assert!(template_only(strict, TokenizeLimits::default()).requires_system_first());
+    assert!(!template_only(lenient, TokenizeLimits::default()).requires_system_first());
+    let none = PromptTokenizer::new(None, None, PromptTokenizerOptions::default()).expect("tok");
+    assert!(
+        none.requires_system_first(),
+        "vLLM merges without a template"
+    );
+}

@@ -1,0 +1,344 @@
+//! Every inference path is routed by model on both listeners (the proxy and ext_proc), and an
+//! OpenAI Responses conversation stays on the endpoint storing it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use kvroute_picker::service::http::FORWARDED_PATHS;
+use kvroute_testkit::get_json;
+use serde_json::{Value, json};
+use support::gateway;
+use support::*;
+
+/// Two models, two engines each.
+fn two_models(engines: &[FakeEngine]) -> String {
+    let [a, b, c, d] = engines else {
+        panic!("four engines")
+    };
+    format!(
+        r#"
+modelConfigs:
+  - {{name: llama, model: llama}}
+  - {{name: qwen, model: qwen}}
+endpoints:
+  - {{address: 127.0.0.1, port: {}, modelConfig: llama}}
+  - {{address: 127.0.0.2, port: {}, modelConfig: llama}}
+  - {{address: 127.0.0.3, port: {}, modelConfig: qwen}}
+  - {{address: 127.0.0.4, port: {}, modelConfig: qwen}}
+routing: {{stalenessThreshold: 1m}}
+"#,
+        a.addr.port(),
+        b.addr.port(),
+        c.addr.port(),
+        d.addr.port()
+    )
+}
+
+async fn four_engines() -> Vec<FakeEngine> {
+    let mut engines = Vec::new();
+    for ip in ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"] {
+        engines.push(FakeEngine::start(ip).await);
+    }
+    engines
+}
+
+/// A body every API reads what it needs from: completions its `prompt`, chat and Messages
+/// their `messages`, Responses and embeddings their `input`, the rest their `model`.
+fn body(model: &str, text: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": model,
+        "prompt": text,
+        "input": text,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "tokens": [1, 2, 3],
+    }))
+    .unwrap()
+}
+
+/// How many requests each path brought to `engines`.
+fn paths_seen(engines: &[&FakeEngine]) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for e in engines {
+        for p in e.state.paths.lock().iter() {
+            *seen.entry(p.clone()).or_insert(0) += 1;
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn the_proxy_routes_every_path_by_model() {
+    let engines = four_engines().await;
+    let picker = start_picker(&two_models(&engines)).await;
+    let http = picker.addrs.http;
+    const EACH: usize = 3;
+    for path in FORWARDED_PATHS {
+        for model in ["llama", "qwen"] {
+            for i in 0..EACH {
+                let resp = client()
+                    .post(format!("http://{http}{path}"))
+                    .header("content-type", "application/json")
+                    .body(body(model, &format!("request {i} for {model} on {path}")))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    resp.status(),
+                    200,
+                    "{path} {model}: {}",
+                    resp.text().await.unwrap()
+                );
+            }
+        }
+    }
+    // every request reached an engine of its own model, under the path it was sent to
+    let want: BTreeMap<String, usize> = FORWARDED_PATHS
+        .iter()
+        .map(|p| ((*p).to_owned(), EACH))
+        .collect();
+    assert_eq!(
+        paths_seen(&[&engines[0], &engines[1]]),
+        want,
+        "llama's engines"
+    );
+    assert_eq!(
+        paths_seen(&[&engines[2], &engines[3]]),
+        want,
+        "qwen's engines"
+    );
+
+    // the pool's models, and a documented answer for a path no engine API has
+    let models = get_json(&client(), format!("http://{http}/v1/models")).await;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["llama", "qwen"]);
+    let resp = client()
+        .post(format!("http://{http}/v1/images/generations"))
+        .json(&json!({"model": "llama"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "not_found", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("POST /v1/images/generations"),
+        "{err}"
+    );
+    // a Messages request without `messages` is the client's error, named
+    let resp = client()
+        .post(format!("http://{http}/v1/messages"))
+        .json(&json!({"model": "llama", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let err: Value = resp.json().await.unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`messages`"),
+        "{err}"
+    );
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn ext_proc_routes_every_path_by_model_with_and_without_a_subset() {
+    let engines = four_engines().await;
+    let picker = start_picker(&two_models(&engines)).await;
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let addr = |i: usize| engines[i].addr.to_string();
+    let all: Vec<String> = (0..4).map(addr).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    // a subset naming one llama endpoint and both qwen ones
+    let mixed = [all[1], all[2], all[3]];
+    let paths = FORWARDED_PATHS
+        .iter()
+        .copied()
+        .chain(["/v1/completions/", "/V1/chat"]);
+    for path in paths {
+        for i in 0..3 {
+            let llama = body("llama", &format!("{i} {path}"));
+            let qwen = body("qwen", &format!("{i} {path}"));
+            for subset in [None, Some(&all[..])] {
+                let d = gateway::exchange(&ext, path, &[], &llama, subset, None).await;
+                assert!(
+                    [addr(0), addr(1)].contains(&d.destination().to_owned()),
+                    "{path} llama ({subset:?}) went to {}",
+                    d.destination()
+                );
+                let d = gateway::exchange(&ext, path, &[], &qwen, subset, None).await;
+                assert!(
+                    [addr(2), addr(3)].contains(&d.destination().to_owned()),
+                    "{path} qwen ({subset:?}) went to {}",
+                    d.destination()
+                );
+            }
+            let d = gateway::exchange(&ext, path, &[], &llama, Some(&mixed), None).await;
+            assert_eq!(
+                d.destination(),
+                addr(1),
+                "{path}: the subset's only llama endpoint"
+            );
+            // a subset without any of the model's endpoints: none is eligible
+            let d = gateway::exchange(&ext, path, &[], &llama, Some(&all[2..]), None).await;
+            assert_eq!(d.refused(), 503, "{path}");
+        }
+    }
+    picker.shutdown().await;
+}
+
+/// The engine a Responses id names (`resp_<port>_<n>` from the fake engine).
+fn holder(engines: &[FakeEngine], id: &str) -> SocketAddr {
+    let port: u16 = id.split('_').nth(1).unwrap().parse().unwrap();
+    engines
+        .iter()
+        .map(|e| e.addr)
+        .find(|a| a.port() == port)
+        .unwrap()
+}
+
+async fn respond(http: SocketAddr, body: Value) -> String {
+    let stream = body["stream"].as_bool() == Some(true);
+    let resp = client()
+        .post(format!("http://{http}/v1/responses"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    let json = if stream {
+        let data = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap()
+            .to_owned();
+        serde_json::from_str::<Value>(&data).unwrap()["response"].clone()
+    } else {
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    json["id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn a_responses_conversation_stays_on_the_endpoint_storing_it() {
+    let engines = four_engines().await;
+    let yaml = format!(
+        r#"
+modelConfigs:
+  - {{name: llama, model: llama}}
+endpoints:
+{}
+routing: {{stalenessThreshold: 1m}}
+"#,
+        engines
+            .iter()
+            .map(|e| format!(
+                "  - {{address: {}, port: {}, modelConfig: llama}}",
+                e.addr.ip(),
+                e.addr.port()
+            ))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let picker = start_picker(&yaml).await;
+    let http = picker.addrs.http;
+    for stream in [false, true] {
+        let first = respond(
+            http,
+            json!({"model": "llama", "input": format!("first question, stream {stream}"), "stream": stream}),
+        )
+        .await;
+        let home = holder(&engines, &first);
+        let mut previous = first.clone();
+        for turn in 0..6 {
+            // other conversations in between spread over the pool
+            for other in 0..4 {
+                respond(
+                    http,
+                    json!({"model": "llama", "input": format!("another conversation {turn} {other} {stream}")}),
+                )
+                .await;
+            }
+            let next = respond(
+                http,
+                json!({"model": "llama", "previous_response_id": previous, "input": format!("turn {turn}"), "stream": stream}),
+            )
+            .await;
+            assert_eq!(
+                holder(&engines, &next),
+                home,
+                "turn {turn} (stream {stream})"
+            );
+            previous = next;
+        }
+        // the stored response is fetched from the engine holding it
+        let got = get_json(&client(), format!("http://{http}/v1/responses/{first}")).await;
+        assert_eq!(got["id"], first.as_str());
+    }
+    let others: std::collections::BTreeSet<SocketAddr> = engines
+        .iter()
+        .filter(|e| !e.state.responses.lock().is_empty())
+        .map(|e| e.addr)
+        .collect();
+    assert!(others.len() > 1, "new conversations spread: {others:?}");
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn ext_proc_learns_response_ids_from_the_response_body() {
+    let engines = four_engines().await;
+    let picker = start_picker(&two_models(&engines)).await;
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let first = br#"{"model":"llama","input":"hello there"}"#;
+    let answer = gateway::exchange(
+        &ext,
+        "/v1/responses",
+        &[],
+        first,
+        None,
+        Some((200, br#"{"id":"resp_gw_0","object":"response"}"#)),
+    )
+    .await;
+    let home = answer.destination().to_owned();
+    let mut previous = "resp_gw_0".to_owned();
+    for turn in 1..6 {
+        let id = format!("resp_gw_{turn}");
+        let streamed = format!(
+            "event: response.created\ndata: {{\"response\":{{\"id\":\"{id}\"}},\"type\":\"response.created\"}}\n\n"
+        );
+        let body = json!({"model": "llama", "previous_response_id": previous, "input": format!("turn {turn}"), "stream": true});
+        let answer = gateway::exchange(
+            &ext,
+            "/v1/responses",
+            &[],
+            &serde_json::to_vec(&body).unwrap(),
+            None,
+            Some((200, streamed.as_bytes())),
+        )
+        .await;
+        assert_eq!(answer.destination(), home, "turn {turn}");
+        previous = id;
+    }
+    // bodyless: the stored response and its cancel go to the holder
+    for path in ["/v1/responses/resp_gw_0", "/v1/responses/resp_gw_3/cancel"] {
+        let answer = gateway::request(&ext, path, &[], b"").await;
+        assert_eq!(answer.destination(), home, "{path}");
+    }
+    picker.shutdown().await;
+}
