@@ -94,7 +94,7 @@ reject() {
 # defaults: CRD (as a template, kept), operator with leader election, cluster-wide RBAC
 render default
 expect default '^kind: CustomResourceDefinition$'
-expect default 'name: inferencepools\.kvroute\.dev'
+expect default 'name: kvroutepools\.kvroute\.dev'
 expect default 'helm\.sh/resource-policy: keep'
 expect default '^kind: ClusterRole$'
 expect default '^kind: ClusterRoleBinding$'
@@ -113,11 +113,11 @@ refute default '^kind: ServiceMonitor$'
 # the chart's copy of the CRD is the committed CRD (crds/tests/helm_chart_crd.rs keeps the
 # template in sync; this checks the rendering)
 crd_spec() { sed -n '/^spec:$/,$p' "$1" | sed '/^---$/,$d'; }
-crd_spec crds/inferencepool.yaml >"$out/crd.committed"
+crd_spec crds/kvroutepool.yaml >"$out/crd.committed"
 awk '/^kind: CustomResourceDefinition$/{f=1} f&&/^---$/{exit} f' "$out/default.yaml" \
     | sed -n '/^spec:$/,$p' >"$out/crd.rendered"
 cmp -s "$out/crd.committed" "$out/crd.rendered" \
-    || fail "the rendered CRD's spec differs from crds/inferencepool.yaml"
+    || fail "the rendered CRD's spec differs from crds/kvroutepool.yaml"
 
 render no-rbac --set rbac.create=false
 refute no-rbac '^kind: (Cluster)?Role(Binding)?$'

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use kube::CustomResourceExt;
-use kvroute_crds::{InferencePool, crd_yaml};
+use kvroute_crds::{KVRoutePool, crd_yaml};
 use serde_json::{Value, json};
 
 fn committed_path() -> PathBuf {
@@ -27,7 +27,7 @@ fn committed_crd_matches_the_generated_one() {
 }
 
 fn schema() -> Value {
-    let crd = InferencePool::crd();
+    let crd = KVRoutePool::crd();
     let v = &crd.spec.versions[0];
     serde_json::to_value(
         v.schema
@@ -41,7 +41,7 @@ fn schema() -> Value {
 fn good() -> Value {
     json!({
         "apiVersion": "kvroute.dev/v1alpha1",
-        "kind": "InferencePool",
+        "kind": "KVRoutePool",
         "metadata": {"name": "llama", "namespace": "default"},
         "spec": {
             "selector": {"matchLabels": {"app": "vllm-llama"}},
@@ -112,7 +112,7 @@ fn assert_rejected_by_cel(obj: &Value, message: &str) {
 fn a_good_pool_passes_schema_and_cel() {
     assert_eq!(structural_errors(&good()), Vec::<String>::new());
     assert_eq!(cel_errors(&good()), Vec::<String>::new());
-    let pool: InferencePool = serde_json::from_value(good()).expect("deserializes");
+    let pool: KVRoutePool = serde_json::from_value(good()).expect("deserializes");
     pool.spec.validate("llama").expect("valid");
 }
 
@@ -366,7 +366,7 @@ fn shipped_samples_are_valid() {
         let text = std::fs::read_to_string(&path).expect("read sample");
         for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc).expect("yaml");
-            if value["kind"] != json!("InferencePool")
+            if value["kind"] != json!("KVRoutePool")
                 || value["apiVersion"] != json!("kvroute.dev/v1alpha1")
             {
                 continue;
@@ -387,7 +387,7 @@ fn shipped_samples_are_valid() {
                 "{}",
                 path.display()
             );
-            let pool: InferencePool = serde_json::from_value(value).expect("deserializes");
+            let pool: KVRoutePool = serde_json::from_value(value).expect("deserializes");
             pool.spec
                 .validate(&name)
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -1,4 +1,4 @@
-//! The Helm chart's copy of the CRD (`charts/kvroute/templates/crds/inferencepool.yaml`) is the
+//! The Helm chart's copy of the CRD (`charts/kvroute/templates/crds/kvroutepool.yaml`) is the
 //! generated CRD wrapped in the chart's template guards.
 //!
 //! Helm installs files in a chart's `crds/` folder once and never upgrades them, so the chart
@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 /// The chart's CRD template, relative to the workspace root.
-const CHART_CRD: &str = "charts/kvroute/templates/crds/inferencepool.yaml";
+const CHART_CRD: &str = "charts/kvroute/templates/crds/kvroutepool.yaml";
 
 fn chart_crd_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -18,7 +18,7 @@ fn chart_crd_path() -> PathBuf {
 /// The chart template made from the generated CRD: behind `crds.install`, with the chart's
 /// labels, and kept on uninstall when `crds.keep` (deleting the CRD would delete every pool).
 fn chart_template(generated: &str) -> String {
-    const METADATA: &str = "\nmetadata:\n  name: inferencepools.kvroute.dev\n";
+    const METADATA: &str = "\nmetadata:\n  name: kvroutepools.kvroute.dev\n";
     let body = generated
         .split_once("\n---\n")
         .map_or(generated, |(_header, body)| body);
@@ -32,7 +32,7 @@ fn chart_template(generated: &str) -> String {
         METADATA,
         concat!(
             "\nmetadata:\n",
-            "  name: inferencepools.kvroute.dev\n",
+            "  name: kvroutepools.kvroute.dev\n",
             "  labels:\n",
             "    {{- include \"kvroute.labels\" . | nindent 4 }}\n",
             "  {{- if .Values.crds.keep }}\n",
@@ -44,7 +44,7 @@ fn chart_template(generated: &str) -> String {
     );
     format!(
         "{{{{- if .Values.crds.install }}}}\n\
-         # Generated from crds/inferencepool.yaml by crds/tests/helm_chart_crd.rs; do not edit.\n\
+         # Generated from crds/kvroutepool.yaml by crds/tests/helm_chart_crd.rs; do not edit.\n\
          # Regenerate: KVROUTE_UPDATE_CRDS=1 cargo test -p kvroute-crds\n\
          {body}\
          {{{{- end }}}}\n"

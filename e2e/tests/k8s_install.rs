@@ -54,20 +54,16 @@ async fn helm_install_establishes_the_crd_and_one_operator_replica_leads() {
     let client = client().await;
 
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    wait::until(
-        "the InferencePool CRD to be established",
-        TIMEOUT,
-        || async {
-            let crd = crds.get("inferencepools.kvroute.dev").await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            Ok(established.then_some(()))
-        },
-    )
+    wait::until("the KVRoutePool CRD to be established", TIMEOUT, || async {
+        let crd = crds.get("kvroutepools.kvroute.dev").await?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        Ok(established.then_some(()))
+    })
     .await
     .unwrap();
     let releases = c

@@ -14,7 +14,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
 use kube::api::ListParams;
-use kvroute_crds::InferencePool;
+use kvroute_crds::KVRoutePool;
 use kvroute_crds::contract;
 use kvroute_e2e::cluster::wait;
 use serde_json::json;
@@ -99,7 +99,7 @@ async fn sample_pool_and_servers_become_eligibility_sets_and_a_picker() {
     let picker = picker(&client, &ns.name, "llama").await;
     picker.wait_endpoints(4).await;
 
-    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns.name);
+    let pools: Api<KVRoutePool> = Api::namespaced(client.clone(), &ns.name);
     wait::until("the pool's Ready condition", TIMEOUT, || async {
         let p = pools.get("llama").await?;
         let status = p.status.unwrap_or_default();
@@ -131,7 +131,7 @@ fn pool_with(
 ) -> serde_json::Value {
     json!({
         "apiVersion": "kvroute.dev/v1alpha1",
-        "kind": "InferencePool",
+        "kind": "KVRoutePool",
         "metadata": {"name": name},
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/name": "vllm-llama"}},
@@ -216,7 +216,7 @@ async fn invalid_pools_are_rejected_and_incompatible_pods_reported() {
         ),
     );
     let client = client().await;
-    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns.name);
+    let pools: Api<KVRoutePool> = Api::namespaced(client.clone(), &ns.name);
     let reason = wait::until("the pod to be reported ineligible", TIMEOUT, || async {
         let p = pools.get("llama").await?;
         let status = p.status.unwrap_or_default();
@@ -250,7 +250,7 @@ async fn deleting_a_pool_garbage_collects_what_it_owns() {
 
     c.kubectl(&[
         "delete",
-        "inferencepool",
+        "kvpool",
         "llama",
         "--namespace",
         &ns.name,

@@ -206,7 +206,7 @@ async fn patched_weights_change_decisions_without_a_restart() {
     cluster()
         .kubectl(&[
             "patch",
-            "inferencepool",
+            "kvpool",
             "llama",
             "--namespace",
             &ns.name,

@@ -32,6 +32,7 @@ use kvroute_e2e::real_engine::{BLOCK, Engine, free_port, make_model, repo_root, 
 
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
+use kvroute_picker::request::{ApiKind, ParsedRequest, RequestLimits};
 use kvroute_picker::service::settings::PickerConfig;
 use kvroute_picker::service::source::{StaticSource, view_from_config};
 use kvroute_picker::service::{Running, start as start_picker};
@@ -254,6 +255,15 @@ async fn pick(p: &Running, body: &Value) -> Value {
     post(format!("http://{}/v1/pick", p.addrs.admin), body).await
 }
 
+/// `/v1/pick` for a body of the API at `path`.
+async fn pick_on(p: &Running, path: &str, body: &Value) -> Value {
+    post(
+        format!("http://{}/v1/pick?path={path}", p.addrs.admin),
+        body,
+    )
+    .await
+}
+
 fn port_of(pick: &Value) -> u16 {
     pick["endpoint"]
         .as_str()
@@ -297,7 +307,11 @@ async fn credit_case(
     api: &str,
     body: &Value,
 ) {
-    let run = json!({"max_tokens": 1, "temperature": 0});
+    let run = if api == "/v1/responses" {
+        json!({"max_output_tokens": 1, "temperature": 0})
+    } else {
+        json!({"max_tokens": 1, "temperature": 0})
+    };
     let mut request = body.clone();
     request
         .as_object_mut()
@@ -307,7 +321,7 @@ async fn credit_case(
 
     let deadline = Instant::now() + Duration::from_secs(15);
     let hot = loop {
-        let d = pick(p, body).await;
+        let d = pick_on(p, api, body).await;
         if port_of(&d) == warm.http && d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
             break Some(d);
         }
@@ -330,10 +344,31 @@ async fn credit_case(
     // the hit counter is updated with the step's stats; give it a moment
     tokio::time::sleep(Duration::from_millis(300)).await;
     let delta = (engine_hits(warm).await - before) as u64;
-    let usage_cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(u64::MAX);
-    let prompt_tokens = out["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    // each API reports the prompt and its cached part in its own usage fields
+    let u = &out["usage"];
+    let n = |v: &Value| v.as_u64();
+    let (prompt_tokens, usage_cached) = match api {
+        "/v1/responses" => (
+            n(&u["input_tokens"]),
+            n(&u["input_tokens_details"]["cached_tokens"]),
+        ),
+        "/v1/messages" => {
+            let read = n(&u["cache_read_input_tokens"]);
+            let created = n(&u["cache_creation_input_tokens"]).unwrap_or(0);
+            (
+                n(&u["input_tokens"])
+                    .zip(read)
+                    .map(|(i, r)| i + r + created),
+                read,
+            )
+        }
+        _ => (
+            n(&u["prompt_tokens"]),
+            n(&u["prompt_tokens_details"]["cached_tokens"]),
+        ),
+    };
+    let (prompt_tokens, usage_cached) =
+        (prompt_tokens.unwrap_or(0), usage_cached.unwrap_or(u64::MAX));
     eprintln!(
         "{name}: prompt {prompt_tokens} tokens, picker credits {credited}, engine hit {delta} \
          (usage.cached_tokens {usage_cached}), picker's prompt_tokens {}",
@@ -415,6 +450,7 @@ async fn picker_against_two_real_vllm_engines() {
                     tools: None,
                     add_generation_prompt,
                     extra: None,
+                    add_special_tokens: false,
                 })
                 .unwrap()
                 .ids;
@@ -505,6 +541,68 @@ async fn picker_against_two_real_vllm_engines() {
         &a,
         "/v1/chat/completions",
         &json!({"model": MODEL, "messages": chat}),
+    )
+    .await;
+
+    // --- Responses and Messages: the engine's own tokens, and credit equal to the engine's
+    // hits. Messages renders the conversation exactly as chat does, so it gets chat's credit;
+    // vLLM 0.32 encodes a Responses chat with special tokens added (a second BOS), so a
+    // Responses conversation reuses only its own cached blocks.
+    let chat_pick = pick(&p, &json!({"model": MODEL, "messages": chat})).await;
+    let chat_credit = candidate_credit(&chat_pick, a.http).unwrap_or(0);
+    let text = |m: &Value| m["content"].as_str().unwrap().to_owned();
+    let responses = json!({
+        "model": MODEL,
+        "instructions": text(&chat[0]),
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": text(&chat[1])}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text(&chat[2])}]},
+            {"role": "user", "content": text(&chat[3])}
+        ]
+    });
+    let messages = json!({
+        "model": MODEL,
+        "max_tokens": 1,
+        "system": [{"type": "text", "text": text(&chat[0])}],
+        "messages": [
+            {"role": "user", "content": text(&chat[1])},
+            {"role": "assistant", "content": [{"type": "text", "text": text(&chat[2])}]},
+            {"role": "user", "content": [{"type": "text", "text": text(&chat[3])}]}
+        ]
+    });
+    for (path, body) in [("/v1/responses", &responses), ("/v1/messages", &messages)] {
+        let parsed = ParsedRequest::parse(
+            ApiKind::from_path(path),
+            serde_json::to_vec(body).unwrap().into(),
+            &RequestLimits::default(),
+        )
+        .unwrap();
+        let merged = parsed.merged_messages(&tok);
+        let mut input = parsed.prompt_input().expect("a prompt");
+        if let (PromptInput::Chat { messages, .. }, Some(m)) = (&mut input, &merged) {
+            *messages = m;
+        }
+        let mine = tok.tokenize(input).unwrap().ids;
+        let theirs = post(a.url(&format!("{path}/render")), body).await;
+        let theirs: Vec<u32> = serde_json::from_value(theirs["token_ids"].clone()).unwrap();
+        checks.check(mine == theirs, || {
+            format!("{path}/render: picker {mine:?}, vLLM {theirs:?}")
+        });
+    }
+    let picked = pick_on(&p, "/v1/messages", &messages).await;
+    let credit = candidate_credit(&picked, a.http).unwrap_or(u64::MAX);
+    eprintln!("/v1/messages: credited {credit} tokens, chat completions {chat_credit}");
+    checks.check(credit == chat_credit && credit > 0, || {
+        format!("/v1/messages: credited {credit} tokens on the engine holding the conversation as chat, chat completions {chat_credit}")
+    });
+    credit_case(&mut checks, "messages", &p, &a, "/v1/messages", &messages).await;
+    credit_case(
+        &mut checks,
+        "responses",
+        &p,
+        &b,
+        "/v1/responses",
+        &responses,
     )
     .await;
 

@@ -36,5 +36,6 @@ fuzz_target!(|data: &[u8]| {
         tools: None,
         add_generation_prompt: true,
         extra: None,
+        add_special_tokens: false,
     });
 });

@@ -18,7 +18,7 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use kvroute_crds::contract;
-use kvroute_crds::inference_pool::InferencePool;
+use kvroute_crds::kvroute_pool::KVRoutePool;
 use serde::de::DeserializeOwned;
 
 use crate::eligibility::strip_pod;
@@ -83,15 +83,15 @@ impl kube::runtime::utils::Backoff for NoMergedPause {
 /// EndpointSlices still list it (its labels changed, or it was deleted).
 pub fn pools_for_pod(
     pod: &Pod,
-    pools: &Store<InferencePool>,
+    pools: &Store<KVRoutePool>,
     slices: &Store<EndpointSlice>,
-) -> Vec<ObjectRef<InferencePool>> {
+) -> Vec<ObjectRef<KVRoutePool>> {
     let Some(ns) = pod.namespace() else {
         return Vec::new();
     };
     let name = pod.name_any();
     let labels = pod.labels().clone();
-    let mut out: Vec<ObjectRef<InferencePool>> = pools
+    let mut out: Vec<ObjectRef<KVRoutePool>> = pools
         .state()
         .iter()
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
@@ -163,7 +163,7 @@ pub async fn run(
     let ctx = Arc::new(make_context(stores.clone()));
 
     let (pools, pool_stream) = cached(
-        api::<InferencePool>(&client, ns),
+        api::<KVRoutePool>(&client, ns),
         watcher::Config::default().any_semantic(),
         |_| {},
     );

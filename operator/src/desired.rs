@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Resource, ResourceExt};
 use kvroute_crds::contract;
-use kvroute_crds::inference_pool::InferencePool;
+use kvroute_crds::kvroute_pool::KVRoutePool;
 use kvroute_crds::pool::RankSelection;
 use kvroute_crds::routing::FailureMode;
 use serde::Serialize;
@@ -60,7 +60,7 @@ pub fn gateway_pool_resource() -> ApiResource {
     )
 }
 
-fn owner(pool: &InferencePool) -> Result<OwnerReference> {
+fn owner(pool: &KVRoutePool) -> Result<OwnerReference> {
     let mut r = pool
         .controller_owner_ref(&())
         .ok_or(Error::MissingObjectKey("metadata.name or metadata.uid"))?;
@@ -168,7 +168,7 @@ fn slice_endpoint(pod: &ListedPod, namespace: &str) -> Endpoint {
 /// The EndpointSlices of one model config: pods split by address family and into chunks of
 /// [`contract::MAX_PODS_PER_SLICE`], ranks into chunks of [`contract::MAX_RANKS_PER_SLICE`].
 fn config_slices(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     owner: &OwnerReference,
     mc: &kvroute_crds::pool::ModelConfigSpec,
@@ -238,7 +238,7 @@ fn config_slices(
 /// The picker config file: listeners, and the pool's model configs, routing and tenancy as
 /// the picker will run them. Pickers in cluster mode take model configs, routing and tenancy
 /// live from the pool resource; the file's copy is for inspection and validation.
-pub fn render_picker_config(pool: &InferencePool) -> Result<(String, String)> {
+pub fn render_picker_config(pool: &KVRoutePool) -> Result<(String, String)> {
     let (model_configs, tenancy) = pool.spec.for_picker(
         std::path::Path::new(contract::TOKENIZER_MOUNT_ROOT),
         std::path::Path::new(contract::SALT_MOUNT_DIR),
@@ -261,7 +261,7 @@ pub fn render_picker_config(pool: &InferencePool) -> Result<(String, String)> {
     let yaml = serde_yaml_ng::to_string(&doc).map_err(Error::RenderYaml)?;
     Ok((
         format!(
-            "# Rendered by kvroute-operator for InferencePool {}; edits are overwritten.\n{yaml}",
+            "# Rendered by kvroute-operator for KVRoutePool {}; edits are overwritten.\n{yaml}",
             pool.name_any()
         ),
         static_hash,
@@ -277,7 +277,7 @@ fn from_json<T: serde::de::DeserializeOwned>(what: &'static str, v: Value) -> Re
 }
 
 fn picker_deployment(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     owner: &OwnerReference,
     settings: &BuildSettings,
@@ -389,11 +389,7 @@ fn picker_deployment(
     stamp(from_json("picker Deployment", deployment)?)
 }
 
-fn picker_service(
-    pool: &InferencePool,
-    namespace: &str,
-    owner: &OwnerReference,
-) -> Result<Service> {
+fn picker_service(pool: &KVRoutePool, namespace: &str, owner: &OwnerReference) -> Result<Service> {
     let name = pool.name_any();
     let service = json!({
         "apiVersion": "v1",
@@ -413,7 +409,7 @@ fn picker_service(
 }
 
 fn picker_rbac(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     owner: &OwnerReference,
 ) -> Result<(ServiceAccount, Role, RoleBinding)> {
@@ -430,7 +426,7 @@ fn picker_rbac(
         "rules": [
             {
                 "apiGroups": [contract::GROUP],
-                "resources": ["inferencepools"],
+                "resources": ["kvroutepools"],
                 "resourceNames": [name],
                 "verbs": ["get", "list", "watch"],
             },
@@ -456,7 +452,7 @@ fn picker_rbac(
 }
 
 fn gateway_pools(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     owner: &OwnerReference,
 ) -> Result<Vec<DynamicObject>> {
@@ -507,7 +503,7 @@ fn gateway_pools(
 
 /// Build everything a valid pool should own.
 pub fn build(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     resolved: &[ConfigEndpoints],
     settings: &BuildSettings,
 ) -> Result<Desired> {

@@ -12,9 +12,7 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Pod;
 use kvroute_crds::contract::pod as declared;
-use kvroute_crds::inference_pool::{
-    IneligiblePod, IneligibleReason, InferencePoolSpec, labels_match,
-};
+use kvroute_crds::kvroute_pool::{IneligiblePod, IneligibleReason, KVRoutePoolSpec, labels_match};
 use kvroute_crds::pool::{EngineKind, Isolation, ModelConfigSpec};
 
 /// Readiness of a listed pod, as EndpointSlice conditions.
@@ -254,7 +252,7 @@ pub fn judge(mc: &ModelConfigSpec, pod: &Pod) -> Verdict {
 }
 
 /// Label keys the pool's tenant selectors read (projected into slices for pickers).
-pub fn tenant_label_keys(spec: &InferencePoolSpec) -> Vec<String> {
+pub fn tenant_label_keys(spec: &KVRoutePoolSpec) -> Vec<String> {
     if spec.tenancy.isolation != Isolation::DedicatedEndpoints {
         return Vec::new();
     }
@@ -272,7 +270,7 @@ pub fn tenant_label_keys(spec: &InferencePoolSpec) -> Vec<String> {
 /// Every model config's endpoints from the pods of the pool's namespace (`pods` may hold
 /// other namespaces' pods: they are skipped).
 pub fn resolve<'a>(
-    spec: &InferencePoolSpec,
+    spec: &KVRoutePoolSpec,
     namespace: &str,
     pods: impl IntoIterator<Item = &'a Pod>,
 ) -> Vec<ConfigEndpoints> {

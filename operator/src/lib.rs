@@ -1,4 +1,4 @@
-//! kvroute's operator: reconciles `InferencePool`s into eligibility sets and pickers.
+//! kvroute's operator: reconciles `KVRoutePool`s into eligibility sets and pickers.
 //!
 //! A reconcile runs `validate → build → apply → update_status`:
 //! - [`eligibility`] decides, per model config, which pods are eligible (and which are only

@@ -43,7 +43,7 @@ impl Default for Metrics {
         let writes = Family::<KindLabels, Counter>::default();
         let status_writes = Counter::default();
         let leader = Gauge::default();
-        registry.register("reconciles", "InferencePool reconciles", reconciles.clone());
+        registry.register("reconciles", "KVRoutePool reconciles", reconciles.clone());
         registry.register(
             "reconcile_errors",
             "Failed reconciles by error kind",
@@ -51,7 +51,7 @@ impl Default for Metrics {
         );
         registry.register(
             "reconcile_duration_seconds",
-            "Time to reconcile one InferencePool",
+            "Time to reconcile one KVRoutePool",
             duration.clone(),
         );
         registry.register(
@@ -61,7 +61,7 @@ impl Default for Metrics {
         );
         registry.register(
             "status_writes",
-            "InferencePool status updates",
+            "KVRoutePool status updates",
             status_writes.clone(),
         );
         registry.register(

@@ -14,7 +14,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use kvroute_crds::contract;
-use kvroute_crds::inference_pool::{InferencePool, InferencePoolStatus};
+use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolStatus};
 use serde_json::json;
 use tokio::sync::Mutex;
 
@@ -134,7 +134,7 @@ pub fn now_seconds() -> Time {
 }
 
 /// The controller's reconcile function.
-pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Action> {
+pub async fn reconcile(pool: Arc<KVRoutePool>, ctx: Arc<Context>) -> Result<Action> {
     let started = Instant::now();
     let result = reconcile_pool(&pool, &ctx).await;
     ctx.metrics
@@ -143,12 +143,12 @@ pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Ac
 }
 
 /// Retry failed reconciles with a delay (the controller adds its own backoff on top).
-pub fn error_policy(pool: Arc<InferencePool>, error: &Error, _ctx: Arc<Context>) -> Action {
+pub fn error_policy(pool: Arc<KVRoutePool>, error: &Error, _ctx: Arc<Context>) -> Action {
     tracing::warn!(pool = %pool.name_any(), namespace = ?pool.namespace(), error = %error, kind = error.metric_label(), "reconcile failed");
     Action::requeue(Duration::from_secs(15))
 }
 
-pub async fn reconcile_pool(pool: &InferencePool, ctx: &Context) -> Result<Action> {
+pub async fn reconcile_pool(pool: &KVRoutePool, ctx: &Context) -> Result<Action> {
     if pool.metadata.deletion_timestamp.is_some() {
         // owned objects go by garbage collection (owner references): nothing to clean here
         return Ok(Action::await_change());
@@ -216,7 +216,7 @@ pub async fn reconcile_pool(pool: &InferencePool, ctx: &Context) -> Result<Actio
 }
 
 fn observe_picker(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     deployments: &Store<Deployment>,
 ) -> PickerObserved {
@@ -243,7 +243,7 @@ fn names<K: Resource>(objs: &[K]) -> Vec<String> {
 /// Apply everything, then prune what is no longer wanted. Returns the gateway export state.
 async fn apply_desired(
     ctx: &Context,
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
     d: &Desired,
 ) -> Result<GatewayState> {
@@ -308,7 +308,7 @@ async fn apply_desired(
     let requested = pool.spec.gateway.is_some_and(|g| g.export_inference_pool);
     let installed = if requested
         || pool.status.as_ref().is_some_and(|st| {
-            st.condition(kvroute_crds::inference_pool::condition::GATEWAY_EXPORTED)
+            st.condition(kvroute_crds::kvroute_pool::condition::GATEWAY_EXPORTED)
                 .is_some()
         }) {
         ctx.gateway.installed(client).await?
@@ -341,18 +341,18 @@ async fn apply_desired(
 /// Write the status when it differs from the pool's current one.
 async fn write_status(
     ctx: &Context,
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     namespace: &str,
-    next: InferencePoolStatus,
+    next: KVRoutePoolStatus,
 ) -> Result<()> {
     if pool.status.as_ref() == Some(&next) {
         return Ok(());
     }
     let name = pool.name_any();
-    let api: Api<InferencePool> = Api::namespaced(ctx.client.clone(), namespace);
+    let api: Api<KVRoutePool> = Api::namespaced(ctx.client.clone(), namespace);
     let body = json!({
-        "apiVersion": InferencePool::api_version(&()),
-        "kind": InferencePool::kind(&()),
+        "apiVersion": KVRoutePool::api_version(&()),
+        "kind": KVRoutePool::kind(&()),
         "status": next,
     });
     api.patch_status(
@@ -370,13 +370,7 @@ async fn write_status(
 }
 
 /// Publish an Event about the pool; failures are logged, never fatal.
-async fn publish(
-    ctx: &Context,
-    pool: &InferencePool,
-    type_: EventType,
-    reason: &str,
-    note: String,
-) {
+async fn publish(ctx: &Context, pool: &KVRoutePool, type_: EventType, reason: &str, note: String) {
     let ev = Event {
         type_,
         reason: reason.to_owned(),

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kvroute_crds::inference_pool::{
-    IneligiblePod, InferencePool, InferencePoolStatus, MAX_LISTED_INELIGIBLE, ModelConfigStatus,
+use kvroute_crds::kvroute_pool::{
+    IneligiblePod, KVRoutePool, KVRoutePoolStatus, MAX_LISTED_INELIGIBLE, ModelConfigStatus,
     PickerStatus, condition,
 };
 
@@ -42,7 +42,7 @@ pub struct Observed<'a> {
 }
 
 struct Conditions<'a> {
-    previous: Option<&'a InferencePoolStatus>,
+    previous: Option<&'a KVRoutePoolStatus>,
     generation: Option<i64>,
     now: &'a Time,
     out: Vec<Condition>,
@@ -69,7 +69,7 @@ impl Conditions<'_> {
 }
 
 fn model_config_status(
-    pool: &InferencePool,
+    pool: &KVRoutePool,
     c: &ConfigEndpoints,
     slice_names: &BTreeMap<String, Vec<String>>,
 ) -> ModelConfigStatus {
@@ -93,7 +93,7 @@ fn model_config_status(
 }
 
 /// The status the pool should have.
-pub fn compute(pool: &InferencePool, observed: &Observed<'_>, now: &Time) -> InferencePoolStatus {
+pub fn compute(pool: &KVRoutePool, observed: &Observed<'_>, now: &Time) -> KVRoutePoolStatus {
     let previous = pool.status.as_ref();
     let generation = pool.metadata.generation;
     let mut conds = Conditions {
@@ -225,7 +225,7 @@ pub fn compute(pool: &InferencePool, observed: &Observed<'_>, now: &Time) -> Inf
             "the inference.networking.k8s.io/v1 InferencePool CRD is not installed".into(),
         ),
     }
-    InferencePoolStatus {
+    KVRoutePoolStatus {
         observed_generation: generation,
         conditions: conds.out,
         ready_endpoints,
@@ -241,8 +241,8 @@ pub fn compute(pool: &InferencePool, observed: &Observed<'_>, now: &Time) -> Inf
 /// Pods that became ineligible for a configuration reason since the previous status (one
 /// Warning Event each, not one per reconcile): `(model config, pod)`.
 pub fn new_misconfigurations<'a>(
-    previous: Option<&InferencePoolStatus>,
-    next: &'a InferencePoolStatus,
+    previous: Option<&KVRoutePoolStatus>,
+    next: &'a KVRoutePoolStatus,
 ) -> Vec<(&'a str, &'a IneligiblePod)> {
     let mut out = Vec::new();
     for mc in &next.model_configs {
@@ -266,8 +266,8 @@ pub fn new_misconfigurations<'a>(
 }
 
 /// Whether the spec just became invalid (or its error changed): one Warning Event then.
-pub fn newly_invalid(previous: Option<&InferencePoolStatus>, next: &InferencePoolStatus) -> bool {
-    let invalid = |s: Option<&InferencePoolStatus>| {
+pub fn newly_invalid(previous: Option<&KVRoutePoolStatus>, next: &KVRoutePoolStatus) -> bool {
+    let invalid = |s: Option<&KVRoutePoolStatus>| {
         s.and_then(|s| s.condition(condition::CONFIG_VALID))
             .filter(|c| c.status == "False")
             .map(|c| c.message.clone())

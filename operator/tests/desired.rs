@@ -93,7 +93,7 @@ fn header_ranks_share_the_port_as_named_ports() {
             owner.controller,
             owner.block_owner_deletion
         ),
-        ("InferencePool", POOL_UID, Some(true), Some(true))
+        ("KVRoutePool", POOL_UID, Some(true), Some(true))
     );
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
-use kvroute_crds::inference_pool::IneligibleReason;
+use kvroute_crds::kvroute_pool::IneligibleReason;
 use kvroute_operator::eligibility::{Conditions, ConfigEndpoints, resolve, strip_pod};
 use serde_json::json;
 

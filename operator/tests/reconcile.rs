@@ -12,7 +12,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Recorder, Reporter};
-use kvroute_crds::inference_pool::{InferencePool, InferencePoolStatus, condition};
+use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolStatus, condition};
 use kvroute_operator::desired::{BuildSettings, build};
 use kvroute_operator::eligibility::resolve;
 use kvroute_operator::metrics::Metrics;
@@ -20,7 +20,7 @@ use kvroute_operator::reconcile::{Context, GatewayDiscovery, Stores, reconcile_p
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-const BASE: &str = "/apis/kvroute.dev/v1alpha1/namespaces/serving/inferencepools/llama";
+const BASE: &str = "/apis/kvroute.dev/v1alpha1/namespaces/serving/kvroutepools/llama";
 
 /// The live state: pods, and owned objects as the API server holds them.
 #[derive(Default, Clone)]
@@ -51,7 +51,7 @@ impl Live {
 
     /// Record what the requests wrote, as the API server would hold it (with the fields it
     /// adds), and the pool's new status.
-    fn absorb(&mut self, requests: &[Recorded], pool: &mut InferencePool) {
+    fn absorb(&mut self, requests: &[Recorded], pool: &mut KVRoutePool) {
         fn put<K: DeserializeOwned + kube::Resource>(list: &mut Vec<K>, body: &Value) {
             let obj: K = serde_json::from_value(body.clone()).expect("typed object");
             list.retain(|o| o.meta().name != obj.meta().name);
@@ -62,7 +62,7 @@ impl Live {
             match r.method.as_str() {
                 "PATCH" if p.ends_with("/status") => {
                     pool.status = Some(
-                        serde_json::from_value::<InferencePoolStatus>(r.body["status"].clone())
+                        serde_json::from_value::<KVRoutePoolStatus>(r.body["status"].clone())
                             .expect("status"),
                     );
                 }
@@ -119,7 +119,7 @@ fn context(api: &MockApi, live: &Live) -> Context {
 }
 
 /// Reconcile once; return the action and the requests it made.
-async fn reconcile_once(pool: &InferencePool, live: &Live) -> (Action, Vec<Recorded>) {
+async fn reconcile_once(pool: &KVRoutePool, live: &Live) -> (Action, Vec<Recorded>) {
     let api = MockApi::start(pool);
     let ctx = context(&api, live);
     let action = reconcile_pool(pool, &ctx).await.expect("reconcile");
@@ -134,7 +134,7 @@ fn pods() -> Vec<Pod> {
 }
 
 /// A pool reconciled once with `pods`: the state every scenario starts from.
-async fn settled(spec: Value, pods: Vec<Pod>) -> (InferencePool, Live) {
+async fn settled(spec: Value, pods: Vec<Pod>) -> (KVRoutePool, Live) {
     let mut pool = mk_pool(spec);
     let mut live = Live {
         pods,
@@ -165,7 +165,7 @@ fn assert_apply(r: &Recorded) {
     assert_eq!(q.get("force").map(String::as_str), Some("true"));
 }
 
-fn cond<'a>(s: &'a InferencePoolStatus, t: &str) -> (&'a str, &'a str) {
+fn cond<'a>(s: &'a KVRoutePoolStatus, t: &str) -> (&'a str, &'a str) {
     let c = s.condition(t).expect("condition");
     (c.status.as_str(), c.reason.as_str())
 }
@@ -225,8 +225,8 @@ async fn first_reconcile_applies_everything_then_the_status() {
     // status: two eligible pods, four ranks; the picker does not exist yet
     let status = &reqs[7].body;
     assert_eq!(status["apiVersion"], "kvroute.dev/v1alpha1");
-    assert_eq!(status["kind"], "InferencePool");
-    let s: InferencePoolStatus = serde_json::from_value(status["status"].clone()).expect("status");
+    assert_eq!(status["kind"], "KVRoutePool");
+    let s: KVRoutePoolStatus = serde_json::from_value(status["status"].clone()).expect("status");
     assert_eq!(s.observed_generation, Some(1));
     assert_eq!(s.ready_endpoints, 4);
     assert_eq!(
@@ -294,7 +294,7 @@ async fn a_weight_change_rewrites_only_the_config_map_and_the_status() {
     reqs.iter().for_each(assert_apply);
     let yaml = reqs[0].body["data"]["picker.yaml"].as_str().expect("yaml");
     assert!(yaml.contains("queue: 9.0"), "{yaml}");
-    let s: InferencePoolStatus =
+    let s: KVRoutePoolStatus =
         serde_json::from_value(reqs[1].body["status"].clone()).expect("status");
     assert_eq!(s.observed_generation, Some(2));
     // only the generation moved: transition times stay
@@ -385,7 +385,7 @@ async fn an_incompatible_pod_is_excluded_reported_and_announced_once() {
     let ev = &reqs[2].body;
     assert_eq!(ev["type"], "Warning");
     assert_eq!(ev["reason"], "DataParallelMismatch");
-    assert_eq!(ev["regarding"]["kind"], "InferencePool");
+    assert_eq!(ev["regarding"]["kind"], "KVRoutePool");
     assert_eq!(ev["regarding"]["name"], "llama");
     assert!(
         ev["note"].as_str().unwrap_or_default().contains("vllm-1"),
@@ -419,7 +419,7 @@ async fn an_invalid_spec_touches_nothing_but_the_status() {
             "POST /apis/events.k8s.io/v1/namespaces/serving/events".to_owned(),
         ]
     );
-    let s: InferencePoolStatus =
+    let s: KVRoutePoolStatus =
         serde_json::from_value(reqs[0].body["status"].clone()).expect("status");
     assert_eq!(cond(&s, condition::CONFIG_VALID), ("False", "InvalidSpec"));
     assert!(
@@ -529,7 +529,7 @@ async fn a_requested_gateway_export_is_applied_when_the_crd_exists() {
         reqs[2].query().get("labelSelector").map(String::as_str),
         Some("kvroute.dev%2Fpool%3Dllama")
     );
-    let s: InferencePoolStatus =
+    let s: KVRoutePoolStatus =
         serde_json::from_value(reqs[3].body["status"].clone()).expect("status");
     assert_eq!(cond(&s, condition::GATEWAY_EXPORTED), ("True", "Exported"));
 }

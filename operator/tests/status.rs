@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use common::*;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kvroute_crds::inference_pool::{IneligibleReason, InferencePoolStatus, condition};
+use kvroute_crds::kvroute_pool::{IneligibleReason, KVRoutePoolStatus, condition};
 use kvroute_operator::eligibility::resolve;
 use kvroute_operator::status::{
     GatewayState, Observed, PickerObserved, compute, new_misconfigurations, newly_invalid,
@@ -27,10 +27,10 @@ fn picker(available: Option<i32>) -> PickerObserved {
 
 fn status_with(
     pods: &[k8s_openapi::api::core::v1::Pod],
-    previous: Option<InferencePoolStatus>,
+    previous: Option<KVRoutePoolStatus>,
     available: Option<i32>,
     now: &Time,
-) -> InferencePoolStatus {
+) -> KVRoutePoolStatus {
     let mut pool = mk_pool(base_spec());
     pool.status = previous;
     let resolved = resolve(&pool.spec, NS, pods);

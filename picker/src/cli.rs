@@ -21,7 +21,7 @@ pub struct Args {
     /// are used (optional: defaults otherwise).
     #[arg(long, env = "KVROUTE_CONFIG", required_unless_present = "pool")]
     pub config: Option<PathBuf>,
-    /// Cluster mode: serve this InferencePool. Model configs, routing and tenancy come live
+    /// Cluster mode: serve this KVRoutePool. Model configs, routing and tenancy come live
     /// from the resource, endpoints from the EndpointSlices the operator writes for it.
     #[arg(long, env = "KVROUTE_POOL", requires = "namespace")]
     pub pool: Option<String>,

@@ -285,6 +285,7 @@ fn bench_decision(c: &mut Criterion) {
 /// piece cache), the same prompt again (warm cache), and the next turn of a conversation
 /// (history in the cache, one new message).
 fn bench_tokenize(c: &mut Criterion) {
+    use kvroute_routing::request::{ApiKind, ParsedRequest, RequestLimits};
     use kvroute_routing::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
     let build = |piece_cache_tokens| {
         PromptTokenizer::from_hf_files(
@@ -307,6 +308,7 @@ fn bench_tokenize(c: &mut Criterion) {
             tools: None,
             add_generation_prompt: true,
             extra: None,
+            add_special_tokens: false,
         })
         .map(|t| t.ids.len())
     };
@@ -377,6 +379,48 @@ fn bench_tokenize(c: &mut Criterion) {
                 criterion::BatchSize::LargeInput,
             )
         });
+        // the same next turn as a whole request body, parsed and tokenized: through chat
+        // completions, and through the Responses API (its items mapped to the same chat)
+        let body = |i: u64, responses: bool| {
+            let m = turn(i);
+            let v = if responses {
+                let items = m.as_array().map_or(&[][..], Vec::as_slice);
+                serde_json::json!({
+                    "model": "m",
+                    "instructions": items[0]["content"],
+                    "input": items[1..].iter().map(|t| if t["role"] == "assistant" {
+                        serde_json::json!({"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": t["content"]}]})
+                    } else {
+                        serde_json::json!({"role": "user", "content": [{"type": "input_text", "text": t["content"]}]})
+                    }).collect::<Vec<_>>(),
+                })
+            } else {
+                serde_json::json!({"model": "m", "messages": m})
+            };
+            bytes::Bytes::from(serde_json::to_vec(&v).expect("json"))
+        };
+        for (name, kind) in [
+            ("chat_request_next_turn", ApiKind::ChatCompletions),
+            ("responses_request_next_turn", ApiKind::Responses),
+        ] {
+            let mut i = 0;
+            g.bench_function(BenchmarkId::new(name, &label), |b| {
+                b.iter_batched(
+                    || {
+                        i += 1;
+                        body(i, kind == ApiKind::Responses)
+                    },
+                    |raw| {
+                        let req = ParsedRequest::parse(kind, raw, &RequestLimits::default())
+                            .expect("a valid body");
+                        black_box(warm.tokenize(req.prompt_input().expect("a prompt")))
+                            .map(|t| t.ids.len())
+                    },
+                    criterion::BatchSize::LargeInput,
+                )
+            });
+        }
     }
     g.finish();
 }

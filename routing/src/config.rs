@@ -1,7 +1,7 @@
 //! Routing policy configuration.
 //!
 //! These types are both the `routing` section of the picker's YAML config file and the
-//! `spec.routing` section of the `InferencePool` custom resource (the CRD's schema is generated
+//! `spec.routing` section of the `KVRoutePool` custom resource (the CRD's schema is generated
 //! from them), so what users write in the resource is exactly what the picker runs. Doc comments
 //! here are what `kubectl explain` shows.
 

@@ -17,7 +17,7 @@
 //!   (the `Pool` that owns every per-endpoint table, and its two steps: `place` reads, `record`
 //!   and `served` commit).
 //! - Configuration: [`config`] (routing policy) and [`pool`] (model configs, tenancy), the
-//!   types the `InferencePool` resource's `spec` is generated from.
+//!   types the `KVRoutePool` resource's `spec` is generated from.
 
 pub mod admission;
 pub mod block_keys;

@@ -1,7 +1,7 @@
 //! Pool specification: the model configurations a pool serves and its tenancy.
 //!
 //! Like [`crate::config`], these types are shared by the picker's config file and the
-//! `InferencePool` custom resource, so doc comments are written for `kubectl explain`. Schema
+//! `KVRoutePool` custom resource, so doc comments are written for `kubectl explain`. Schema
 //! attributes (bounds, patterns, `x-kubernetes-validations` CEL rules) make the API server reject
 //! what [`ModelConfigSpec::validate`] and [`TenancySpec::validate`] would reject, at
 //! `kubectl apply` time. Strings and lists that CEL rules read are bounded so the API server can

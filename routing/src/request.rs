@@ -251,6 +251,9 @@ pub struct ChatFields {
     /// A Messages request: its system messages are merged into the first when the template
     /// needs the system message first ([`crate::chat_mapping::merge_inline_system`]).
     pub merge_inline_system: bool,
+    /// Whether the rendered chat is encoded with special tokens added: vLLM 0.32 does for a
+    /// Responses request (its render shows a second BOS), not for chat or Messages.
+    pub add_special_tokens: bool,
 }
 
 /// A request body parsed once.
@@ -286,8 +289,21 @@ impl ParsedRequest {
                 tools: chat.tools.as_ref(),
                 add_generation_prompt: chat.add_generation_prompt,
                 extra: chat.kwargs.as_ref(),
+                add_special_tokens: chat.add_special_tokens,
             },
             (None, None) => return None,
+        })
+    }
+
+    /// The chat's messages as `tok`'s engine renders them, when they differ from
+    /// [`Self::prompt_input`]'s: a Messages request's inline system messages merged into the
+    /// first for a template that needs the system message first.
+    pub fn merged_messages(&self, tok: &crate::tokenize::PromptTokenizer) -> Option<Value> {
+        let chat = self.chat.as_ref()?;
+        (chat.merge_inline_system && tok.requires_system_first()).then(|| {
+            Value::Array(crate::chat_mapping::merge_inline_system(
+                chat.messages.as_array().map_or(&[][..], Vec::as_slice),
+            ))
         })
     }
 
@@ -400,6 +416,7 @@ impl ParsedRequest {
                         .unwrap_or(true),
                     kwargs: head.chat_template_kwargs.filter(Value::is_object),
                     merge_inline_system: false,
+                    add_special_tokens: false,
                 };
                 (None, Some(chat))
             }
@@ -489,18 +506,18 @@ impl ParsedRequest {
                     return Ok(out);
                 }
                 map::responses_messages(head.instructions.as_ref(), &input)
-                    .and_then(|m| Ok((m, map::responses_tools(head.tools.as_ref())?, false)))
+                    .and_then(|m| Ok((m, map::responses_tools(head.tools.as_ref())?, true)))
             }
             _ => {
                 let messages = head.messages.ok_or_else(|| {
                     RequestError::bad_request("missing_field", "missing required field `messages`")
                 })?;
                 map::anthropic_messages(head.system.as_ref(), &messages)
-                    .and_then(|m| Ok((m, map::anthropic_tools(head.tools.as_ref())?, true)))
+                    .and_then(|m| Ok((m, map::anthropic_tools(head.tools.as_ref())?, false)))
             }
         };
         match mapped {
-            Ok((messages, tools, merge_inline_system)) => {
+            Ok((messages, tools, responses)) => {
                 if messages.len() > limits.max_messages {
                     return Err(RequestError::bad_request(
                         "too_many_messages",
@@ -516,7 +533,8 @@ impl ParsedRequest {
                     tools,
                     add_generation_prompt: true,
                     kwargs: head.chat_template_kwargs.filter(Value::is_object),
-                    merge_inline_system,
+                    merge_inline_system: !responses,
+                    add_special_tokens: responses,
                 });
             }
             Err(Unmapped::Invalid(m)) => {
@@ -724,7 +742,11 @@ mod tests {
             assert!(c.add_generation_prompt && r.unread.is_none());
         }
         assert!(responses.stream);
-        assert!(messages.chat.expect("chat").merge_inline_system);
+        let (r, m) = (responses.chat.expect("chat"), messages.chat.expect("chat"));
+        // vLLM encodes a Responses chat with special tokens; it merges Messages' system turns
+        assert!(r.add_special_tokens && !r.merge_inline_system);
+        assert!(!m.add_special_tokens && m.merge_inline_system);
+        assert!(!chat.chat.expect("chat").add_special_tokens);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Writes the InferencePool CRD: `crdgen` prints it, `crdgen PATH` writes it to PATH
-//! (the committed copy is `crds/inferencepool.yaml`).
+//! Writes the KVRoutePool CRD: `crdgen` prints it, `crdgen PATH` writes it to PATH
+//! (the committed copy is `crds/kvroutepool.yaml`).
 
 use std::process::ExitCode;
 

@@ -167,6 +167,27 @@ impl Cluster {
         run_ok(self.plane.kubectl().args(args), "kubectl")
     }
 
+    /// Run a shell command line (a command from the docs, say) as admin from the repository's
+    /// root, with this cluster's `kubectl` first on `PATH`; its output whatever the exit status.
+    pub fn shell(&self, line: &str) -> anyhow::Result<Output> {
+        let bin_dir = self
+            .plane
+            .bins
+            .kubectl
+            .parent()
+            .context("kubectl has no folder")?
+            .to_path_buf();
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let path =
+            std::env::join_paths(std::iter::once(bin_dir).chain(std::env::split_paths(&path)))?;
+        Ok(Command::new("sh")
+            .args(["-c", line])
+            .current_dir(repo_root())
+            .env("KUBECONFIG", &self.plane.admin_kubeconfig)
+            .env("PATH", path)
+            .output()?)
+    }
+
     /// Run `kubectl` as admin and return its output whatever the exit status.
     pub fn kubectl_output(&self, args: &[&str]) -> anyhow::Result<Output> {
         Ok(self.plane.kubectl().args(args).output()?)
@@ -342,7 +363,7 @@ impl Cluster {
         let objects = self
             .kubectl_output(&[
                 "get",
-                "inferencepools,deployments,replicasets,pods,endpointslices,events",
+                "kvroutepools,deployments,replicasets,pods,endpointslices,events",
                 "--namespace",
                 namespace,
                 "-o",

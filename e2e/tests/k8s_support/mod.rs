@@ -9,7 +9,7 @@ use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, Client};
-use kvroute_crds::InferencePool;
+use kvroute_crds::KVRoutePool;
 use kvroute_e2e::cluster::{Cluster, repo_root, sim_binary, wait};
 use serde_json::{Value, json};
 
@@ -151,8 +151,8 @@ pub async fn wait_pool_eligible(
     config: &str,
     pods: u32,
     ranks: u32,
-) -> InferencePool {
-    let api: Api<InferencePool> = Api::namespaced(client.clone(), ns);
+) -> KVRoutePool {
+    let api: Api<KVRoutePool> = Api::namespaced(client.clone(), ns);
     let result = wait::until(
         &format!("pool {ns}/{pool} to report {pods} eligible pods, {ranks} ranks"),
         TIMEOUT,

@@ -12,7 +12,7 @@ use kube::Client;
 use kube::client::Body;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
-use kvroute_crds::inference_pool::{InferencePool, InferencePoolSpec};
+use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolSpec};
 use parking_lot_free::Mutex;
 use serde_json::{Value, json};
 
@@ -125,9 +125,9 @@ impl MkPod {
 }
 
 /// A pool named `llama` in [`NS`] selecting `app: vllm`, from a spec in JSON.
-pub fn mk_pool(spec: Value) -> InferencePool {
-    let spec: InferencePoolSpec = serde_json::from_value(spec).expect("pool spec");
-    let mut pool = InferencePool::new("llama", spec);
+pub fn mk_pool(spec: Value) -> KVRoutePool {
+    let spec: KVRoutePoolSpec = serde_json::from_value(spec).expect("pool spec");
+    let mut pool = KVRoutePool::new("llama", spec);
     pool.metadata.namespace = Some(NS.into());
     pool.metadata.uid = Some(POOL_UID.into());
     pool.metadata.generation = Some(1);
@@ -202,7 +202,7 @@ pub struct MockApi {
 }
 
 impl MockApi {
-    pub fn start(pool: &InferencePool) -> Self {
+    pub fn start(pool: &KVRoutePool) -> Self {
         let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(svc, "default");
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -264,7 +264,7 @@ fn not_found() -> (StatusCode, Value) {
     )
 }
 
-const COLLECTIONS: [&str; 3] = ["inferencepools", "endpointslices", "events"];
+const COLLECTIONS: [&str; 4] = ["kvroutepools", "inferencepools", "endpointslices", "events"];
 
 fn respond(rec: &Recorded, pool: &Value) -> (StatusCode, Value) {
     match rec.method.as_str() {

@@ -591,19 +591,44 @@ fn stream_back(
         .unwrap_or_else(|_| ApiError::bad_gateway("invalid upstream response").into_response())
 }
 
-async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+/// `POST /v1/pick?path=/v1/responses`: the API the body is for.
+#[derive(serde::Deserialize)]
+struct PickQuery {
+    path: Option<String>,
+}
+
+async fn pick(
+    State(state): State<AppState>,
+    axum::extract::Query(query): axum::extract::Query<PickQuery>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let picker = &state.picker;
     let result: Result<Value, ApiError> = async {
         let raw = read_body(picker, body).await?;
-        // a chat when it has `messages` (checked without building a JSON tree)
+        // the API `?path=` names; else a chat when the body has `messages` (checked without
+        // building a JSON tree), a completion otherwise
         #[derive(serde::Deserialize)]
         struct Probe {
             #[serde(default)]
             messages: Option<serde::de::IgnoredAny>,
         }
-        let kind = match serde_json::from_slice::<Probe>(&raw) {
-            Ok(Probe { messages: Some(_) }) => ApiKind::ChatCompletions,
-            _ => ApiKind::Completions,
+        let kind = match query.path.as_deref() {
+            Some(path) => match ApiKind::from_path(path) {
+                ApiKind::Other => {
+                    return Err(ApiError::bad_request(
+                        "invalid_field",
+                        format!(
+                            "`path` {path:?} is not an API the picker reads a prompt from: /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages or /v1/embeddings"
+                        ),
+                    ));
+                }
+                kind => kind,
+            },
+            None => match serde_json::from_slice::<Probe>(&raw) {
+                Ok(Probe { messages: Some(_) }) => ApiKind::ChatCompletions,
+                _ => ApiKind::Completions,
+            },
         };
         let parsed = ParsedRequest::parse(kind, raw, &picker.limits.request())?;
         let routed = picker
@@ -637,6 +662,7 @@ async fn pick(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             "matched_blocks": d.matched_blocks,
             "cached_tokens": d.cached_tokens,
             "failed_open": d.failed_open,
+            "unread_prompt": parsed.unread,
             "tenant": routed.tenant,
             "headers": routed.upstream.headers.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
             "candidates": candidates,

@@ -1,4 +1,4 @@
-//! Cluster mode: the picker's pool as the `InferencePool` resource and the EndpointSlices the
+//! Cluster mode: the picker's pool as the `KVRoutePool` resource and the EndpointSlices the
 //! operator writes for it say (`kvroute-picker --pool NAME --namespace NS`).
 //!
 //! Model configs, routing and tenancy come from the resource's spec; endpoints from the
@@ -20,7 +20,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use kvroute_crds::contract;
-use kvroute_crds::inference_pool::{InferencePool, InferencePoolSpec};
+use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolSpec};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -60,7 +60,7 @@ impl KubeSourceOptions {
 /// `rank-<k>` are skipped; an endpoint listed twice (a pod moving between slices) is serving
 /// if any listing says so.
 pub fn endpoints_from_slices<'a>(
-    spec: &InferencePoolSpec,
+    spec: &KVRoutePoolSpec,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
 ) -> Vec<DeclaredEndpoint> {
     let configs: BTreeSet<&str> = spec.model_configs.iter().map(|m| m.name.as_str()).collect();
@@ -121,7 +121,7 @@ pub fn endpoints_from_slices<'a>(
 /// The pool as the resource and its slices describe it. `exists` tells whether an optional
 /// mounted file (a tokenizer's `tokenizer_config.json`) is there.
 pub fn declared<'a>(
-    spec: &InferencePoolSpec,
+    spec: &KVRoutePoolSpec,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     tokenizer_root: &Path,
     salt_dir: &Path,
@@ -174,7 +174,7 @@ impl KubeSource {
             .data
             .get("spec")
             .cloned()
-            .map(serde_json::from_value::<InferencePoolSpec>)
+            .map(serde_json::from_value::<KVRoutePoolSpec>)
         {
             Some(Ok(spec)) => spec,
             Some(Err(e)) => {
@@ -216,7 +216,7 @@ impl EndpointSource for KubeSource {
             let o = self.options.clone();
             // the pool as a dynamic object, so that a spec this picker does not understand
             // (a newer CRD) is one logged error, not a stalled watch
-            let ar = ApiResource::erase::<InferencePool>(&());
+            let ar = ApiResource::erase::<KVRoutePool>(&());
             let pools_api: Api<DynamicObject> =
                 Api::namespaced_with(self.client.clone(), &o.namespace, &ar);
             let slices_api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &o.namespace);
@@ -285,7 +285,7 @@ mod tests {
     use kvroute_crds::pool::RankSelection;
     use serde_json::json;
 
-    fn spec() -> InferencePoolSpec {
+    fn spec() -> KVRoutePoolSpec {
         serde_json::from_value(json!({
             "selector": {"matchLabels": {"app": "vllm"}},
             "modelConfigs": [

@@ -1,6 +1,6 @@
 //! The picker's configuration file (`--config picker.yaml`).
 //!
-//! `modelConfigs`, `routing` and `tenancy` are the same types as the `InferencePool` resource's
+//! `modelConfigs`, `routing` and `tenancy` are the same types as the `KVRoutePool` resource's
 //! spec; `endpoints` is only used standalone (in a cluster, endpoints come from the operator's
 //! EndpointSlices).
 

@@ -729,15 +729,9 @@ impl PickerState {
             )
         })?;
         // a Messages request's inline system messages, where vLLM merges them
-        let merged;
-        if let PromptInput::Chat { messages, .. } = &mut input
-            && req.chat.as_ref().is_some_and(|c| c.merge_inline_system)
-            && tok.requires_system_first()
-        {
-            merged = Value::Array(crate::chat_mapping::merge_inline_system(
-                messages.as_array().map_or(&[][..], Vec::as_slice),
-            ));
-            *messages = &merged;
+        let merged = req.merged_messages(&tok);
+        if let (PromptInput::Chat { messages, .. }, Some(m)) = (&mut input, &merged) {
+            *messages = m;
         }
         if let PromptInput::TokenIds(_) = input {
             let out = tok.tokenize(input).map_err(tokenize_error)?;

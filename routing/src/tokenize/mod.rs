@@ -283,6 +283,10 @@ pub enum PromptInput<'a> {
         /// override `bos_token`/`eos_token` (as in `transformers`) but not `messages`, `tools`
         /// or `add_generation_prompt`.
         extra: Option<&'a Json>,
+        /// Whether the rendered text is encoded with the tokenizer's special tokens added, as
+        /// vLLM 0.32 does for a Responses request (a Llama-style tokenizer then prepends a
+        /// second BOS to the one the template wrote); chat completions does not.
+        add_special_tokens: bool,
     },
 }
 
@@ -570,11 +574,12 @@ impl PromptTokenizer {
                 tools,
                 add_generation_prompt,
                 extra,
+                add_special_tokens,
             } => {
                 let rendered = self.render_chat(messages, tools, add_generation_prompt, extra)?;
                 // A real template writes BOS itself; the fallback rendering has none, so the
                 // tokenizer's post-processor adds it as it would for a plain prompt.
-                self.encode(&rendered, self.template.is_none())
+                self.encode(&rendered, add_special_tokens || self.template.is_none())
             }
         }
     }

@@ -50,6 +50,7 @@ fn chat<'a>(messages: &'a Json, add_generation_prompt: bool) -> PromptInput<'a> 
         tools: None,
         add_generation_prompt,
         extra: None,
+        add_special_tokens: false,
     }
 }
 
@@ -170,6 +171,7 @@ fn llama3_style_renders_exactly() {
         tools: None,
         add_generation_prompt: true,
         extra: Some(&extra),
+        add_special_tokens: false,
     });
     let ids = ids.unwrap();
     assert_eq!(ids.kind, TokenKind::Tokens);
@@ -231,6 +233,7 @@ fn chats_with_the_same_system_prompt_share_leading_ids() {
             tools: None,
             add_generation_prompt: true,
             extra: Some(&extra),
+            add_special_tokens: false,
         })
         .unwrap()
         .ids

@@ -262,6 +262,7 @@ fn chat_prompt(rt: &Runtime, body: &serde_json::Map<String, Json>) -> Result<Vec
             tools: body.get("tools"),
             add_generation_prompt,
             extra: body.get("chat_template_kwargs").filter(|v| !v.is_null()),
+            add_special_tokens: false,
         })
         .map(|t| t.ids)
         .map_err(|e| ApiError::bad(e.to_string()))

@@ -864,6 +864,7 @@ pub async fn a_real_tokenizer_gives_the_routers_ids(t: &Target) {
             tools: None,
             add_generation_prompt: true,
             extra: None,
+            add_special_tokens: false,
         })
         .unwrap()
         .ids;

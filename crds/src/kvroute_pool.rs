@@ -1,4 +1,4 @@
-//! The `InferencePool` custom resource (`kvroute.dev/v1alpha1`, short name `kvpool`).
+//! The `KVRoutePool` custom resource (`kvroute.dev/v1alpha1`, short name `kvpool`).
 //!
 //! Its spec reuses the picker's own config types ([`ModelConfigSpec`], [`RoutingConfig`],
 //! [`TenancySpec`]), so what users write in the resource is exactly what the pickers run.
@@ -16,20 +16,20 @@ use crate::contract;
 use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
 use crate::routing::{FailureMode, RoutingConfig};
 
-/// The desired state of an InferencePool: its model-server pods (selector and model configs),
+/// The desired state of an KVRoutePool: its model-server pods (selector and model configs),
 /// the routing policy, tenancy, and the picker Deployment.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "kvroute.dev",
     version = "v1alpha1",
-    kind = "InferencePool",
-    plural = "inferencepools",
+    kind = "KVRoutePool",
+    plural = "kvroutepools",
     shortname = "kvpool",
     category = "kvroute",
     namespaced,
-    status = "InferencePoolStatus",
+    status = "KVRoutePoolStatus",
     derive = "PartialEq",
-    doc = "An InferencePool: the model-server pods of one or more model configurations, the routing policy the pool's pickers apply to them, and the pickers themselves. The operator reconciles the pods and their data-parallel ranks into EndpointSlices (the eligibility sets), runs a picker Deployment and Service for the pool, and reports what it sees in status. Short name: kvpool.",
+    doc = "An KVRoutePool: the model-server pods of one or more model configurations, the routing policy the pool's pickers apply to them, and the pickers themselves. The operator reconciles the pods and their data-parallel ranks into EndpointSlices (the eligibility sets), runs a picker Deployment and Service for the pool, and reports what it sees in status. Short name: kvpool.",
     printcolumn = r#"{"name":"Ready","type":"string","description":"Whether the pool serves: config valid, endpoints resolved, picker available","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Endpoints","type":"integer","description":"Eligible (pod, data-parallel rank) endpoints","jsonPath":".status.readyEndpoints"}"#,
     printcolumn = r#"{"name":"Strategy","type":"string","description":"Routing strategy","jsonPath":".spec.routing.strategy"}"#,
@@ -48,7 +48,7 @@ use crate::routing::{FailureMode, RoutingConfig};
         "message": "gateway.exportInferencePool: a Gateway API InferencePool lists at most 8 target ports, so Port rank selection is limited to dataParallel.size <= 8"
     }
 ]))]
-pub struct InferencePoolSpec {
+pub struct KVRoutePoolSpec {
     /// Labels selecting the pool's model-server pods, in the pool's namespace.
     pub selector: PoolSelector,
     /// The model configurations the pool serves (1-32, names unique). A request's `model`
@@ -208,7 +208,7 @@ pub struct GatewaySpec {
 /// What the operator sees. Written only when it changes.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct InferencePoolStatus {
+pub struct KVRoutePoolStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
@@ -229,13 +229,13 @@ pub struct InferencePoolStatus {
     pub picker: Option<PickerStatus>,
 }
 
-impl InferencePoolStatus {
+impl KVRoutePoolStatus {
     pub fn condition(&self, type_: &str) -> Option<&Condition> {
         self.conditions.iter().find(|c| c.type_ == type_)
     }
 }
 
-/// Condition types of [`InferencePoolStatus::conditions`].
+/// Condition types of [`KVRoutePoolStatus::conditions`].
 pub mod condition {
     /// Config valid, every model config has eligible endpoints, and a picker is available.
     pub const READY: &str = "Ready";
@@ -349,7 +349,7 @@ pub struct PickerStatus {
     pub available_replicas: i32,
 }
 
-impl InferencePoolSpec {
+impl KVRoutePoolSpec {
     /// Everything the schema checks plus what it cannot (the picker's own validation), so a
     /// pool admitted by an older CRD still gets a clear `ConfigValid=False`. Errors name the
     /// field.
@@ -460,7 +460,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn spec(extra: serde_json::Value) -> InferencePoolSpec {
+    fn spec(extra: serde_json::Value) -> KVRoutePoolSpec {
         let mut v = json!({
             "selector": {"matchLabels": {"app": "vllm"}},
             "modelConfigs": [{"name": "llama", "model": "m", "tokenizer": {"configMap": "tok"}}]

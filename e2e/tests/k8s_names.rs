@@ -1,0 +1,189 @@
+//! kvroute's resource beside the Gateway API Inference Extension's, on a real API server: with
+//! the Gateway API `InferencePool` CRD installed (`kvroute_crds::gateway_pool`, written from
+//! the published v1 API) and a Gateway API pool of the same name in the namespace, every
+//! `kubectl` command of the README and the docs, run as written, addresses the object it
+//! means: the migration from the old `InferencePool` kind moves the pools to `KVRoutePool`,
+//! and the README's `get`, `patch` and `explain` of `kvpool`/`kvroutepool` change kvroute's
+//! pool and leave the Gateway API's alone.
+//!
+//! Needs the control-plane binaries of `scripts/k8s-bins.sh`.
+#![allow(clippy::unwrap_used)]
+
+mod k8s_support;
+
+use kube::Api;
+use kvroute_crds::KVRoutePool;
+use kvroute_crds::gateway_pool::GatewayInferencePool;
+use kvroute_e2e::cluster::repo_root;
+
+use k8s_support::*;
+
+/// The shell command lines of a Markdown file that run `kubectl` (in `sh` code blocks,
+/// continuation lines joined; inline code spans too), minus those that need a running pod
+/// (`port-forward`) or another ServiceAccount's token.
+fn kubectl_lines(markdown: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut in_sh = false;
+    let mut pending = String::new();
+    for line in markdown.lines() {
+        if line.starts_with("```") {
+            in_sh = !in_sh && line.trim() == "```sh";
+            continue;
+        }
+        if in_sh {
+            pending.push_str(line);
+            if pending.ends_with('\\') {
+                // the shell joins it with the next line
+                pending.push('\n');
+                continue;
+            }
+            lines.push(std::mem::take(&mut pending));
+        } else {
+            // `kubectl explain ...` and the like, quoted in prose
+            for (i, span) in line.split('`').enumerate() {
+                if i % 2 == 1 && span.starts_with("kubectl ") && span.split(' ').count() > 2 {
+                    lines.push(span.to_owned());
+                }
+            }
+        }
+    }
+    lines
+        .into_iter()
+        .filter(|l| l.trim_start().starts_with("kubectl "))
+        .filter(|l| !l.contains("port-forward") && !l.contains("create token"))
+        .collect()
+}
+
+/// The old kind's CRD (`inferencepools.kvroute.dev`), as the chart installed it before the
+/// rename: the current CRD under the old names.
+fn old_crd() -> String {
+    std::fs::read_to_string(repo_root().join("crds/kvroutepool.yaml"))
+        .unwrap()
+        .replace(
+            "name: kvroutepools.kvroute.dev",
+            "name: inferencepools.kvroute.dev",
+        )
+        .replace("kind: KVRoutePool", "kind: InferencePool")
+        .replace("plural: kvroutepools", "plural: inferencepools")
+        .replace("singular: kvroutepool", "singular: inferencepool")
+        .replace("- kvpool", "- oldkvpool")
+}
+
+fn sh(line: &str) -> String {
+    let out = cluster().shell(line).unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "`{line}` failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kubectl_command_in_the_docs_addresses_the_intended_pool() {
+    let c = cluster();
+    c.install_chart().unwrap();
+    let gateway_crd = kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap();
+    apply("default", &gateway_crd);
+    apply("default", &old_crd());
+    for crd in [
+        "inferencepools.inference.networking.k8s.io",
+        "inferencepools.kvroute.dev",
+        "kvroutepools.kvroute.dev",
+    ] {
+        sh(&format!(
+            "kubectl wait --for condition=established --timeout=60s crd/{crd}"
+        ));
+    }
+    let ns = c.namespace("names").await.unwrap();
+    let n = ns.name.as_str();
+    let client = client().await;
+
+    // a pool of the old kind, and a Gateway API pool named like the README's kvroute pool
+    let legacy = llama_pool(|p| {
+        p["kind"] = "InferencePool".into();
+        p["metadata"]["name"] = "legacy".into();
+    });
+    apply(n, &legacy);
+    apply(
+        n,
+        r#"
+apiVersion: inference.networking.k8s.io/v1
+kind: InferencePool
+metadata: {name: llama}
+spec:
+  selector: {matchLabels: {app.kubernetes.io/name: vllm-llama}}
+  targetPorts: [{number: 8000}, {number: 8001}]
+  endpointPickerRef: {name: other-epp, portNumber: 9002}
+"#,
+    );
+    let gateway: Api<GatewayInferencePool> = Api::namespaced(client.clone(), n);
+    let before = gateway.get("llama").await.unwrap();
+
+    // the migration note, run as written (the chart is already upgraded here), then the
+    // README's commands against this namespace
+    let work = tempfile::tempdir().unwrap();
+    let pools_file = work.path().join("kvroute-pools.yaml");
+    let helm = std::fs::read_to_string(repo_root().join("docs/helm.md")).unwrap();
+    let migration = kubectl_lines(&helm);
+    assert!(
+        migration
+            .iter()
+            .any(|l| l.contains("inferencepools.kvroute.dev")),
+        "the migration note's commands: {migration:?}"
+    );
+    for line in &migration {
+        sh(&line.replace("kvroute-pools.yaml", &pools_file.display().to_string()));
+    }
+    let readme = kubectl_lines(&std::fs::read_to_string(repo_root().join("README.md")).unwrap());
+    assert!(
+        readme.len() >= 5,
+        "the README's kubectl commands: {readme:?}"
+    );
+    let mut explained = String::new();
+    for line in &readme {
+        let out = sh(&line.replace("-n default", &format!("-n {n}")));
+        if line.contains("explain") {
+            explained = out;
+        }
+    }
+
+    // the old pool moved to the new kind, the old CRD is gone
+    let pools: Api<KVRoutePool> = Api::namespaced(client.clone(), n);
+    let moved = pools.get("legacy").await.unwrap();
+    let old: KVRoutePool =
+        serde_yaml_ng::from_str(&legacy.replace("kind: InferencePool", "kind: KVRoutePool"))
+            .unwrap();
+    assert_eq!(moved.spec, old.spec, "the migrated pool keeps its spec");
+    let crds = sh("kubectl get crd -o name");
+    assert!(!crds.contains("inferencepools.kvroute.dev"), "{crds}");
+
+    // the README's patches reached kvroute's pool...
+    let llama = pools.get("llama").await.unwrap();
+    let routing = serde_json::to_value(&llama.spec.routing).unwrap();
+    assert_eq!(routing["costModel"]["recomputeWeight"], 4.0, "{routing}");
+    assert_eq!(routing["admission"]["enabled"], true, "{routing}");
+    assert_eq!(routing["strategy"], "Weighted", "{routing}");
+    assert!(explained.contains("costModel"), "{explained}");
+    // ...and left the Gateway API pool of the same name as it was
+    let after = gateway.get("llama").await.unwrap();
+    assert_eq!(
+        after.metadata.resource_version, before.metadata.resource_version,
+        "the Gateway API pool was not touched"
+    );
+    assert_eq!(
+        sh(&format!(
+            "kubectl get inferencepool llama -n {n} -o jsonpath='{{.apiVersion}}'"
+        )),
+        "inference.networking.k8s.io/v1"
+    );
+    let listed = sh(&format!("kubectl get kvpool -n {n} -o name"));
+    assert_eq!(
+        listed.lines().collect::<Vec<_>>(),
+        [
+            "kvroutepool.kvroute.dev/legacy",
+            "kvroutepool.kvroute.dev/llama"
+        ],
+        "{listed}"
+    );
+}
