@@ -86,19 +86,18 @@ pub struct EndpointPickerRef {
     pub kind: Option<String>,
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    /// The picker's port; 9002 when unset for a Service.
+    /// The picker's port (a Service port; required for a Service).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 65535))]
-    pub port_number: Option<i32>,
+    pub port: Option<GatewayPort>,
     /// `FailOpen` or `FailClose` (the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<String>,
 }
 
 impl EndpointPickerRef {
-    /// The port the gateway dials: `portNumber`, else 9002.
-    pub fn port(&self) -> i32 {
-        self.port_number.unwrap_or(9002)
+    /// The port the gateway dials: `port.number`, else the conventional 9002.
+    pub fn port_number(&self) -> i32 {
+        self.port.as_ref().map_or(9002, |p| p.number)
     }
 }
 
@@ -168,7 +167,7 @@ mod tests {
                 "selector": {"matchLabels": {"app": "vllm-llama"}},
                 "targetPorts": [{"number": 8000}, {"number": 8001}],
                 "appProtocol": "kubernetes.io/h2c",
-                "endpointPickerRef": {"name": "llama-epp", "failureMode": "FailOpen"}
+                "endpointPickerRef": {"name": "llama-epp", "port": {"number": 9003}, "failureMode": "FailOpen"}
             },
             "status": {"parents": [{
                 "parentRef": {"name": "gw"},
@@ -180,8 +179,11 @@ mod tests {
         assert_eq!(pool.spec.target_ports.len(), 2);
         assert_eq!(pool.spec.app_protocol, Some(AppProtocol::H2c));
         assert_eq!(
-            pool.spec.endpoint_picker_ref.as_ref().map(|r| r.port()),
-            Some(9002)
+            pool.spec
+                .endpoint_picker_ref
+                .as_ref()
+                .map(EndpointPickerRef::port_number),
+            Some(9003)
         );
         let status = pool.status.expect("status");
         assert_eq!(status.parents[0].parent_ref.name, "gw");

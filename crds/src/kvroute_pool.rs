@@ -13,6 +13,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::contract;
+use crate::gateway_pool::GatewayInferencePoolSpec;
 use crate::pool::{Isolation, ModelConfigSpec, TenancySpec};
 use crate::routing::{FailureMode, RoutingConfig};
 
@@ -44,13 +45,32 @@ use crate::routing::{FailureMode, RoutingConfig};
         "message": "SaltedCache isolation needs a salt secret: set picker.saltSecretRef (or tenancy.saltSecretFile)"
     },
     {
+        "rule": "has(self.selector) != has(self.inferencePoolRef)",
+        "message": "set exactly one of selector and inferencePoolRef"
+    },
+    {
+        "rule": "!has(self.inferencePoolRef) || !has(self.gateway) || !has(self.gateway.exportInferencePool) || !self.gateway.exportInferencePool",
+        "message": "gateway.exportInferencePool creates Gateway API InferencePools; inferencePoolRef serves an existing one: set one of them"
+    },
+    {
         "rule": "!has(self.gateway) || !has(self.gateway.exportInferencePool) || !self.gateway.exportInferencePool || self.modelConfigs.all(m, !has(m.dataParallel) || !has(m.dataParallel.rankSelection) || m.dataParallel.rankSelection != 'Port' || !has(m.dataParallel.size) || m.dataParallel.size <= 8)",
         "message": "gateway.exportInferencePool: a Gateway API InferencePool lists at most 8 target ports, so Port rank selection is limited to dataParallel.size <= 8"
     }
 ]))]
 pub struct KVRoutePoolSpec {
-    /// Labels selecting the pool's model-server pods, in the pool's namespace.
-    pub selector: PoolSelector,
+    /// Labels selecting the pool's model-server pods, in the pool's namespace. Set this or
+    /// `inferencePoolRef`, not both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<PoolSelector>,
+    /// A Gateway API Inference Extension InferencePool (`inference.networking.k8s.io/v1`) in
+    /// this namespace that this resource configures, instead of `selector`: its selector picks
+    /// the pods and its target ports are the endpoints (one data-parallel rank per port; the
+    /// ports must be consecutive), while model configs and routing come from here. kvroute
+    /// runs the picker for it and reports in the InferencePool's `status.parents` under its
+    /// own entry (parentRef kind `KVRoutePool`). Point the InferencePool's
+    /// `endpointPickerRef` at this pool's picker Service (`<name>-picker`, port 9002).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool_ref: Option<InferencePoolRef>,
     /// The model configurations the pool serves (1-32, names unique). A request's `model`
     /// field selects one (or one of its LoRA adapters).
     #[schemars(
@@ -70,6 +90,17 @@ pub struct KVRoutePoolSpec {
     /// Integration with the Gateway API Inference Extension.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<GatewaySpec>,
+}
+
+/// A Gateway API InferencePool in the same namespace, by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePoolRef {
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub name: String,
 }
 
 /// Pods selected by labels (all must match).
@@ -366,8 +397,20 @@ impl KVRoutePoolSpec {
                 contract::MAX_POOL_NAME_LEN
             ));
         }
-        if self.selector.match_labels.is_empty() {
-            return Err("selector.matchLabels must name at least one label".into());
+        match (&self.selector, &self.inference_pool_ref) {
+            (Some(sel), None) if sel.match_labels.is_empty() => {
+                return Err("selector.matchLabels must name at least one label".into());
+            }
+            (Some(_), None) => {}
+            (None, Some(r)) if r.name.is_empty() => {
+                return Err("inferencePoolRef.name must not be empty".into());
+            }
+            (None, Some(_)) => {
+                if self.gateway.is_some_and(|g| g.export_inference_pool) {
+                    return Err("gateway.exportInferencePool creates Gateway API InferencePools; inferencePoolRef serves an existing one: set one of them".into());
+                }
+            }
+            _ => return Err("set exactly one of selector and inferencePoolRef".into()),
         }
         if self.model_configs.is_empty() {
             return Err("modelConfigs must list at least one model config".into());
@@ -414,6 +457,56 @@ impl KVRoutePoolSpec {
             }
         }
         Ok(())
+    }
+
+    /// The pod labels the pool selects (empty until a referenced InferencePool resolved it).
+    pub fn selector_labels(&self) -> &BTreeMap<String, String> {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
+        self.selector.as_ref().map_or(&NONE, |s| &s.match_labels)
+    }
+
+    /// The spec with a referenced Gateway API InferencePool's selector and ports in place: its
+    /// `matchLabels` become the selector; one target port becomes each model config's port
+    /// (its data-parallel ranks as declared); several, which must be consecutive, become ranks
+    /// by port (`port` the first, `dataParallel.size` their count, `rankSelection: Port`). A
+    /// model config that declares another layout is an error naming it.
+    pub fn resolve(&self, gateway: &GatewayInferencePoolSpec) -> Result<Self, String> {
+        let mut out = self.clone();
+        if gateway.selector.match_labels.is_empty() {
+            return Err("the referenced InferencePool's selector.matchLabels is empty".into());
+        }
+        out.selector = Some(PoolSelector {
+            match_labels: gateway.selector.match_labels.clone(),
+        });
+        let mut ports: Vec<i32> = gateway.target_ports.iter().map(|p| p.number).collect();
+        ports.sort_unstable();
+        let first = ports
+            .first()
+            .and_then(|p| u16::try_from(*p).ok())
+            .ok_or("the referenced InferencePool lists no valid target port")?;
+        if ports.windows(2).any(|w| w[1] != w[0] + 1) {
+            return Err(format!(
+                "the referenced InferencePool's targetPorts {ports:?} are not consecutive: kvroute addresses data-parallel rank k at the first port + k"
+            ));
+        }
+        let n = u32::try_from(ports.len()).unwrap_or(u32::MAX);
+        for (i, mc) in out.model_configs.iter_mut().enumerate() {
+            mc.port = first;
+            if n == 1 {
+                continue;
+            }
+            let dp = &mut mc.data_parallel;
+            if dp.size > 1
+                && (dp.size != n || dp.rank_selection != crate::pool::RankSelection::Port)
+            {
+                return Err(format!(
+                    "modelConfigs[{i}].dataParallel: the referenced InferencePool has {n} target ports, a rank per port, so dataParallel must be size {n} with rankSelection Port (or left out)"
+                ));
+            }
+            dp.size = n;
+            dp.rank_selection = crate::pool::RankSelection::Port;
+        }
+        Ok(out)
     }
 
     /// The model configs and tenancy as a picker in the cluster runs them: tokenizer
@@ -520,5 +613,59 @@ mod tests {
             s.picker.salt_secret_ref.as_ref().map(|r| r.key.as_str()),
             Some("salt")
         );
+    }
+
+    #[test]
+    fn a_referenced_gateway_pool_resolves_selector_and_ports() {
+        use crate::gateway_pool::GatewayInferencePoolSpec;
+        let gw = |ports: &[i32]| -> GatewayInferencePoolSpec {
+            serde_json::from_value(json!({
+                "selector": {"matchLabels": {"app": "vllm-llama"}},
+                "targetPorts": ports.iter().map(|p| json!({"number": p})).collect::<Vec<_>>()
+            }))
+            .expect("gateway spec")
+        };
+        let r = spec(json!({"selector": null, "inferencePoolRef": {"name": "llama"}}));
+        r.validate("llama")
+            .expect("a reference instead of a selector");
+        assert!(r.selector_labels().is_empty());
+        // one port: the model configs' port, their ranks as declared
+        let one = r.resolve(&gw(&[8080])).expect("resolves");
+        assert_eq!(
+            one.selector_labels().get("app").map(String::as_str),
+            Some("vllm-llama")
+        );
+        assert_eq!(one.model_configs[0].port, 8080);
+        assert_eq!(one.model_configs[0].data_parallel.size, 1);
+        // several, in any order: a rank per port from the first
+        let four = r.resolve(&gw(&[8003, 8001, 8000, 8002])).expect("resolves");
+        let dp = &four.model_configs[0].data_parallel;
+        assert_eq!((four.model_configs[0].port, dp.size), (8000, 4));
+        assert_eq!(dp.rank_selection, crate::pool::RankSelection::Port);
+        let e = r.resolve(&gw(&[8000, 8002])).expect_err("a gap");
+        assert!(e.contains("not consecutive"), "{e}");
+        let header = spec(json!({
+            "selector": null, "inferencePoolRef": {"name": "llama"},
+            "modelConfigs": [{"name": "a", "model": "m", "dataParallel": {"size": 2, "rankSelection": "Header"}}]
+        }));
+        let e = header
+            .resolve(&gw(&[8000, 8001]))
+            .expect_err("header ranks on two ports");
+        assert!(e.contains("modelConfigs[0].dataParallel"), "{e}");
+
+        for (extra, want) in [
+            (
+                json!({"inferencePoolRef": {"name": "llama"}}),
+                "exactly one",
+            ),
+            (json!({"selector": null}), "exactly one"),
+            (
+                json!({"selector": null, "inferencePoolRef": {"name": "llama"}, "gateway": {"exportInferencePool": true}}),
+                "set one of them",
+            ),
+        ] {
+            let e = spec(extra.clone()).validate("llama").expect_err("invalid");
+            assert!(e.contains(want), "{extra}: {e}");
+        }
     }
 }

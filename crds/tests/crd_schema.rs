@@ -366,6 +366,13 @@ fn shipped_samples_are_valid() {
         let text = std::fs::read_to_string(&path).expect("read sample");
         for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc).expect("yaml");
+            if value["apiVersion"] == json!("inference.networking.k8s.io/v1") {
+                // a Gateway API pool a sample serves: as the published v1 API has it
+                let gw: kvroute_crds::gateway_pool::GatewayInferencePool =
+                    serde_json::from_value(value).expect("a v1 InferencePool");
+                assert!(!gw.spec.target_ports.is_empty(), "{}", path.display());
+                continue;
+            }
             if value["kind"] != json!("KVRoutePool")
                 || value["apiVersion"] != json!("kvroute.dev/v1alpha1")
             {
@@ -395,4 +402,38 @@ fn shipped_samples_are_valid() {
         }
     }
     assert!(seen >= 3, "expected the sample pools, found {seen}");
+}
+
+#[test]
+fn a_pool_names_its_pods_by_selector_or_by_a_gateway_api_pool_not_both() {
+    let mut by_ref = good();
+    by_ref["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("selector");
+    by_ref["spec"]["inferencePoolRef"] = json!({"name": "llama"});
+    assert_eq!(structural_errors(&by_ref), Vec::<String>::new());
+    assert_eq!(cel_errors(&by_ref), Vec::<String>::new());
+    let mut both = good();
+    both["spec"]["inferencePoolRef"] = json!({"name": "llama"});
+    let mut neither = by_ref.clone();
+    neither["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("inferencePoolRef");
+    for v in [both, neither] {
+        let errors = cel_errors(&v);
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("exactly one of selector and inferencePoolRef")),
+            "{errors:?}"
+        );
+    }
+    by_ref["spec"]["gateway"] = json!({"exportInferencePool": true});
+    let errors = cel_errors(&by_ref);
+    assert!(
+        errors.iter().any(|e| e.contains("set one of them")),
+        "{errors:?}"
+    );
 }

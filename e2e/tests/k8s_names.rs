@@ -6,6 +6,10 @@
 //! and the README's `get`, `patch` and `explain` of `kvpool`/`kvroutepool` change kvroute's
 //! pool and leave the Gateway API's alone.
 //!
+//! A KVRoutePool that names an existing Gateway API InferencePool (`spec.inferencePoolRef`)
+//! serves it: the InferencePool's selector and ports become the endpoints, the picker runs,
+//! and kvroute's entry appears in the InferencePool's `status.parents` beside the gateway's.
+//!
 //! Needs the control-plane binaries of `scripts/k8s-bins.sh`.
 #![allow(clippy::unwrap_used)]
 
@@ -14,7 +18,7 @@ mod k8s_support;
 use kube::Api;
 use kvroute_crds::KVRoutePool;
 use kvroute_crds::gateway_pool::GatewayInferencePool;
-use kvroute_e2e::cluster::repo_root;
+use kvroute_e2e::cluster::{repo_root, wait};
 
 use k8s_support::*;
 
@@ -69,6 +73,19 @@ fn old_crd() -> String {
         .replace("- kvpool", "- oldkvpool")
 }
 
+/// The Gateway API InferencePool CRD, installed and established once per cluster.
+fn install_gateway_crd() {
+    static ONCE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| {
+        // server-side: creating or updating is one idempotent request
+        let file = std::env::temp_dir().join(format!("gateway-crd-{}.yaml", std::process::id()));
+        std::fs::write(&file, kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap()).unwrap();
+        sh(&format!("kubectl apply --server-side -f {}", file.display()));
+        let _ = std::fs::remove_file(&file);
+        sh("kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io");
+    });
+}
+
 fn sh(line: &str) -> String {
     let out = cluster().shell(line).unwrap();
     let (stdout, stderr) = (
@@ -83,14 +100,9 @@ fn sh(line: &str) -> String {
 async fn every_kubectl_command_in_the_docs_addresses_the_intended_pool() {
     let c = cluster();
     c.install_chart().unwrap();
-    let gateway_crd = kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap();
-    apply("default", &gateway_crd);
+    install_gateway_crd();
     apply("default", &old_crd());
-    for crd in [
-        "inferencepools.inference.networking.k8s.io",
-        "inferencepools.kvroute.dev",
-        "kvroutepools.kvroute.dev",
-    ] {
+    for crd in ["inferencepools.kvroute.dev", "kvroutepools.kvroute.dev"] {
         sh(&format!(
             "kubectl wait --for condition=established --timeout=60s crd/{crd}"
         ));
@@ -114,7 +126,7 @@ metadata: {name: llama}
 spec:
   selector: {matchLabels: {app.kubernetes.io/name: vllm-llama}}
   targetPorts: [{number: 8000}, {number: 8001}]
-  endpointPickerRef: {name: other-epp, portNumber: 9002}
+  endpointPickerRef: {name: other-epp, port: {number: 9002}}
 "#,
     );
     let gateway: Api<GatewayInferencePool> = Api::namespaced(client.clone(), n);
@@ -186,4 +198,90 @@ spec:
         ],
         "{listed}"
     );
+}
+
+/// kvroute's entry in the InferencePool's `status.parents`, as `(condition, status)` pairs.
+async fn kvroute_entry(api: &Api<GatewayInferencePool>, name: &str) -> Vec<(String, String)> {
+    let gw = api.get(name).await.unwrap();
+    gw.status
+        .unwrap_or_default()
+        .parents
+        .into_iter()
+        .find(|p| p.parent_ref.kind.as_deref() == Some("KVRoutePool"))
+        .map(|p| {
+            p.conditions
+                .into_iter()
+                .map(|c| (c.type_, c.status))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
+    let c = cluster();
+    c.install_chart().unwrap();
+    apply(
+        "default",
+        &kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap(),
+    );
+    sh(
+        "kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io",
+    );
+    c.ensure_operator().await.unwrap();
+    let ns = c.namespace("gwref").await.unwrap();
+    let n = ns.name.as_str();
+    let client = client().await;
+
+    // the InferencePool as a user has it, with a gateway controller's entry in its status
+    apply(n, &sample("serve-gateway-inferencepool.yaml"));
+    sh(&format!(
+        "kubectl patch inferencepool.inference.networking.k8s.io llama -n {n} --subresource=status --type=merge \
+         -p '{{\"status\":{{\"parents\":[{{\"parentRef\":{{\"name\":\"gw\"}},\"conditions\":[{{\"type\":\"Accepted\",\"status\":\"True\",\"reason\":\"Accepted\",\"message\":\"\",\"lastTransitionTime\":\"2026-12-05T00:00:00Z\"}}]}}]}}}}'"
+    ));
+    apply(n, &llama_servers(1));
+
+    // the InferencePool's selector and port, the KVRoutePool's model config: 1 pod, 2 ranks
+    let pool = wait_pool_eligible(&client, n, "llama", "llama", 1, 2).await;
+    assert_eq!(pool.status.unwrap().ready_endpoints, 2);
+    let picker = picker(&client, n, "llama").await;
+    picker.wait_endpoints(2).await;
+    let out = picker.complete(LLAMA_MODEL, "hello", false).await.unwrap();
+    assert!(out.contains("choices"), "{out}");
+
+    // kvroute's entry beside the gateway's, which stays
+    let gateway: Api<GatewayInferencePool> = Api::namespaced(client.clone(), n);
+    let both_true = [
+        ("Accepted".to_owned(), "True".to_owned()),
+        ("ResolvedRefs".to_owned(), "True".to_owned()),
+    ];
+    wait::until(
+        "kvroute's entry in the InferencePool's status",
+        TIMEOUT,
+        || async { Ok((kvroute_entry(&gateway, "llama").await == both_true).then_some(())) },
+    )
+    .await
+    .unwrap();
+    let parents = gateway.get("llama").await.unwrap().status.unwrap().parents;
+    assert!(
+        parents
+            .iter()
+            .any(|p| p.parent_ref.name == "gw" && p.parent_ref.kind.is_none()),
+        "the gateway's entry is kept: {parents:?}"
+    );
+
+    // the InferencePool pointed at another endpoint picker: ResolvedRefs turns False
+    sh(&format!(
+        "kubectl patch inferencepool.inference.networking.k8s.io llama -n {n} --type=merge \
+         -p '{{\"spec\":{{\"endpointPickerRef\":{{\"name\":\"other-epp\"}}}}}}'"
+    ));
+    wait::until("ResolvedRefs False", TIMEOUT, || async {
+        let entry = kvroute_entry(&gateway, "llama").await;
+        Ok(entry
+            .iter()
+            .any(|(t, s)| t == "ResolvedRefs" && s == "False")
+            .then_some(()))
+    })
+    .await
+    .unwrap();
 }

@@ -95,7 +95,8 @@ pub fn pools_for_pod(
         .state()
         .iter()
         .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
-        .filter(|p| p.spec.selector.matches(&labels))
+        // a pool naming a Gateway API InferencePool learns its selector when reconciled
+        .filter(|p| p.spec.selector.as_ref().is_none_or(|s| s.matches(&labels)))
         .map(|p| ObjectRef::from_obj(p.as_ref()))
         .collect();
     for s in slices.state() {

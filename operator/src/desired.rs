@@ -467,7 +467,7 @@ fn gateway_pools(
     let ar = gateway_pool_resource();
     let mut out = Vec::new();
     for mc in &pool.spec.model_configs {
-        let mut selector = pool.spec.selector.match_labels.clone();
+        let mut selector = pool.spec.selector_labels().clone();
         selector.extend(mc.pod_selector.clone());
         let ports: BTreeSet<u16> = match mc.data_parallel.rank_selection {
             RankSelection::Header => BTreeSet::from([mc.port]),

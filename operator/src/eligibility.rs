@@ -277,7 +277,11 @@ pub fn resolve<'a>(
     let mut selected: Vec<&Pod> = pods
         .into_iter()
         .filter(|p| p.metadata.namespace.as_deref() == Some(namespace))
-        .filter(|p| spec.selector.matches(&pod_labels(p)))
+        .filter(|p| {
+            spec.selector
+                .as_ref()
+                .is_some_and(|s| s.matches(&pod_labels(p)))
+        })
         .collect();
     selected.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let keys = tenant_label_keys(spec);

@@ -22,6 +22,7 @@ use crate::apply;
 use crate::desired::{self, BuildSettings, Desired};
 use crate::eligibility;
 use crate::error::{Error, Result};
+use crate::gateway_ref;
 use crate::metrics::Metrics;
 use crate::status::{self, GatewayState, Observed, PickerObserved};
 
@@ -161,29 +162,48 @@ pub async fn reconcile_pool(pool: &KVRoutePool, ctx: &Context) -> Result<Action>
 
     // validate
     if let Err(msg) = pool.spec.validate(&name) {
-        let observed = Observed {
-            validity: Err(msg.clone()),
-            resolved: &[],
-            slice_names: &Default::default(),
-            picker: observe_picker(pool, &namespace, &ctx.stores.deployments),
-            gateway: GatewayState::NotRequested,
-        };
-        let next = status::compute(pool, &observed, &now);
-        let announce = status::newly_invalid(pool.status.as_ref(), &next);
-        write_status(ctx, pool, &namespace, next).await?;
-        if announce {
-            publish(ctx, pool, EventType::Warning, "InvalidSpec", msg).await;
-        }
+        invalid(ctx, pool, &namespace, msg, &now).await?;
         return Ok(Action::await_change());
     }
 
+    // a referenced Gateway API InferencePool supplies the selector and the ports
+    let referenced = match &pool.spec.inference_pool_ref {
+        Some(r) => Some(gateway_ref::fetch(&ctx.client, &namespace, &r.name).await?),
+        None => None,
+    };
+    let resolved_pool;
+    let effective = match &referenced {
+        None => pool,
+        Some(Err(msg)) => {
+            invalid(ctx, pool, &namespace, msg.clone(), &now).await?;
+            return Ok(Action::requeue(gateway_ref::GATEWAY_REF_RESYNC));
+        }
+        Some(Ok(gw)) => match pool.spec.resolve(&gw.spec) {
+            Ok(spec) => {
+                resolved_pool = KVRoutePool {
+                    spec,
+                    ..pool.clone()
+                };
+                &resolved_pool
+            }
+            Err(msg) => {
+                let msg = format!("inferencePoolRef: {msg}");
+                let mine = gateway_ref::entry(gw, pool, &namespace, &Err(msg.clone()), &now);
+                gateway_ref::write_entry(&ctx.client, gw, mine).await?;
+                invalid(ctx, pool, &namespace, msg, &now).await?;
+                return Ok(Action::requeue(gateway_ref::GATEWAY_REF_RESYNC));
+            }
+        },
+    };
+
     // build
     let pods = ctx.stores.pods.state();
-    let resolved = eligibility::resolve(&pool.spec, &namespace, pods.iter().map(|p| p.as_ref()));
-    let desired = desired::build(pool, &resolved, &ctx.settings)?;
+    let resolved =
+        eligibility::resolve(&effective.spec, &namespace, pods.iter().map(|p| p.as_ref()));
+    let desired = desired::build(effective, &resolved, &ctx.settings)?;
 
     // apply
-    let gateway = apply_desired(ctx, pool, &namespace, &desired).await?;
+    let gateway = apply_desired(ctx, effective, &namespace, &desired).await?;
 
     // update status
     let observed = Observed {
@@ -193,7 +213,16 @@ pub async fn reconcile_pool(pool: &KVRoutePool, ctx: &Context) -> Result<Action>
         picker: observe_picker(pool, &namespace, &ctx.stores.deployments),
         gateway,
     };
-    let next = status::compute(pool, &observed, &now);
+    let next = status::compute(effective, &observed, &now);
+    if let Some(Ok(gw)) = &referenced {
+        let endpoints = if next.ready_endpoints > 0 {
+            Ok(())
+        } else {
+            Err("no eligible endpoint yet: see the KVRoutePool's status".to_owned())
+        };
+        let mine = gateway_ref::entry(gw, pool, &namespace, &endpoints, &now);
+        gateway_ref::write_entry(&ctx.client, gw, mine).await?;
+    }
     let events: Vec<(String, String, String)> =
         status::new_misconfigurations(pool.status.as_ref(), &next)
             .into_iter()
@@ -212,7 +241,36 @@ pub async fn reconcile_pool(pool: &KVRoutePool, ctx: &Context) -> Result<Action>
     for (reason, note, _) in events {
         publish(ctx, pool, EventType::Warning, &reason, note).await;
     }
-    Ok(Action::requeue(RESYNC))
+    Ok(Action::requeue(if referenced.is_some() {
+        gateway_ref::GATEWAY_REF_RESYNC
+    } else {
+        RESYNC
+    }))
+}
+
+/// Reports an invalid spec (or an unresolvable reference): `ConfigValid=False` with `msg`, and
+/// a Warning Event when it newly became so.
+async fn invalid(
+    ctx: &Context,
+    pool: &KVRoutePool,
+    namespace: &str,
+    msg: String,
+    now: &Time,
+) -> Result<()> {
+    let observed = Observed {
+        validity: Err(msg.clone()),
+        resolved: &[],
+        slice_names: &Default::default(),
+        picker: observe_picker(pool, namespace, &ctx.stores.deployments),
+        gateway: GatewayState::NotRequested,
+    };
+    let next = status::compute(pool, &observed, now);
+    let announce = status::newly_invalid(pool.status.as_ref(), &next);
+    write_status(ctx, pool, namespace, next).await?;
+    if announce {
+        publish(ctx, pool, EventType::Warning, "InvalidSpec", msg).await;
+    }
+    Ok(())
 }
 
 fn observe_picker(
