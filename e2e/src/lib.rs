@@ -3,4 +3,5 @@
 //! and the trace replay benchmark are crates of their own, kvroute-sim and kvroute-bench.
 
 pub mod cluster;
+pub mod envoy;
 pub mod real_engine;

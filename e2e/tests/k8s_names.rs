@@ -7,8 +7,10 @@
 //! pool and leave the Gateway API's alone.
 //!
 //! A KVRoutePool that names an existing Gateway API InferencePool (`spec.inferencePoolRef`)
-//! serves it: the InferencePool's selector and ports become the endpoints, the picker runs,
-//! and kvroute's entry appears in the InferencePool's `status.parents` beside the gateway's.
+//! serves it: the InferencePool's selector and ports become the endpoints, the picker runs, a
+//! real Envoy configured as the gateway's endpoint-picker filter routes through it, an edit of
+//! the KVRoutePool's policy retunes it live, and kvroute's entry appears in the
+//! InferencePool's `status.parents` beside the gateway's.
 //!
 //! Needs the control-plane binaries of `scripts/k8s-bins.sh`.
 #![allow(clippy::unwrap_used)]
@@ -18,7 +20,10 @@ mod k8s_support;
 use kube::Api;
 use kvroute_crds::KVRoutePool;
 use kvroute_crds::gateway_pool::GatewayInferencePool;
+use std::net::SocketAddr;
+
 use kvroute_e2e::cluster::{repo_root, wait};
+use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
 
 use k8s_support::*;
 
@@ -248,6 +253,61 @@ async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
     picker.wait_endpoints(2).await;
     let out = picker.complete(LLAMA_MODEL, "hello", false).await.unwrap();
     assert!(out.contains("choices"), "{out}");
+
+    // a real Envoy, configured as a gateway's endpoint-picker filter for this InferencePool,
+    // routes through the picker's ext_proc to the pool's engine
+    let server = ready_pods(&client, n, "app.kubernetes.io/name=vllm-llama").await;
+    let engine = SocketAddr::new(pod_ip(&server[0]).parse().unwrap(), 8000);
+    let ext_proc = SocketAddr::new(
+        picker.ip.parse().unwrap(),
+        kvroute_crds::contract::PICKER_EXT_PROC_PORT,
+    );
+    let envoy = Envoy::start(EnvoySpec::new(Shape::OverrideHost, ext_proc, &[engine])).await;
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let decisions = || async {
+        let page = http
+            .get(format!(
+                "http://{}:{}/metrics",
+                picker.ip,
+                kvroute_crds::contract::PICKER_METRICS_PORT
+            ))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        page.lines()
+            .filter(|l| l.starts_with("kvroute_picker_decisions_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = decisions().await;
+    let r = http
+        .post(envoy.url("/v1/completions"))
+        .json(&serde_json::json!({"model": LLAMA_MODEL, "prompt": "through the gateway", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("choices"), "{text}");
+    assert!(
+        decisions().await > before,
+        "the picker decided the gateway's request"
+    );
+
+    // the KVRoutePool's policy retunes the picker live
+    sh(&format!(
+        "kubectl patch kvpool llama -n {n} --type merge -p '{{\"spec\":{{\"routing\":{{\"strategy\":\"LeastLoad\"}}}}}}'"
+    ));
+    wait::until("the picker to run the edited policy", TIMEOUT, || async {
+        let view = picker.endpoints().await?;
+        Ok((view["routing"]["strategy"] == "LeastLoad").then_some(()))
+    })
+    .await
+    .unwrap();
 
     // kvroute's entry beside the gateway's, which stays
     let gateway: Api<GatewayInferencePool> = Api::namespaced(client.clone(), n);

