@@ -426,6 +426,7 @@ impl KVRoutePoolSpec {
             }
         }
         self.routing.validate()?;
+        self.routing.check_rewrite_targets(&self.model_configs)?;
         let mut tenancy = self.tenancy.clone();
         if tenancy.salt_secret_file.is_none() && self.picker.salt_secret_ref.is_some() {
             tenancy.salt_secret_file = Some(String::new());
@@ -667,5 +668,21 @@ mod tests {
             let e = spec(extra.clone()).validate("llama").expect_err("invalid");
             assert!(e.contains(want), "{extra}: {e}");
         }
+    }
+
+    #[test]
+    fn rewrite_targets_must_be_served_by_the_pool() {
+        let ok = spec(json!({"routing": {"modelRewrites": [
+            {"model": "chat", "targets": [{"model": "m", "weight": 1}]}
+        ]}}));
+        ok.validate("llama").expect("m is served");
+        let bad = spec(json!({"routing": {"modelRewrites": [
+            {"model": "chat", "targets": [{"model": "m", "weight": 1}, {"model": "nope", "weight": 1}]}
+        ]}}));
+        let e = bad.validate("llama").expect_err("nope is not served");
+        assert!(
+            e.contains("routing.modelRewrites[0].targets[1].model"),
+            "{e}"
+        );
     }
 }

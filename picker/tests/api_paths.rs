@@ -342,3 +342,114 @@ async fn ext_proc_learns_response_ids_from_the_response_body() {
     }
     picker.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_rewrite_rule_splits_a_model_by_weight_and_answers_in_its_name() {
+    let engines = four_engines().await;
+    let yaml = two_models(&engines).replace(
+        "routing: {stalenessThreshold: 1m}",
+        "routing:\n  stalenessThreshold: 1m\n  modelRewrites:\n    - {model: chat, targets: [{model: llama, weight: 90}, {model: qwen, weight: 10}]}",
+    );
+    let picker = start_picker(&yaml).await;
+    let http = picker.addrs.http;
+    let chat =
+        |text: String| json!({"model": "chat", "messages": [{"role": "user", "content": text}]});
+
+    // 200 requests without a session: split about 9:1, each answered as `chat`
+    const N: usize = 200;
+    for i in 0..N {
+        let v: Value = client()
+            .post(format!("http://{http}/v1/chat/completions"))
+            .json(&chat(format!("question number {i}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["model"], "chat", "{v}");
+    }
+    let count = |e: &[&FakeEngine]| paths_seen(e).values().sum::<usize>();
+    let (to_llama, to_qwen) = (
+        count(&[&engines[0], &engines[1]]),
+        count(&[&engines[2], &engines[3]]),
+    );
+    assert_eq!(to_llama + to_qwen, N);
+    assert!(
+        (N / 20..=N / 5).contains(&to_qwen),
+        "a 10% canary got {to_qwen} of {N}"
+    );
+    // the engine was sent the target's name
+    let sent = engines[2].state.last_body.lock().clone().unwrap();
+    assert_eq!(sent["model"], "qwen", "{sent}");
+
+    // a session keeps its target, turn after turn
+    for s in 0..20 {
+        let before = count(&[&engines[2], &engines[3]]);
+        let mut to_qwen = 0;
+        for turn in 0..3 {
+            client()
+                .post(format!("http://{http}/v1/chat/completions"))
+                .header("x-session-id", format!("session-{s}"))
+                .json(&chat(format!("session {s} turn {turn}")))
+                .send()
+                .await
+                .unwrap();
+            to_qwen = count(&[&engines[2], &engines[3]]) - before;
+        }
+        assert!(
+            to_qwen == 0 || to_qwen == 3,
+            "session {s}: {to_qwen} of 3 turns to qwen"
+        );
+    }
+
+    // a streamed Responses answer is written back too, across its events
+    let text = client()
+        .post(format!("http://{http}/v1/responses"))
+        .json(&json!({"model": "chat", "input": "hi", "stream": true}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains(r#""model":"chat""#), "{text}");
+    assert!(!text.contains(r#""model":"llama""#) && !text.contains(r#""model":"qwen""#));
+
+    let page = metrics_text(picker.addrs.metrics).await;
+    assert!(
+        page.lines().any(|l| l.starts_with(
+            r#"kvroute_picker_model_rewrites_total{from="chat",to="qwen"}"#
+        )),
+        "{page}"
+    );
+
+    // through ext_proc the engine is sent the target's name as well
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let answer = gateway::request(
+        &ext,
+        "/v1/chat/completions",
+        &[],
+        &serde_json::to_vec(&chat("via the gateway".into())).unwrap(),
+    )
+    .await;
+    let gateway::Answer::Route {
+        destination,
+        new_body,
+        ..
+    } = answer
+    else {
+        panic!("{answer:?}");
+    };
+    let body: Value = serde_json::from_slice(&new_body.expect("a rewritten body")).unwrap();
+    let llama = [engines[0].addr.to_string(), engines[1].addr.to_string()];
+    assert_eq!(
+        body["model"],
+        if llama.contains(&destination) {
+            "llama"
+        } else {
+            "qwen"
+        }
+    );
+    picker.shutdown().await;
+}

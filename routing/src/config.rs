@@ -301,6 +301,43 @@ pub struct RoutingConfig {
     /// Session admission: hold a new session's first turn while the pool's KV cache is
     /// taken by the live context of the sessions already in it.
     pub admission: AdmissionSettings,
+    /// Model rewrites and traffic splits: requests naming a model go to other models or LoRA
+    /// adapters the pool serves, by weight (at most 64 rules, model names unique).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 64),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["model"])
+    )]
+    pub model_rewrites: Vec<ModelRewrite>,
+}
+
+/// Requests naming `model` go to the `targets` (models or LoRA adapters the pool serves) in
+/// proportion to their weights, e.g. a new adapter as a canary at 10%. The engine is sent the
+/// target's name; the response's `model` field is written back to the name the client asked
+/// for. A session (the session header, a Responses `session_id` or conversation) keeps one
+/// target, so its cache stays on one model; a request without a session is assigned by a
+/// hash of its body, the same on every picker replica. A target may name `model` itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelRewrite {
+    /// The model name clients send.
+    #[schemars(length(min = 1, max = 256))]
+    pub model: String,
+    /// Where its requests go (1-16 targets).
+    #[schemars(length(min = 1, max = 16))]
+    pub targets: Vec<RewriteTarget>,
+}
+
+/// One target of a [`ModelRewrite`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RewriteTarget {
+    /// A model (a model config's `model`) or LoRA adapter the pool serves.
+    #[schemars(length(min = 1, max = 256))]
+    pub model: String,
+    /// Its share, relative to the other targets' weights (0-1,000,000; 0 sends it nothing).
+    #[schemars(range(max = 1_000_000))]
+    pub weight: u32,
 }
 
 /// Session admission. Once the live sessions' context (their working sets: see
@@ -358,11 +395,49 @@ impl Default for RoutingConfig {
             cost_model: CostModelCalibration::default(),
             cache_aware: CacheAwareSettings::default(),
             admission: AdmissionSettings::default(),
+            model_rewrites: Vec::new(),
         }
     }
 }
 
 impl RoutingConfig {
+    /// The model a request naming `model` goes to: `None` without a rule for it, else the
+    /// target whose share of the weights `key` (a well-mixed hash) falls in.
+    pub fn rewrite_model(&self, model: &str, key: u64) -> Option<&str> {
+        let rule = self.model_rewrites.iter().find(|r| r.model == model)?;
+        let total: u64 = rule.targets.iter().map(|t| u64::from(t.weight)).sum();
+        let mut x = key.checked_rem(total)?;
+        for t in &rule.targets {
+            let w = u64::from(t.weight);
+            if x < w {
+                return Some(&t.model);
+            }
+            x -= w;
+        }
+        None
+    }
+
+    /// Every rewrite target is a model or LoRA adapter of `model_configs`.
+    pub fn check_rewrite_targets(
+        &self,
+        model_configs: &[crate::pool::ModelConfigSpec],
+    ) -> Result<(), String> {
+        for (i, r) in self.model_rewrites.iter().enumerate() {
+            for (j, t) in r.targets.iter().enumerate() {
+                let served = model_configs
+                    .iter()
+                    .any(|mc| mc.model == t.model || mc.lora_adapters.contains(&t.model));
+                if !served {
+                    return Err(format!(
+                        "routing.modelRewrites[{i}].targets[{j}].model {:?} is not a model or LoRA adapter of the pool's model configs",
+                        t.model
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Check what the schema cannot express (or what a config file skipped); errors name the
     /// field.
     pub fn validate(&self) -> Result<(), String> {
@@ -425,6 +500,41 @@ impl RoutingConfig {
         }
         if self.admission.max_queue == 0 {
             return Err("routing.admission.maxQueue must be >= 1".into());
+        }
+        if self.model_rewrites.len() > 64 {
+            return Err(format!(
+                "routing.modelRewrites has {} rules, more than 64",
+                self.model_rewrites.len()
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, r) in self.model_rewrites.iter().enumerate() {
+            let at = format!("routing.modelRewrites[{i}]");
+            if r.model.is_empty() || r.model.len() > 256 {
+                return Err(format!("{at}.model must be 1-256 characters"));
+            }
+            if !seen.insert(r.model.as_str()) {
+                return Err(format!("{at}.model {:?} has another rule", r.model));
+            }
+            if r.targets.is_empty() || r.targets.len() > 16 {
+                return Err(format!("{at}.targets must list 1-16 targets"));
+            }
+            for (j, t) in r.targets.iter().enumerate() {
+                if t.model.is_empty() || t.model.len() > 256 {
+                    return Err(format!("{at}.targets[{j}].model must be 1-256 characters"));
+                }
+                if t.weight > 1_000_000 {
+                    return Err(format!(
+                        "{at}.targets[{j}].weight must be at most 1000000, got {}",
+                        t.weight
+                    ));
+                }
+            }
+            if r.targets.iter().all(|t| t.weight == 0) {
+                return Err(format!(
+                    "{at}.targets: at least one weight must be positive"
+                ));
+            }
         }
         if self.session_header.is_empty()
             || !self
@@ -574,5 +684,73 @@ mod tests {
         assert_eq!(Strategy::from_cli("least-load"), Some(Strategy::LeastLoad));
         assert_eq!(Strategy::from_cli("cost-model"), Some(Strategy::CostModel));
         assert_eq!(Strategy::from_cli("nope"), None);
+    }
+
+    #[test]
+    fn model_rewrites_split_by_weight_and_are_validated() {
+        let c = RoutingConfig {
+            model_rewrites: vec![ModelRewrite {
+                model: "chat".into(),
+                targets: vec![
+                    RewriteTarget {
+                        model: "a".into(),
+                        weight: 3,
+                    },
+                    RewriteTarget {
+                        model: "b".into(),
+                        weight: 0,
+                    },
+                    RewriteTarget {
+                        model: "c".into(),
+                        weight: 1,
+                    },
+                ],
+            }],
+            ..RoutingConfig::default()
+        };
+        c.validate().expect("valid");
+        let picks: Vec<Option<&str>> = (0..8).map(|k| c.rewrite_model("chat", k)).collect();
+        assert_eq!(
+            picks,
+            [
+                Some("a"),
+                Some("a"),
+                Some("a"),
+                Some("c"),
+                Some("a"),
+                Some("a"),
+                Some("a"),
+                Some("c")
+            ]
+        );
+        assert_eq!(c.rewrite_model("other", 0), None);
+        for (edit, want) in [
+            (
+                (|c: &mut RoutingConfig| {
+                    c.model_rewrites[0]
+                        .targets
+                        .iter_mut()
+                        .for_each(|t| t.weight = 0)
+                }) as fn(&mut RoutingConfig),
+                "at least one weight",
+            ),
+            (
+                |c| c.model_rewrites.push(c.model_rewrites[0].clone()),
+                "another rule",
+            ),
+            (|c| c.model_rewrites[0].targets.clear(), "1-16 targets"),
+            (
+                |c| c.model_rewrites[0].targets[0].weight = 2_000_000,
+                "at most 1000000",
+            ),
+        ] {
+            let mut bad = c.clone();
+            edit(&mut bad);
+            let e = bad.validate().expect_err(want);
+            assert!(
+                e.contains(want) && e.contains("routing.modelRewrites"),
+                "{e}"
+            );
+        }
     }
 }

@@ -599,7 +599,8 @@ pub const MAX_ID_BYTES: usize = 256;
 pub const MAX_CACHE_SALT_BYTES: usize = 1024;
 
 /// The body to forward: the client's, rewritten only when a field must be injected (the
-/// tenant's salt, replacing the client's own; SGLang's `data_parallel_rank`). A body that must
+/// tenant's salt, replacing the client's own; SGLang's `data_parallel_rank`; the model a
+/// rewrite rule sends it to). A body that must
 /// carry the tenant's salt is always rewritten, so what the engine reads is a tree this process
 /// built; one that cannot be rewritten is refused, never forwarded as it came: the engine would
 /// see the client's own `cache_salt` (or none) while the index credits the tenant's.
@@ -607,8 +608,12 @@ pub fn engine_body(
     req: &ParsedRequest,
     tenant_salt: Option<&str>,
     data_parallel_rank: Option<u32>,
+    model: Option<&str>,
 ) -> Result<Bytes, RequestError> {
     let mut inject: Vec<(&str, Value)> = Vec::new();
+    if let Some(model) = model {
+        inject.push(("model", Value::from(model)));
+    }
     if let Some(rank) = data_parallel_rank {
         inject.push(("data_parallel_rank", Value::from(rank)));
     }

@@ -177,6 +177,18 @@ pub trait EndpointPicker: Send + Sync + 'static {
         false
     }
 
+    /// Whether the response body of the request is rewritten (the proxy must then send it
+    /// without its `content-length`). Asked with the response headers; the body is rewritten
+    /// only where the proxy sends it in `FULL_DUPLEX_STREAMED` mode.
+    fn rewrites_response(&self, _request_id: u64) -> bool {
+        false
+    }
+
+    /// A response body chunk as the client is to see it (`end`: the last one).
+    fn rewrite_response_chunk(&self, _request_id: u64, chunk: Vec<u8>, _end: bool) -> Vec<u8> {
+        chunk
+    }
+
     /// The request that `pick` answered `Ok` for is over. Called exactly once for every `Ok`
     /// pick, whatever happened next: the response ended, the proxy cancelled, the stream broke,
     /// or the answer could not be delivered. This is what makes in-flight counts safe to keep.
@@ -587,9 +599,23 @@ impl<P: EndpointPicker> StreamTask<P> {
                         .picker
                         .on_response_status(inflight.request_id, status);
                 }
+                // a body that is rewritten may change length
+                let rewrites = self.echo_response_body
+                    && self
+                        .inflight
+                        .as_ref()
+                        .is_some_and(|i| i.picker.rewrites_response(i.request_id));
                 let answer = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
-                        HeadersResponse::default(),
+                        HeadersResponse {
+                            response: rewrites.then(|| CommonResponse {
+                                header_mutation: Some(HeaderMutation {
+                                    remove_headers: vec!["content-length".into()],
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            }),
+                        },
                     )),
                     ..Default::default()
                 };
@@ -616,9 +642,17 @@ impl<P: EndpointPicker> StreamTask<P> {
                 let end = body.end_of_stream;
                 // In full-duplex mode the proxy has drained the chunk; what is not sent back
                 // is lost. Otherwise an empty answer means CONTINUE with the chunk unchanged.
-                let common = self.echo_response_body.then(|| CommonResponse {
-                    body_mutation: Some(streamed_chunk(body.body, end)),
-                    ..Default::default()
+                let common = self.echo_response_body.then(|| {
+                    let chunk = match &self.inflight {
+                        Some(i) => i
+                            .picker
+                            .rewrite_response_chunk(i.request_id, body.body, end),
+                        None => body.body,
+                    };
+                    CommonResponse {
+                        body_mutation: Some(streamed_chunk(chunk, end)),
+                        ..Default::default()
+                    }
                 });
                 let answer = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseBody(BodyResponse {

@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 
 use super::errors::ApiError;
 use super::ext_proc::{EndpointPicker, PickInput, PickOutput, PickRejection};
+use super::model_rewrite::ResponseModelRewrite;
 use super::request::{ApiKind, ParsedRequest};
 use super::responses::ResponseWatch;
 use super::state::{Admission, PickerState, Purpose};
@@ -44,6 +45,8 @@ struct Pending {
     admission_ticket: Option<crate::admission::Ticket>,
     /// A Responses request's watch for its response's id, while the body may still show it.
     watch: Option<ResponseWatch>,
+    /// The model a rewrite rule served, written back to the one the client named.
+    rewrite: Option<ResponseModelRewrite>,
 }
 
 /// Adapts [`PickerState`] to the ext_proc protocol. The gateway forwards the request itself, so
@@ -138,6 +141,10 @@ impl EndpointPicker for GatewayPicker {
                 prompt_tokens: routed.placement.prompt_tokens,
                 admission_ticket: routed.admission_ticket,
                 watch: picker.watch_response(&routed, d.endpoint),
+                rewrite: routed
+                    .rewrite
+                    .as_ref()
+                    .map(|r| ResponseModelRewrite::new(&r.target, &r.asked)),
             },
         );
         Ok(PickOutput {
@@ -246,6 +253,28 @@ impl EndpointPicker for GatewayPicker {
             p.watch = None;
         }
         more
+    }
+
+    fn rewrites_response(&self, request_id: u64) -> bool {
+        self.pending
+            .lock()
+            .get(&request_id)
+            .is_some_and(|p| p.rewrite.is_some())
+    }
+
+    fn rewrite_response_chunk(&self, request_id: u64, chunk: Vec<u8>, end: bool) -> Vec<u8> {
+        let mut pending = self.pending.lock();
+        let Some(rw) = pending
+            .get_mut(&request_id)
+            .and_then(|p| p.rewrite.as_mut())
+        else {
+            return chunk;
+        };
+        let mut out = rw.chunk(&chunk).to_vec();
+        if end {
+            out.extend_from_slice(&rw.finish());
+        }
+        out
     }
 
     fn on_body_timeout(&self) {

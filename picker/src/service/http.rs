@@ -17,6 +17,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use super::errors::ApiError;
+use super::model_rewrite::ResponseModelRewrite;
 use super::request::{ApiKind, ParsedRequest};
 use super::responses::ResponseWatch;
 use super::state::{PickerState, Purpose};
@@ -290,7 +291,7 @@ async fn stored_response(
             guard,
             timing,
             admission,
-            None,
+            Relayed::default(),
         ))
     }
     .await;
@@ -456,13 +457,17 @@ async fn proxy_inner(
                     .is_success()
                     .then(|| picker.watch_response(&routed, ep))
                     .flatten();
+                let rewrite = routed
+                    .rewrite
+                    .as_ref()
+                    .map(|r| ResponseModelRewrite::new(&r.target, &r.asked));
                 return Ok(stream_back(
                     picker.clone(),
                     resp,
                     guard,
                     timing,
                     admission,
-                    watch,
+                    Relayed { watch, rewrite },
                 ));
             }
         }
@@ -485,6 +490,15 @@ fn outcome_of(
     }
 }
 
+/// What the relay does with a response body besides passing it on.
+#[derive(Default)]
+struct Relayed {
+    /// A Responses body's watch for the response id.
+    watch: Option<ResponseWatch>,
+    /// The model a rewrite rule served, written back to the one the client named.
+    rewrite: Option<ResponseModelRewrite>,
+}
+
 /// When and where a request was forwarded, and what its TTFT estimate rested on.
 struct Timing {
     endpoint: EndpointId,
@@ -505,7 +519,7 @@ fn stream_back(
     guard: InflightGuard,
     mut timing: Timing,
     admission: super::state::Admission,
-    watch: Option<ResponseWatch>,
+    relayed: Relayed,
 ) -> Response {
     let status = resp.status();
     if !status.is_success() {
@@ -513,8 +527,10 @@ fn stream_back(
     }
     let mut builder = Response::builder().status(status.as_u16());
     let hop_by_hop_there = nominated(resp.headers());
+    // a body whose model is written back may change length: it goes chunked
+    let rewrites = relayed.rewrite.is_some();
     for (name, value) in resp.headers() {
-        if forwardable(&hop_by_hop_there, name) || name == header::CONTENT_LENGTH {
+        if forwardable(&hop_by_hop_there, name) || (name == header::CONTENT_LENGTH && !rewrites) {
             builder = builder.header(name, value);
         }
     }
@@ -526,8 +542,9 @@ fn stream_back(
         picker: Arc<PickerState>,
         timing: Timing,
         _admission: super::state::Admission,
-        /// A Responses body's head, read until the response's id shows.
-        watch: Option<ResponseWatch>,
+        /// A Responses body's head, read until the response's id shows; the model rewrite.
+        relayed: Relayed,
+        ended: bool,
     }
     let relay = Relay {
         upstream: resp.bytes_stream().boxed(),
@@ -536,9 +553,13 @@ fn stream_back(
         picker,
         timing,
         _admission: admission,
-        watch,
+        relayed,
+        ended: false,
     };
     let stream = futures::stream::unfold(relay, move |mut r| async move {
+        if r.ended {
+            return None;
+        }
         match tokio::time::timeout(idle, r.upstream.next()).await {
             Ok(Some(Ok(chunk))) => {
                 if std::mem::take(&mut r.first) {
@@ -554,18 +575,27 @@ fn stream_back(
                         r.picker.observe_ttft(r.timing.endpoint, basis, ttft);
                     }
                 }
-                if let Some(w) = r.watch.as_mut()
+                if let Some(w) = r.relayed.watch.as_mut()
                     && !r.picker.response_chunk(w, &chunk)
                 {
-                    r.watch = None;
+                    r.relayed.watch = None;
                 }
+                let chunk = match r.relayed.rewrite.as_mut() {
+                    Some(rw) => rw.chunk(&chunk),
+                    None => chunk,
+                };
                 Some((Ok::<Bytes, std::io::Error>(chunk), r))
             }
             Ok(Some(Err(e))) => {
                 r.picker.metrics.error("upstream_stream_error");
                 Some((Err(std::io::Error::other(e)), r))
             }
-            Ok(None) => None,
+            Ok(None) => {
+                // what the model rewrite held back
+                let rest = r.relayed.rewrite.as_mut().map(ResponseModelRewrite::finish);
+                r.ended = true;
+                rest.filter(|b| !b.is_empty()).map(|b| (Ok(b), r))
+            }
             Err(_) => {
                 r.picker.metrics.error("upstream_idle_timeout");
                 Some((

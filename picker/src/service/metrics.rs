@@ -33,6 +33,12 @@ pub struct KindLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RewriteLabels {
+    pub from: String,
+    pub to: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub error: String,
 }
@@ -83,6 +89,8 @@ pub struct Metrics {
     pub admission_waiting: Gauge,
     /// Responses and Messages requests routed without reading their prompt, by why.
     pub unread_prompts: Family<KindLabels, Counter>,
+    /// Requests a `routing.modelRewrites` rule sent to another model.
+    pub model_rewrites: Family<RewriteLabels, Counter>,
     pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
     pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
     pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
@@ -255,6 +263,12 @@ impl Metrics {
             "Generating requests routed by model, tenant and load alone, their prompt not read, by why: previous_response_id (the engine holds the conversation; its pin routes it), or an input item, content block or embeddings input whose rendering the picker does not reproduce",
             unread_prompts.clone(),
         );
+        let model_rewrites = Family::<RewriteLabels, Counter>::default();
+        registry.register(
+            "model_rewrites",
+            "Requests a routing.modelRewrites rule sent to another model, by the model named (from) and the one served (to)",
+            model_rewrites.clone(),
+        );
         let cost_model_overhead_ms = Family::<EndpointLabels, FloatGauge>::default();
         registry.register(
             "cost_model_overhead_ms",
@@ -312,6 +326,7 @@ impl Metrics {
             admission_wait_seconds,
             admission_waiting,
             unread_prompts,
+            model_rewrites,
             cost_model_overhead_ms,
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,
@@ -329,6 +344,15 @@ impl Metrics {
         self.admission
             .get_or_create(&KindLabels {
                 kind: why.as_str().into(),
+            })
+            .inc();
+    }
+
+    pub fn model_rewritten(&self, from: &str, to: &str) {
+        self.model_rewrites
+            .get_or_create(&RewriteLabels {
+                from: from.into(),
+                to: to.into(),
             })
             .inc();
     }

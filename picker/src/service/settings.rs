@@ -345,6 +345,9 @@ impl PickerConfig {
         }
         super::source::check_static_endpoints_unique(self)?;
         self.routing.validate()?;
+        self.routing
+            .check_rewrite_targets(&self.model_configs)
+            .map_err(PickerError::Invalid)?;
         self.tenancy.validate()?;
         let l = &self.limits;
         for (name, v) in [

@@ -63,6 +63,17 @@ pub struct Routed {
     pub admission_ticket: Option<Ticket>,
     /// The API the request came in on.
     pub api: ApiKind,
+    /// The model a rewrite rule sent the request to, and the one it named.
+    pub rewrite: Option<ModelRewritten>,
+}
+
+/// A request a `routing.modelRewrites` rule sent to another model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelRewritten {
+    /// The model the client named (the response says this one).
+    pub asked: String,
+    /// The model the engine is sent.
+    pub target: String,
 }
 
 /// What the picker forwards to one endpoint beyond the client's request: extra headers and
@@ -113,7 +124,13 @@ impl Routed {
         req: &ParsedRequest,
         endpoint: EndpointId,
     ) -> Result<Upstream, ApiError> {
-        upstream_request(&self.entry.config, &self.plan, req, endpoint)
+        upstream_request(
+            &self.entry.config,
+            &self.plan,
+            req,
+            endpoint,
+            self.rewrite.as_ref(),
+        )
     }
 }
 
@@ -124,6 +141,7 @@ fn upstream_request(
     plan: &RequestPlan,
     req: &ParsedRequest,
     endpoint: EndpointId,
+    rewrite: Option<&ModelRewritten>,
 ) -> Result<Upstream, ApiError> {
     let mut headers = Vec::new();
     let mut body_rank = None;
@@ -136,7 +154,12 @@ fn upstream_request(
     let tenant_salt = plan.salt.as_deref().filter(|_| plan.tenant_salted);
     Ok(Upstream {
         headers,
-        body: engine_body(req, tenant_salt, body_rank)?,
+        body: engine_body(
+            req,
+            tenant_salt,
+            body_rank,
+            rewrite.map(|r| r.target.as_str()),
+        )?,
     })
 }
 
@@ -294,6 +317,9 @@ impl PickerState {
     pub fn apply_pool(&self, view: &DeclaredPool) -> Result<PoolChange, PickerError> {
         let routing_changed = **self.routing.load() != view.routing;
         view.routing.validate()?;
+        view.routing
+            .check_rewrite_targets(&view.model_configs)
+            .map_err(PickerError::Invalid)?;
         view.tenancy.validate()?;
         let tenancy = Tenancy::new(view.tenancy.clone())?;
         // rebuild the catalog only for model configs that changed (tokenizers are costly)
@@ -463,25 +489,44 @@ impl PickerState {
         let explain = purpose == Purpose::Explain;
         let started = Instant::now();
         let snapshot = self.pool.state().endpoints();
-        let (config, lora) = Router::resolve_model(&snapshot, &req.model).map_err(|_| {
+        let routing = self.routing.load();
+        let session = self.conversation(req, headers, &routing);
+        // a rewrite rule: a session keeps its target, anything else goes by its body's hash
+        let rewrite = routing
+            .rewrite_model(
+                &req.model,
+                xxhash_rust::xxh3::xxh3_64(session.as_deref().map_or(&req.raw[..], str::as_bytes)),
+            )
+            .filter(|t| *t != req.model)
+            .map(|t| ModelRewritten {
+                asked: req.model.clone(),
+                target: t.to_owned(),
+            });
+        let model = rewrite
+            .as_ref()
+            .map_or(req.model.as_str(), |r| r.target.as_str());
+        let (config, lora) = Router::resolve_model(&snapshot, model).map_err(|_| {
             // a configured model without endpoints is "no endpoint", not "unknown model"
             if self
                 .catalog
                 .load()
                 .values()
-                .any(|e| e.config.serves(&req.model).is_some())
+                .any(|e| e.config.serves(model).is_some())
             {
                 ApiError::unavailable(
                     "no_eligible_endpoint",
-                    format!("no endpoint is serving `{}` right now", req.model),
+                    format!("no endpoint is serving `{model}` right now"),
                 )
             } else {
-                self.no_such_model(&req.model)
+                self.no_such_model(model)
             }
         })?;
         let entry = self
             .model_entry(&config.name)
-            .ok_or_else(|| self.no_such_model(&req.model))?;
+            .ok_or_else(|| self.no_such_model(model))?;
+        if let Some(r) = &rewrite {
+            self.metrics.model_rewritten(&r.asked, &r.target);
+        }
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
 
@@ -495,8 +540,6 @@ impl PickerState {
         } else {
             self.tokens(&entry, req, &snapshot).await?
         };
-        let routing = self.routing.load();
-        let session = self.conversation(req, headers, &routing);
         let plan = RequestPlan::new(PlanInput {
             config: &config,
             lora: lora.as_deref(),
@@ -547,7 +590,13 @@ impl PickerState {
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        let upstream = upstream_request(&entry.config, &plan, req, placement.decision.endpoint)?;
+        let upstream = upstream_request(
+            &entry.config,
+            &plan,
+            req,
+            placement.decision.endpoint,
+            rewrite.as_ref(),
+        )?;
         Ok(Routed {
             placement,
             entry,
@@ -558,6 +607,7 @@ impl PickerState {
             admission,
             admission_ticket,
             api: req.kind,
+            rewrite,
         })
     }
 

@@ -92,7 +92,7 @@ pub fn sse_chunks() -> Vec<String> {
 
 /// A Responses answer (a JSON object, or an SSE stream opening with `response.created`) with a
 /// fresh id.
-fn responses_answer(s: &EngineState, stream: bool) -> Response {
+fn responses_answer(s: &EngineState, stream: bool, model: &str) -> Response {
     let id = {
         let mut ids = s.responses.lock();
         let port = s.addr.lock().map_or(0, |a| a.port());
@@ -102,7 +102,7 @@ fn responses_answer(s: &EngineState, stream: bool) -> Response {
     };
     if stream {
         let created = format!(
-            "event: response.created\ndata: {{\"response\":{{\"id\":\"{id}\",\"object\":\"response\",\"status\":\"in_progress\"}},\"sequence_number\":0,\"type\":\"response.created\"}}\n\n"
+            "event: response.created\ndata: {{\"response\":{{\"id\":\"{id}\",\"object\":\"response\",\"model\":\"{model}\",\"status\":\"in_progress\"}},\"sequence_number\":0,\"type\":\"response.created\"}}\n\n"
         );
         let done = "event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n";
         return Response::builder()
@@ -111,7 +111,7 @@ fn responses_answer(s: &EngineState, stream: bool) -> Response {
             .unwrap();
     }
     axum::Json(serde_json::json!({
-        "id": id, "object": "response", "status": "completed",
+        "id": id, "object": "response", "status": "completed", "model": model,
         "output": [{"id": "msg_1", "type": "message", "role": "assistant",
                     "content": [{"type": "output_text", "text": "hello"}]}]
     }))
@@ -167,7 +167,8 @@ async fn completion(
     }
     if uri.path() == "/v1/responses" {
         let stream = v.get("stream").and_then(serde_json::Value::as_bool) == Some(true);
-        return responses_answer(&s, stream);
+        let model = v["model"].as_str().unwrap_or_default();
+        return responses_answer(&s, stream, model);
     }
     if v.get("stream").and_then(serde_json::Value::as_bool) == Some(true) {
         let stall = s.stall_after_first.load(Ordering::SeqCst);
@@ -194,7 +195,7 @@ async fn completion(
             .unwrap();
     }
     axum::Json(serde_json::json!({
-        "id": "cmpl-1", "object": "text_completion",
+        "id": "cmpl-1", "object": "text_completion", "model": v["model"],
         "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     }))
