@@ -57,7 +57,12 @@ pub struct Args {
 
 /// Parse arguments, run until SIGTERM/Ctrl-C, drain, exit.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    kvroute_process::init_logging(args.log_json, "info");
+    // OpenTelemetry when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set (docs/picker.md)
+    let (otel_layer, telemetry) = match crate::service::telemetry::from_env()? {
+        Some((layer, telemetry)) => (Some(layer), Some(telemetry)),
+        None => (None, None),
+    };
+    kvroute_process::init_logging_with(args.log_json, "info", otel_layer);
     let mut config = match (&args.config, &args.pool) {
         (Some(path), None) => PickerConfig::load(path).map_err(anyhow::Error::msg)?,
         // cluster mode: the pool resource supplies model configs, routing and tenancy, so
@@ -108,5 +113,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     kvroute_process::shutdown_signal().await;
     tracing::info!("shutting down: draining in-flight requests");
     running.shutdown().await;
+    if let Some(t) = telemetry {
+        t.shutdown();
+    }
     Ok(())
 }

@@ -12,17 +12,38 @@ use std::future::Future;
 /// (a pod's log is not). Returns `false` when a subscriber was
 /// already installed (a test harness, a second call), which is then kept.
 pub fn init_logging(json: bool, default_filter: &str) -> bool {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    init_logging_with(json, default_filter, None)
+}
+
+/// A layer beside the log's (the picker's OpenTelemetry exporter).
+pub type ExtraLayer =
+    Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+/// [`init_logging`] with `extra` beside the log. The log never shows the spans of the
+/// `kvroute::trace` target: they are for the OpenTelemetry layer alone, and with no layer
+/// enabling them they are never created.
+pub fn init_logging_with(json: bool, default_filter: &str, extra: Option<ExtraLayer>) -> bool {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    if let Ok(off) = "kvroute::trace=off".parse() {
+        filter = filter.add_directive(off);
+    }
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if json {
-        builder.json().try_init().is_ok()
+    let log: ExtraLayer = if json {
+        fmt.json().with_filter(filter).boxed()
     } else {
-        builder.try_init().is_ok()
-    }
+        fmt.with_filter(filter).boxed()
+    };
+    let layers: Vec<ExtraLayer> = std::iter::once(log).chain(extra).collect();
+    tracing_subscriber::registry()
+        .with(layers)
+        .try_init()
+        .is_ok()
 }
 
 /// A future that resolves when the process is asked to stop: SIGTERM or SIGINT.

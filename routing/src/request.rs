@@ -93,6 +93,18 @@ impl ApiKind {
         }
     }
 
+    /// A short name of the API (span and log attribute).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Completions => "completions",
+            Self::ChatCompletions => "chat_completions",
+            Self::Responses => "responses",
+            Self::Messages => "messages",
+            Self::Embeddings => "embeddings",
+            Self::Other => "other",
+        }
+    }
+
     /// vLLM's render endpoint for this API: the token ids it would prefill, without running
     /// the model.
     pub fn render_path(self) -> Option<&'static str> {

@@ -14,10 +14,12 @@ use super::model_rewrite::ResponseModelRewrite;
 use super::request::{ApiKind, ParsedRequest};
 use super::responses::ResponseWatch;
 use super::state::{Admission, PickerState, Purpose};
+use super::telemetry;
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
 use crate::outlier::Outcome;
+use tracing::Instrument as _;
 
 struct Pending {
     guard: InflightGuard,
@@ -67,24 +69,9 @@ impl GatewayPicker {
     pub fn pending(&self) -> usize {
         self.pending.lock().len()
     }
-}
 
-fn rejection(e: ApiError) -> PickRejection {
-    match e.status {
-        StatusCode::NOT_FOUND => PickRejection::UnknownModel(e.message),
-        StatusCode::TOO_MANY_REQUESTS => PickRejection::Shed(e.message),
-        StatusCode::SERVICE_UNAVAILABLE => PickRejection::NoEndpoint(e.message),
-        _ => PickRejection::BadRequest(e.message),
-    }
-}
-
-impl EndpointPicker for GatewayPicker {
-    /// Every path passes the same model and tenant checks as the proxy's: completions and chat
-    /// are routed by prefix; any other body is read for its `model` and routed by load among
-    /// that model's endpoints the tenant may use (a body that is not a JSON object naming a
-    /// model is a 400); a bodyless request (`GET /v1/models`) names no model and goes to the
-    /// least-loaded endpoint the tenant may use.
-    async fn pick(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
+    /// [`EndpointPicker::pick`] within the request's span.
+    async fn pick_traced(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
         let picker = &self.picker;
         let refuse = |e: ApiError| {
             picker.metrics.error(e.code);
@@ -103,8 +90,12 @@ impl EndpointPicker for GatewayPicker {
                 ..PickOutput::default()
             });
         }
-        let parsed = ParsedRequest::parse(kind, input.body.clone(), &picker.limits.request())
-            .map_err(|e| refuse(e.into()))?;
+        let parsed = {
+            let _span = tracing::info_span!(target: telemetry::TARGET, "parse").entered();
+            ParsedRequest::parse(kind, input.body.clone(), &picker.limits.request())
+                .map_err(|e| refuse(e.into()))?
+        };
+        tracing::Span::current().record("model", parsed.model.as_str());
         let routed = picker
             .decide(
                 &parsed,
@@ -149,14 +140,46 @@ impl EndpointPicker for GatewayPicker {
         );
         Ok(PickOutput {
             endpoints,
+            // traced, the engine's parent is this request's span
             set_headers: routed
                 .upstream
                 .headers
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .chain(
+                    telemetry::context_headers(&tracing::Span::current())
+                        .into_iter()
+                        .map(|(k, v)| (k.to_owned(), v)),
+                )
                 .collect(),
             new_body: (routed.upstream.body != parsed.raw).then(|| routed.upstream.body.clone()),
         })
+    }
+}
+
+fn rejection(e: ApiError) -> PickRejection {
+    match e.status {
+        StatusCode::NOT_FOUND => PickRejection::UnknownModel(e.message),
+        StatusCode::TOO_MANY_REQUESTS => PickRejection::Shed(e.message),
+        StatusCode::SERVICE_UNAVAILABLE => PickRejection::NoEndpoint(e.message),
+        _ => PickRejection::BadRequest(e.message),
+    }
+}
+
+impl EndpointPicker for GatewayPicker {
+    /// Every path passes the same model and tenant checks as the proxy's: completions and chat
+    /// are routed by prefix; any other body is read for its `model` and routed by load among
+    /// that model's endpoints the tenant may use (a body that is not a JSON object naming a
+    /// model is a 400); a bodyless request (`GET /v1/models`) names no model and goes to the
+    /// least-loaded endpoint the tenant may use.
+    async fn pick(&self, input: PickInput) -> Result<PickOutput, PickRejection> {
+        let kind = ApiKind::from_path(&input.path);
+        let span = telemetry::request_span(
+            super::http::header_pairs(&input.headers),
+            kind.name(),
+            input.path.split('?').next().unwrap_or_default(),
+        );
+        self.pick_traced(input).instrument(span).await
     }
 
     fn on_response_served(&self, request_id: u64, endpoint: SocketAddr) {

@@ -21,10 +21,12 @@ use super::model_rewrite::ResponseModelRewrite;
 use super::request::{ApiKind, ParsedRequest};
 use super::responses::ResponseWatch;
 use super::state::{PickerState, Purpose};
+use super::telemetry;
 use crate::calibration::TtftBasis;
 use crate::endpoint::EndpointId;
 use crate::inflight::InflightGuard;
 use crate::outlier::Outcome;
+use tracing::Instrument as _;
 
 /// State shared by the HTTP handlers.
 #[derive(Clone, Debug)]
@@ -337,12 +339,36 @@ async fn proxy_inner(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let span = telemetry::request_span(header_pairs(&headers), kind.name(), uri.path());
+    proxy_traced(picker, kind, uri, headers, body)
+        .instrument(span)
+        .await
+}
+
+/// A request's headers as name/value pairs (values that are not text left out).
+pub fn header_pairs(headers: &HeaderMap) -> impl Iterator<Item = (&str, &str)> {
+    headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+}
+
+async fn proxy_traced(
+    picker: &Arc<PickerState>,
+    kind: ApiKind,
+    uri: &Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let raw = read_body(picker, body).await?;
     // admitted only once the body is in: a client that stalls its body holds no slot
     let admission = picker
         .admit()
         .ok_or_else(|| ApiError::shed("the picker has too many requests in flight"))?;
-    let parsed = ParsedRequest::parse(kind, raw, &picker.limits.request())?;
+    let parsed = {
+        let _span = tracing::info_span!(target: telemetry::TARGET, "parse").entered();
+        ParsedRequest::parse(kind, raw, &picker.limits.request())?
+    };
+    tracing::Span::current().record("model", parsed.model.as_str());
     let routed = picker
         .decide(&parsed, &headers, None, Purpose::Forward)
         .await?;
@@ -369,18 +395,37 @@ async fn proxy_inner(
                 uri.path_and_query().map_or(uri.path(), |p| p.as_str())
             ))
             .body(upstream.body);
+        let forward = tracing::info_span!(
+            target: telemetry::TARGET,
+            "forward",
+            otel.kind = "client",
+            endpoint = %ep,
+            attempt,
+            fallback = attempt > 0,
+            http.status_code = tracing::field::Empty,
+        );
+        // traced, the engine's parent is the forward span, not the client's
+        let context = telemetry::context_headers(&forward);
         for (name, value) in &headers {
             if forwardable(&hop_by_hop_here, name)
                 && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank")
+                && !(context
+                    .iter()
+                    .any(|(k, _)| name.as_str().eq_ignore_ascii_case(k)))
             {
                 req = req.header(name, value);
             }
         }
-        for (name, value) in upstream.headers {
+        for (name, value) in upstream.headers.into_iter().chain(context) {
             req = req.header(name, value);
         }
         let sent = Instant::now();
-        let result = tokio::time::timeout(picker.limits.upstream_timeout, req.send()).await;
+        let result = tokio::time::timeout(picker.limits.upstream_timeout, req.send())
+            .instrument(forward.clone())
+            .await;
+        if let Ok(Ok(r)) = &result {
+            forward.record("http.status_code", r.status().as_u16());
+        }
         let answered_5xx = matches!(&result, Ok(Ok(r)) if r.status().is_server_error());
         match (unsettled.take(), outcome_of(&result, parsed.stream)) {
             (Some(_), _) if answered_5xx => {

@@ -18,6 +18,7 @@ pub mod responses;
 pub mod settings;
 pub mod source;
 pub mod state;
+pub mod telemetry;
 pub mod tenancy;
 
 use std::net::SocketAddr;

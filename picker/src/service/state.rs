@@ -20,7 +20,9 @@ use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::responses::{ResponseOwner, ResponseWatch, Responses, conversation_named_after};
 use super::settings::{IndexSettings, Limits};
+use super::telemetry;
 use super::tenancy::Tenancy;
+use tracing::Instrument as _;
 
 use crate::admission::{Admitted, Gate, Ticket, Turn};
 use crate::config::RoutingConfig;
@@ -538,7 +540,17 @@ impl PickerState {
             }
             (Vec::new(), TokenKind::Tokens)
         } else {
-            self.tokens(&entry, req, &snapshot).await?
+            let span = tracing::info_span!(
+                target: telemetry::TARGET,
+                "tokenize",
+                tokens = tracing::field::Empty,
+            );
+            let out = self
+                .tokens(&entry, req, &snapshot)
+                .instrument(span.clone())
+                .await?;
+            span.record("tokens", out.0.len());
+            out
         };
         let plan = RequestPlan::new(PlanInput {
             config: &config,
@@ -571,22 +583,46 @@ impl PickerState {
         } else {
             started
         };
-        let placement = self
-            .pool
-            .place(&route_request, self.now_ms())
-            .map_err(|e| {
-                self.metrics.error(e.kind());
-                match e {
-                    PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
-                    PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
-                        ApiError::unavailable("no_eligible_endpoint", e.to_string())
-                    }
-                    PlaceError::Route(e @ RouteError::AllStale(_)) => {
-                        ApiError::unavailable("all_endpoints_stale", e.to_string())
-                    }
-                    PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
+        let decide = tracing::info_span!(
+            target: telemetry::TARGET,
+            "decide",
+            model_config = &*config.name,
+            candidates = tracing::field::Empty,
+            endpoint = tracing::field::Empty,
+            rank = tracing::field::Empty,
+            prompt_tokens = plan.prompt_tokens,
+            cached_tokens = tracing::field::Empty,
+            policy = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            failed_open = tracing::field::Empty,
+        );
+        let placed = {
+            let _entered = decide.enter();
+            self.pool.place(&route_request, self.now_ms())
+        };
+        if let Ok(p) = &placed {
+            let d = &p.decision;
+            decide.record("candidates", 1 + d.fallbacks.len());
+            decide.record("endpoint", d.endpoint.host_port().as_str());
+            decide.record("rank", d.endpoint.rank);
+            decide.record("cached_tokens", d.cached_tokens);
+            decide.record("policy", d.policy);
+            decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
+            decide.record("failed_open", d.failed_open);
+        }
+        let placement = placed.map_err(|e| {
+            self.metrics.error(e.kind());
+            match e {
+                PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
+                PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
+                    ApiError::unavailable("no_eligible_endpoint", e.to_string())
                 }
-            })?;
+                PlaceError::Route(e @ RouteError::AllStale(_)) => {
+                    ApiError::unavailable("all_endpoints_stale", e.to_string())
+                }
+                PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
+            }
+        })?;
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
