@@ -194,6 +194,21 @@ async fn ext_proc_routes_every_path_by_model_with_and_without_a_subset() {
                 addr(1),
                 "{path}: the subset's only llama endpoint"
             );
+            // the decision is published beside the destination
+            if let gateway::Answer::Route { decision, .. } = &d {
+                assert_eq!(
+                    decision.get("endpoint").map(String::as_str),
+                    Some(addr(1).as_str())
+                );
+                assert_eq!(
+                    decision.get("model_config").map(String::as_str),
+                    Some("llama")
+                );
+                assert!(
+                    decision.contains_key("policy") && decision.contains_key("score"),
+                    "{decision:?}"
+                );
+            }
             // a subset without any of the model's endpoints: none is eligible
             let d = gateway::exchange(&ext, path, &[], &llama, Some(&all[2..]), None).await;
             assert_eq!(d.refused(), 503, "{path}");

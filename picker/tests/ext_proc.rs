@@ -781,6 +781,7 @@ async fn set_headers_and_new_body_are_applied() {
                 ("content-length".into(), "1".into()),
             ],
             new_body: Some(new_body.clone()),
+            decision: vec![("policy", "cost-model".into()), ("score", "1.500".into())],
         };
         let (addr, _picker) = serve(FakePicker::new(Behavior::Answer(output)), limits()).await;
         let channel = connect(addr).await;
@@ -806,6 +807,20 @@ async fn set_headers_and_new_body_are_applied() {
             common.body_mutation.unwrap().mutation,
             Some(body_mutation::Mutation::Body(new_body.to_vec()))
         );
+        // the decision, in its own metadata namespace beside the destination
+        let md = answer.dynamic_metadata.as_ref().expect("metadata");
+        let Some(Kind::StructValue(decision)) = &md.fields["kvroute.picker"].kind else {
+            panic!("no kvroute.picker metadata: {md:?}");
+        };
+        let field = |k: &str| match &decision.fields[k].kind {
+            Some(Kind::StringValue(v)) => v.clone(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!(
+            (field("policy"), field("score")),
+            ("cost-model".into(), "1.500".into())
+        );
+        assert_eq!(destination_metadata(&answer), "10.0.0.6:8000");
 
         // Full duplex: the new body is what streams back.
         let mut envoy = Envoy::open(&channel).await;

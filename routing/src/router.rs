@@ -80,6 +80,8 @@ pub struct Decision {
     pub features: Features,
     /// Every endpoint was stale and the pool fails open.
     pub failed_open: bool,
+    /// The chosen endpoint's score under the policy (lower is better), when the policy scores.
+    pub score: Option<f64>,
     /// Per-candidate explanation, when asked for.
     pub candidates: Vec<CandidateExplain>,
 }
@@ -273,6 +275,7 @@ impl Router {
             cached_tokens: winner.features.cached_tokens,
             features: winner.features,
             failed_open,
+            score: ranked.scores.get(ranked.chosen).copied(),
             candidates,
         })
     }

@@ -129,7 +129,13 @@ pub struct PickOutput {
     /// A replacement request body; `content-length` is fixed to match. Ignored for requests
     /// picked at their headers (bodyless requests, or body mode `NONE`).
     pub new_body: Option<Bytes>,
+    /// What the decision was, for observability: published as strings in the dynamic
+    /// metadata namespace [`DECISION_METADATA_NAMESPACE`] (access logs, tracing).
+    pub decision: Vec<(&'static str, String)>,
 }
+
+/// The dynamic metadata namespace of [`PickOutput::decision`].
+pub const DECISION_METADATA_NAMESPACE: &str = "kvroute.picker";
 
 /// Why the picker refused a request; each maps to an HTTP status the client sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -874,13 +880,33 @@ impl<P: EndpointPicker> StreamTask<P> {
                 .await);
         }
         let destination = endpoints[0].to_string();
-        let metadata = destination_metadata(
+        let mut metadata = destination_metadata(
             &endpoints
                 .iter()
                 .map(SocketAddr::to_string)
                 .collect::<Vec<_>>()
                 .join(","),
         );
+        if !output.decision.is_empty() {
+            let fields = output
+                .decision
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        (*k).to_owned(),
+                        Value {
+                            kind: Some(Kind::StringValue(v.clone())),
+                        },
+                    )
+                })
+                .collect();
+            metadata.fields.insert(
+                DECISION_METADATA_NAMESPACE.to_owned(),
+                Value {
+                    kind: Some(Kind::StructValue(Struct { fields })),
+                },
+            );
+        }
         self.phase = Phase::Routed;
 
         match point {

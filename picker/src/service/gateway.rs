@@ -153,6 +153,21 @@ impl GatewayPicker {
                 )
                 .collect(),
             new_body: (routed.upstream.body != parsed.raw).then(|| routed.upstream.body.clone()),
+            decision: vec![
+                ("endpoint", d.endpoint.host_port()),
+                ("rank", d.endpoint.rank.to_string()),
+                ("model_config", d.model_config.to_string()),
+                ("policy", d.policy.to_owned()),
+                ("reason", format!("{:?}", d.reason).to_lowercase()),
+                (
+                    "score",
+                    d.score.map_or_else(String::new, |s| format!("{s:.3}")),
+                ),
+                ("candidates", (1 + d.fallbacks.len()).to_string()),
+                ("prompt_tokens", routed.plan.prompt_tokens.to_string()),
+                ("cached_tokens", d.cached_tokens.to_string()),
+                ("failed_open", d.failed_open.to_string()),
+            ],
         })
     }
 }

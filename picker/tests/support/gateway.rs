@@ -29,6 +29,8 @@ pub enum Answer {
         headers: HashMap<String, String>,
         /// The replacement body, when the picker rewrote it.
         new_body: Option<Vec<u8>>,
+        /// The decision the picker published (`kvroute.picker` metadata).
+        decision: HashMap<String, String>,
     },
     Immediate {
         status: u32,
@@ -110,6 +112,21 @@ fn route_answer(common: CommonResponse, answer: &ProcessingResponse) -> Answer {
     else {
         panic!("no destination in metadata");
     };
+    let decision = match md
+        .fields
+        .get("kvroute.picker")
+        .and_then(|v| v.kind.as_ref())
+    {
+        Some(Kind::StructValue(s)) => s
+            .fields
+            .iter()
+            .filter_map(|(k, v)| match &v.kind {
+                Some(Kind::StringValue(v)) => Some((k.clone(), v.clone())),
+                _ => None,
+            })
+            .collect(),
+        _ => HashMap::new(),
+    };
     let new_body = common.body_mutation.and_then(|m| match m.mutation {
         Some(body_mutation::Mutation::Body(b)) => Some(b),
         _ => None,
@@ -119,6 +136,7 @@ fn route_answer(common: CommonResponse, answer: &ProcessingResponse) -> Answer {
         metadata: metadata.clone(),
         headers,
         new_body,
+        decision,
     }
 }
 
