@@ -197,4 +197,223 @@ mod tests {
             assert!(crd.contains(want), "{want} in\n{crd}");
         }
     }
+
+    #[test]
+    fn llm_d_rewrites_become_model_rewrites_for_the_pools_they_name() {
+        let rw = |name: &str,
+                  created: &str,
+                  pool: &str,
+                  rules: serde_json::Value|
+         -> InferenceModelRewrite {
+            serde_json::from_value(json!({
+                "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite",
+                "metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"poolRef": {"name": pool}, "rules": rules}
+            }))
+            .expect("rewrite")
+        };
+        let old = rw(
+            "canary",
+            "2026-01-01T00:00:00Z",
+            "llama",
+            json!([
+                {"matches": [{"model": {"value": "sql"}}],
+                 "targets": [{"modelRewrite": "sql-v1", "weight": 90}, {"modelRewrite": "sql-v2", "weight": 10}]},
+                {"targets": [{"modelRewrite": "sql-v1"}]},
+                {"matches": [{"model": {"value": "chat"}}], "targets": [{"modelRewrite": "gone"}]}
+            ]),
+        );
+        let newer = rw(
+            "later",
+            "2026-02-01T00:00:00Z",
+            "llama",
+            json!([
+                {"matches": [{"model": {"value": "sql"}}, {"model": {"value": "code"}}],
+                 "targets": [{"modelRewrite": "sql-v2"}, {"modelRewrite": "sql-v1"}]}
+            ]),
+        );
+        let elsewhere = rw(
+            "other",
+            "2025-01-01T00:00:00Z",
+            "qwen",
+            json!([
+                {"matches": [{"model": {"value": "sql"}}], "targets": [{"modelRewrite": "sql-v2"}]}
+            ]),
+        );
+        let served = |m: &str| m.starts_with("sql-");
+        let (rules, skipped) = rewrites_for(&["llama".into()], &[newer, elsewhere, old], &served);
+        let got: Vec<(&str, Vec<(&str, u32)>)> = rules
+            .iter()
+            .map(|r| {
+                (
+                    r.model.as_str(),
+                    r.targets
+                        .iter()
+                        .map(|t| (t.model.as_str(), t.weight))
+                        .collect(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("sql", vec![("sql-v1", 90), ("sql-v2", 10)]),
+                ("code", vec![("sql-v2", 1), ("sql-v1", 1)]),
+            ],
+            "the oldest resource's rule wins; unweighted targets share equally"
+        );
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(
+            model_rewrite_crd_yaml()
+                .expect("crd")
+                .contains("inferencemodelrewrites.inference.networking.x-k8s.io")
+        );
+    }
+}
+
+/// llm-d's / the Gateway API Inference Extension's `InferenceModelRewrite`
+/// (`inference.networking.x-k8s.io/v1alpha2`): ordered rules that send requests naming a
+/// model to other models by weight, for the InferencePool named in `poolRef`. kvroute honours
+/// it as extra `routing.modelRewrites` of the KVRoutePool serving (or exporting) that pool
+/// ([`rewrites_for`]).
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "inference.networking.x-k8s.io",
+    version = "v1alpha2",
+    kind = "InferenceModelRewrite",
+    plural = "inferencemodelrewrites",
+    namespaced,
+    derive = "PartialEq",
+    doc = "Rules rewriting the model of an InferencePool's requests, with weighted targets."
+)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceModelRewriteSpec {
+    pub pool_ref: PoolObjectReference,
+    /// The first rule that matches a request applies.
+    pub rules: Vec<InferenceModelRewriteRule>,
+}
+
+/// The InferencePool a rewrite applies to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolObjectReference {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub name: String,
+}
+
+/// Matches (any of them; none matches every request) and where matching requests go.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceModelRewriteRule {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matches: Vec<RewriteMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<TargetModel>,
+}
+
+/// A request whose `model` is `model.value` (`Exact`, the only type).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RewriteMatch {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelMatch>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelMatch {
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub type_: Option<String>,
+    pub value: String,
+}
+
+/// A weighted destination model (weights all set, or none: equal shares).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetModel {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<i32>,
+    pub model_rewrite: String,
+}
+
+/// The `InferenceModelRewrite` CustomResourceDefinition as YAML (tests install it).
+pub fn model_rewrite_crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&InferenceModelRewrite::crd())
+}
+
+/// The `routing.modelRewrites` rules the `InferenceModelRewrite`s naming one of `pools` add,
+/// for models `served` says the pool serves, in precedence order: rules matching models
+/// exactly, from the oldest resource first, then each resource's rules in order; the first
+/// rule for a model wins. Rules without matches (every model) and rules with a target the pool
+/// does not serve are left out, each with the reason in the second list.
+pub fn rewrites_for(
+    pools: &[String],
+    rewrites: &[InferenceModelRewrite],
+    served: &dyn Fn(&str) -> bool,
+) -> (Vec<crate::routing::ModelRewrite>, Vec<String>) {
+    use crate::routing::{ModelRewrite, RewriteTarget};
+    let mut mine: Vec<&InferenceModelRewrite> = rewrites
+        .iter()
+        .filter(|r| {
+            pools.contains(&r.spec.pool_ref.name)
+                && r.spec.pool_ref.kind.as_deref().unwrap_or("InferencePool") == "InferencePool"
+        })
+        .collect();
+    mine.sort_by(|a, b| {
+        (&a.metadata.creation_timestamp, &a.metadata.name)
+            .cmp(&(&b.metadata.creation_timestamp, &b.metadata.name))
+    });
+    let mut out: Vec<ModelRewrite> = Vec::new();
+    let mut skipped = Vec::new();
+    for r in mine {
+        let name = r.metadata.name.clone().unwrap_or_default();
+        for (i, rule) in r.spec.rules.iter().enumerate() {
+            let at = format!("InferenceModelRewrite {name} rules[{i}]");
+            if rule.matches.is_empty() {
+                skipped.push(format!("{at}: a rule for every model is not supported"));
+                continue;
+            }
+            let weighted = rule.targets.iter().any(|t| t.weight.is_some());
+            let targets: Vec<RewriteTarget> = rule
+                .targets
+                .iter()
+                .map(|t| RewriteTarget {
+                    model: t.model_rewrite.clone(),
+                    weight: if weighted {
+                        u32::try_from(t.weight.unwrap_or(0))
+                            .unwrap_or(0)
+                            .min(1_000_000)
+                    } else {
+                        1
+                    },
+                })
+                .collect();
+            if targets.is_empty() || targets.iter().all(|t| t.weight == 0) {
+                skipped.push(format!("{at}: no target with a positive weight"));
+                continue;
+            }
+            if let Some(t) = targets.iter().find(|t| !served(&t.model)) {
+                skipped.push(format!(
+                    "{at}: target {:?} is not served by the pool",
+                    t.model
+                ));
+                continue;
+            }
+            for m in &rule.matches {
+                let Some(model) = m.model.as_ref().map(|m| m.value.clone()) else {
+                    continue;
+                };
+                if !out.iter().any(|o| o.model == model) && out.len() < 64 {
+                    out.push(ModelRewrite {
+                        model,
+                        targets: targets.clone(),
+                    });
+                }
+            }
+        }
+    }
+    (out, skipped)
 }

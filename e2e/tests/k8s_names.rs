@@ -9,8 +9,9 @@
 //! A KVRoutePool that names an existing Gateway API InferencePool (`spec.inferencePoolRef`)
 //! serves it: the InferencePool's selector and ports become the endpoints, the picker runs, a
 //! real Envoy configured as the gateway's endpoint-picker filter routes through it, an edit of
-//! the KVRoutePool's policy retunes it live, and kvroute's entry appears in the
-//! InferencePool's `status.parents` beside the gateway's.
+//! the KVRoutePool's policy retunes it live, llm-d's InferenceModelRewrite for the
+//! InferencePool is honoured, and kvroute's entry appears in the InferencePool's
+//! `status.parents` beside the gateway's.
 //!
 //! Needs the control-plane binaries of `scripts/k8s-bins.sh`.
 #![allow(clippy::unwrap_used)]
@@ -84,10 +85,15 @@ fn install_gateway_crd() {
     ONCE.get_or_init(|| {
         // server-side: creating or updating is one idempotent request
         let file = std::env::temp_dir().join(format!("gateway-crd-{}.yaml", std::process::id()));
-        std::fs::write(&file, kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap()).unwrap();
+        let crds = format!(
+            "{}---\n{}",
+            kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap(),
+            kvroute_crds::gateway_pool::model_rewrite_crd_yaml().unwrap()
+        );
+        std::fs::write(&file, crds).unwrap();
         sh(&format!("kubectl apply --server-side -f {}", file.display()));
         let _ = std::fs::remove_file(&file);
-        sh("kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io");
+        sh("kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io crd/inferencemodelrewrites.inference.networking.x-k8s.io");
     });
 }
 
@@ -306,6 +312,36 @@ async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
         let view = picker.endpoints().await?;
         Ok((view["routing"]["strategy"] == "LeastLoad").then_some(()))
     })
+    .await
+    .unwrap();
+
+    // llm-d's InferenceModelRewrite for this InferencePool: `chat` is served by the model and
+    // answered in its name
+    apply(
+        n,
+        &[
+            "apiVersion: inference.networking.x-k8s.io/v1alpha2",
+            "kind: InferenceModelRewrite",
+            "metadata: {name: chat-alias}",
+            "spec:",
+            "  poolRef: {name: llama}",
+            "  rules:",
+            "    - matches: [{model: {value: chat}}]",
+            &format!("      targets: [{{modelRewrite: {LLAMA_MODEL}}}]"),
+        ]
+        .join("\n"),
+    );
+    wait::until(
+        "the picker to take the InferenceModelRewrite",
+        TIMEOUT,
+        || async {
+            let out = picker.complete("chat", "via a rewrite", false).await;
+            Ok(out
+                .ok()
+                .filter(|o| o.contains(r#""model":"chat""#))
+                .map(|_| ()))
+        },
+    )
     .await
     .unwrap();
 

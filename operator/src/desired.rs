@@ -431,6 +431,11 @@ fn picker_rbac(
                 "verbs": ["get", "list", "watch"],
             },
             {
+                "apiGroups": ["inference.networking.x-k8s.io"],
+                "resources": ["inferencemodelrewrites"],
+                "verbs": ["get", "list", "watch"],
+            },
+            {
                 "apiGroups": ["discovery.k8s.io"],
                 "resources": ["endpointslices"],
                 "verbs": ["get", "list", "watch"],

@@ -286,7 +286,11 @@ fn picker_deployment_and_service() {
     let role = serde_json::to_value(role).expect("json");
     assert_eq!(role["rules"][0]["resourceNames"], json!(["llama"]));
     assert_eq!(role["rules"][0]["verbs"], json!(["get", "list", "watch"]));
-    assert_eq!(role["rules"][1]["resources"], json!(["endpointslices"]));
+    assert_eq!(
+        role["rules"][1]["resources"],
+        json!(["inferencemodelrewrites"])
+    );
+    assert_eq!(role["rules"][2]["resources"], json!(["endpointslices"]));
     let binding = serde_json::to_value(binding).expect("json");
     assert_eq!(binding["subjects"][0]["name"], "llama-picker");
 }

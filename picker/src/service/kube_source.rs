@@ -20,6 +20,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use kvroute_crds::contract;
+use kvroute_crds::gateway_pool::{InferenceModelRewrite, rewrites_for};
 use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolSpec};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -136,6 +137,53 @@ pub fn declared<'a>(
     }
 }
 
+/// Adds to `spec.routing.modelRewrites` the rules of the `InferenceModelRewrite`s naming a
+/// Gateway API InferencePool this pool serves (`inferencePoolRef`) or exports; the pool's own
+/// rules come first and win for the same model, and rules naming targets the pool does not
+/// serve are left out (logged).
+pub fn add_gateway_rewrites(
+    spec: &mut KVRoutePoolSpec,
+    pool: &str,
+    rewrites: &Store<DynamicObject>,
+) {
+    let mut pools: Vec<String> = spec
+        .inference_pool_ref
+        .iter()
+        .map(|r| r.name.clone())
+        .collect();
+    if spec.gateway.is_some_and(|g| g.export_inference_pool) {
+        pools.extend(
+            spec.model_configs
+                .iter()
+                .map(|mc| contract::gateway_pool_name(pool, &mc.name)),
+        );
+    }
+    if pools.is_empty() {
+        return;
+    }
+    let parsed: Vec<InferenceModelRewrite> = rewrites
+        .state()
+        .iter()
+        .filter_map(|d| serde_json::from_value(serde_json::to_value(d.as_ref()).ok()?).ok())
+        .collect();
+    let model_configs = spec.model_configs.clone();
+    let served = |m: &str| {
+        model_configs
+            .iter()
+            .any(|mc| mc.model == m || mc.lora_adapters.iter().any(|a| a == m))
+    };
+    let (rules, skipped) = rewrites_for(&pools, &parsed, &served);
+    for why in skipped {
+        tracing::debug!(%why, "InferenceModelRewrite rule not applied");
+    }
+    let own = &mut spec.routing.model_rewrites;
+    for r in rules {
+        if own.len() < 64 && !own.iter().any(|o| o.model == r.model) {
+            own.push(r);
+        }
+    }
+}
+
 /// The pool resource and its EndpointSlices, watched.
 #[derive(Clone)]
 pub struct KubeSource {
@@ -167,6 +215,7 @@ impl KubeSource {
         &self,
         pools: &Store<DynamicObject>,
         slices: &Store<EndpointSlice>,
+        rewrites: &Store<DynamicObject>,
     ) -> Option<DeclaredPool> {
         let o = &self.options;
         let pool = pools.state().into_iter().find(|p| p.name_any() == o.pool)?;
@@ -186,6 +235,8 @@ impl KubeSource {
                 return None;
             }
         };
+        let mut spec = spec;
+        add_gateway_rewrites(&mut spec, &o.pool, rewrites);
         let mut slices: Vec<_> = slices
             .state()
             .into_iter()
@@ -237,7 +288,31 @@ impl EndpointSource for KubeSource {
             .default_backoff()
             .reflect(slices_writer)
             .map(|e| e.map(|_| ()));
-            let mut events = std::pin::pin!(stream::select(pool_events, slice_events));
+            // llm-d's InferenceModelRewrites, where that CRD is installed (checked at start)
+            let rewrites_ar = ApiResource::erase::<InferenceModelRewrite>(&());
+            let rewrites_installed = self
+                .client
+                .list_api_group_resources(&rewrites_ar.api_version)
+                .await
+                .is_ok_and(|l| l.resources.iter().any(|r| r.name == rewrites_ar.plural));
+            let rewrites_writer =
+                reflector::store::Writer::<DynamicObject>::new(rewrites_ar.clone());
+            let rewrites = rewrites_writer.as_reader();
+            let rewrite_events = if rewrites_installed {
+                let api: Api<DynamicObject> =
+                    Api::namespaced_with(self.client.clone(), &o.namespace, &rewrites_ar);
+                watcher(api, watcher::Config::default())
+                    .default_backoff()
+                    .reflect(rewrites_writer)
+                    .map(|e| e.map(|_| ()))
+                    .boxed()
+            } else {
+                stream::empty().boxed()
+            };
+            let mut events = std::pin::pin!(stream::select(
+                stream::select(pool_events, slice_events),
+                rewrite_events
+            ));
             let mut last: Option<DeclaredPool> = None;
             let mut dirty = false;
             tracing::info!(pool = %o.pool, namespace = %o.namespace, "watching the pool and its EndpointSlices");
@@ -258,7 +333,7 @@ impl EndpointSource for KubeSource {
                     },
                     () = quiet => {
                         dirty = false;
-                        if let Some(view) = self.current(&pools, &slices)
+                        if let Some(view) = self.current(&pools, &slices, &rewrites)
                             && last.as_ref() != Some(&view)
                         {
                             tracing::info!(
