@@ -32,10 +32,11 @@ fn invalid(m: impl Into<String>) -> Unmapped {
 
 /// The chat messages of a Responses request: `instructions` as the system message, then the
 /// `input` (a string is one user message; items map one by one, a function call or reasoning
-/// joining the assistant message before it).
+/// joining the assistant message before it). The input's text moves into the messages, not
+/// copied: a long conversation costs what chat completions' parse does.
 pub fn responses_messages(
     instructions: Option<&Value>,
-    input: &Value,
+    input: Value,
 ) -> Result<Vec<Value>, Unmapped> {
     let mut messages: Vec<Value> = Vec::new();
     match instructions {
@@ -50,7 +51,8 @@ pub fn responses_messages(
     match input {
         Value::String(s) => messages.push(json!({"role": "user", "content": s})),
         Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
+            messages.reserve(items.len());
+            for (i, item) in items.into_iter().enumerate() {
                 if let Some(m) = responses_item(i, item, &mut messages)? {
                     messages.push(m);
                 }
@@ -74,28 +76,40 @@ fn has(m: &Map<String, Value>, key: &str) -> bool {
     m.get(key).is_some_and(|v| !v.is_null())
 }
 
+/// The text of the first part of `content` (a string, or parts), moved out.
+fn first_text(content: Option<Value>) -> Option<Value> {
+    match content? {
+        s @ Value::String(_) => Some(s),
+        Value::Array(parts) => match parts.into_iter().next()? {
+            Value::Object(mut p) => p.remove("text").filter(Value::is_string),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// One Responses input item: a new message, or `None` when it joined the previous one.
 fn responses_item(
     i: usize,
-    item: &Value,
+    item: Value,
     messages: &mut [Value],
 ) -> Result<Option<Value>, Unmapped> {
-    let Some(obj) = item.as_object() else {
+    let Value::Object(mut obj) = item else {
         return Err(invalid(format!("`input[{i}]` must be an object")));
     };
-    let field = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    let text_field = |k: &str| -> Result<&str, Unmapped> {
-        field(k)
-            .and_then(Value::as_str)
-            .ok_or_else(|| invalid(format!("`input[{i}].{k}` must be a string")))
-    };
-    let kind = obj.get("type").and_then(Value::as_str);
-    let role = obj.get("role").and_then(Value::as_str);
-    match kind {
+    let kind = obj.get("type").and_then(Value::as_str).map(str::to_owned);
+    let role = obj.get("role").and_then(Value::as_str).map(str::to_owned);
+    let present = |obj: &Map<String, Value>, k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    match kind.as_deref() {
         Some("function_call") => {
-            if field("namespace").is_some() {
+            if present(&obj, "namespace") {
                 return Err(Unmapped::NotReproduced("namespaced function call"));
             }
+            let text_field = |k: &str| -> Result<&str, Unmapped> {
+                obj.get(k)
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| invalid(format!("`input[{i}].{k}` must be a string")))
+            };
             let call = json!({
                 "id": text_field("call_id")?,
                 "function": {"name": text_field("name")?, "arguments": text_field("arguments")?},
@@ -117,67 +131,58 @@ fn responses_item(
             Ok(Some(json!({"role": "assistant", "tool_calls": [call]})))
         }
         Some("reasoning") => {
-            if field("encrypted_content").is_some() {
+            if present(&obj, "encrypted_content") {
                 return Err(Unmapped::NotReproduced("encrypted reasoning"));
             }
-            let first_text = |k: &str| {
-                field(k)
-                    .and_then(Value::as_array)
-                    .and_then(|a| a.first())
-                    .and_then(|p| p.get("text"))
-                    .and_then(Value::as_str)
-            };
-            let reasoning = first_text("content")
-                .filter(|_| {
-                    field("content")
-                        .and_then(Value::as_array)
-                        .is_some_and(|a| !a.is_empty())
-                })
-                .or_else(|| first_text("summary"))
-                .unwrap_or_default();
+            let content = obj
+                .remove("content")
+                .filter(|c| c.as_array().is_some_and(|a| !a.is_empty()));
+            let reasoning = first_text(content)
+                .or_else(|| first_text(obj.remove("summary")))
+                .unwrap_or_else(|| Value::from(""));
             if let Some(prev) = last_assistant(messages)
                 && !has(prev, "reasoning")
             {
-                prev.insert("reasoning".into(), Value::from(reasoning));
+                prev.insert("reasoning".into(), reasoning);
                 return Ok(None);
             }
             Ok(Some(json!({"role": "assistant", "reasoning": reasoning})))
         }
-        Some("function_call_output") | Some("custom_tool_call_output") => Ok(Some(json!({
-            "role": "tool",
-            "content": obj.get("output").cloned().unwrap_or(Value::Null),
-            "tool_call_id": obj.get("call_id").cloned().unwrap_or(Value::Null),
-        }))),
-        _ if role == Some("assistant") => {
-            let text = match field("content") {
-                Some(Value::String(s)) => Some(s.as_str()),
-                Some(Value::Array(parts)) => parts
-                    .first()
-                    .and_then(|p| p.get("text"))
-                    .and_then(Value::as_str),
-                _ => None,
-            };
-            let Some(text) = text else {
+        Some("function_call_output" | "custom_tool_call_output") => {
+            let mut m = Map::new();
+            m.insert("role".into(), Value::from("tool"));
+            m.insert(
+                "content".into(),
+                obj.remove("output").unwrap_or(Value::Null),
+            );
+            m.insert(
+                "tool_call_id".into(),
+                obj.remove("call_id").unwrap_or(Value::Null),
+            );
+            Ok(Some(Value::Object(m)))
+        }
+        _ if role.as_deref() == Some("assistant") => {
+            let Some(text) = first_text(obj.remove("content").filter(|c| !c.is_null())) else {
                 return Err(Unmapped::NotReproduced("assistant item without text"));
             };
             if let Some(prev) = last_assistant(messages)
                 && !has(prev, "content")
             {
-                prev.insert("content".into(), Value::from(text));
+                prev.insert("content".into(), text);
                 return Ok(None);
             }
             Ok(Some(json!({"role": "assistant", "content": text})))
         }
-        _ if role.is_some() && matches!(kind, None | Some("message")) => {
+        None | Some("message") if role.is_some() => {
             let mut m = Map::new();
             m.insert("role".into(), Value::from(role.unwrap_or_default()));
             m.insert(
                 "content".into(),
-                match obj.get("content") {
+                match obj.remove("content") {
                     Some(Value::Array(parts)) => {
-                        Value::Array(parts.iter().map(responses_part).collect())
+                        Value::Array(parts.into_iter().map(responses_part).collect())
                     }
-                    Some(other) => other.clone(),
+                    Some(other) => other,
                     None => Value::Null,
                 },
             );
@@ -192,12 +197,18 @@ fn responses_item(
 
 /// A content part of a Responses message as vLLM's chat parser reads it: `input_text` and
 /// `output_text` are text parts.
-fn responses_part(part: &Value) -> Value {
-    match part.get("type").and_then(Value::as_str) {
-        Some("input_text" | "output_text") => {
-            json!({"type": "text", "text": part.get("text").cloned().unwrap_or(Value::Null)})
+fn responses_part(part: Value) -> Value {
+    match part {
+        Value::Object(mut p)
+            if matches!(
+                p.get("type").and_then(Value::as_str),
+                Some("input_text" | "output_text")
+            ) =>
+        {
+            let text = p.remove("text").unwrap_or(Value::Null);
+            json!({"type": "text", "text": text})
         }
-        _ => part.clone(),
+        other => other,
     }
 }
 
@@ -627,7 +638,7 @@ mod tests {
              "content": [{"type": "output_text", "text": "It is 4.", "annotations": []}]},
             {"type": "message", "role": "user", "content": "Thanks"}
         ]);
-        let got = responses_messages(Some(&json!("Be brief.")), &input).expect("maps");
+        let got = responses_messages(Some(&json!("Be brief.")), input).expect("maps");
         assert_eq!(
             Value::Array(got),
             json!([
@@ -644,7 +655,7 @@ mod tests {
         );
         // a string input is one user message, and empty instructions add nothing
         assert_eq!(
-            responses_messages(Some(&json!("")), &json!("hi")).expect("maps"),
+            responses_messages(Some(&json!("")), json!("hi")).expect("maps"),
             vec![json!({"role": "user", "content": "hi"})]
         );
     }
@@ -661,10 +672,7 @@ mod tests {
                 Unmapped::NotReproduced("encrypted reasoning"),
             ),
         ] {
-            assert_eq!(
-                responses_messages(None, &input).expect_err("unmapped"),
-                want
-            );
+            assert_eq!(responses_messages(None, input).expect_err("unmapped"), want);
         }
         for input in [
             json!(7),
@@ -673,12 +681,15 @@ mod tests {
             json!([{"type": "function_call", "name": "f"}]),
         ] {
             assert!(
-                matches!(responses_messages(None, &input), Err(Unmapped::Invalid(_))),
+                matches!(
+                    responses_messages(None, input.clone()),
+                    Err(Unmapped::Invalid(_))
+                ),
                 "{input}"
             );
         }
         assert!(matches!(
-            responses_messages(Some(&json!(1)), &json!("x")),
+            responses_messages(Some(&json!(1)), json!("x")),
             Err(Unmapped::Invalid(m)) if m.contains("instructions")
         ));
     }

@@ -517,7 +517,7 @@ impl ParsedRequest {
                     out.unread = Some("previous_response_id");
                     return Ok(out);
                 }
-                map::responses_messages(head.instructions.as_ref(), &input)
+                map::responses_messages(head.instructions.as_ref(), input)
                     .and_then(|m| Ok((m, map::responses_tools(head.tools.as_ref())?, true)))
             }
             _ => {
