@@ -65,7 +65,8 @@ pub struct KVRoutePoolSpec {
     /// A Gateway API Inference Extension InferencePool (`inference.networking.k8s.io/v1`) in
     /// this namespace that this resource configures, instead of `selector`: its selector picks
     /// the pods and its target ports are the endpoints (one data-parallel rank per port; the
-    /// ports must be consecutive), while model configs and routing come from here. kvroute
+    /// ports must be consecutive; `appProtocol` `http`), while model configs and routing come
+    /// from here. kvroute
     /// runs the picker for it and reports in the InferencePool's `status.parents` under its
     /// own entry (parentRef kind `KVRoutePool`). Point the InferencePool's
     /// `endpointPickerRef` at this pool's picker Service (`<name>-picker`, port 9002).
@@ -467,7 +468,8 @@ impl KVRoutePoolSpec {
     }
 
     /// The spec with a referenced Gateway API InferencePool's selector and ports in place: its
-    /// `matchLabels` become the selector; one target port becomes each model config's port
+    /// `matchLabels` become the selector (its `appProtocol` must be HTTP/1.1, the default:
+    /// the picker speaks the engines' OpenAI HTTP API); one target port becomes each model config's port
     /// (its data-parallel ranks as declared); several, which must be consecutive, become ranks
     /// by port (`port` the first, `dataParallel.size` their count, `rankSelection: Port`). A
     /// model config that declares another layout is an error naming it.
@@ -475,6 +477,9 @@ impl KVRoutePoolSpec {
         let mut out = self.clone();
         if gateway.selector.match_labels.is_empty() {
             return Err("the referenced InferencePool's selector.matchLabels is empty".into());
+        }
+        if gateway.app_protocol == Some(crate::gateway_pool::AppProtocol::H2c) {
+            return Err("the referenced InferencePool's appProtocol is kubernetes.io/h2c (gRPC model servers): kvroute's picker speaks the engines' HTTP/1.1 OpenAI API".into());
         }
         out.selector = Some(PoolSelector {
             match_labels: gateway.selector.match_labels.clone(),
@@ -645,6 +650,10 @@ mod tests {
         assert_eq!(dp.rank_selection, crate::pool::RankSelection::Port);
         let e = r.resolve(&gw(&[8000, 8002])).expect_err("a gap");
         assert!(e.contains("not consecutive"), "{e}");
+        let mut h2c = gw(&[8000]);
+        h2c.app_protocol = Some(crate::gateway_pool::AppProtocol::H2c);
+        let e = r.resolve(&h2c).expect_err("gRPC model servers");
+        assert!(e.contains("appProtocol"), "{e}");
         let header = spec(json!({
             "selector": null, "inferencePoolRef": {"name": "llama"},
             "modelConfigs": [{"name": "a", "model": "m", "dataParallel": {"size": 2, "rankSelection": "Header"}}]

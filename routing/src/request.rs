@@ -341,18 +341,7 @@ impl ParsedRequest {
             let head: OtherBodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
             let (model, stream, cache_salt) =
                 Self::common_fields(head.model, head.stream, head.cache_salt)?;
-            return Ok(Self {
-                kind,
-                raw,
-                model,
-                stream,
-                prompt: None,
-                chat: None,
-                cache_salt,
-                previous_response_id: None,
-                session_id: None,
-                unread: None,
-            });
+            return Ok(Self::without_prompt(kind, raw, model, stream, cache_salt));
         }
         if matches!(
             kind,
@@ -450,6 +439,28 @@ impl ParsedRequest {
         })
     }
 
+    /// A request whose prompt is not (yet) read.
+    fn without_prompt(
+        kind: ApiKind,
+        raw: Bytes,
+        model: String,
+        stream: bool,
+        cache_salt: Option<String>,
+    ) -> Self {
+        Self {
+            kind,
+            raw,
+            model,
+            stream,
+            prompt: None,
+            chat: None,
+            cache_salt,
+            previous_response_id: None,
+            session_id: None,
+            unread: None,
+        }
+    }
+
     /// A Responses, Messages or embeddings body: the prompt as chat (or as a completions
     /// prompt for embeddings), and the conversation it names.
     fn conversation(
@@ -469,18 +480,7 @@ impl ParsedRequest {
                 format!("`{name}` must be a non-empty string of at most {MAX_ID_BYTES} bytes"),
             )),
         };
-        let mut out = Self {
-            kind,
-            raw,
-            model,
-            stream,
-            prompt: None,
-            chat: None,
-            cache_salt,
-            previous_response_id: None,
-            session_id: None,
-            unread: None,
-        };
+        let mut out = Self::without_prompt(kind, raw, model, stream, cache_salt);
         let mapped = match kind {
             ApiKind::Embeddings => {
                 let input = head.input.ok_or_else(|| {
