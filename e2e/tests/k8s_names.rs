@@ -232,13 +232,7 @@ async fn kvroute_entry(api: &Api<GatewayInferencePool>, name: &str) -> Vec<(Stri
 async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
     let c = cluster();
     c.install_chart().unwrap();
-    apply(
-        "default",
-        &kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap(),
-    );
-    sh(
-        "kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io",
-    );
+    install_gateway_crd();
     c.ensure_operator().await.unwrap();
     let ns = c.namespace("gwref").await.unwrap();
     let n = ns.name.as_str();
