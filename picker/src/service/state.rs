@@ -494,11 +494,16 @@ impl PickerState {
         let routing = self.routing.load();
         let session = self.conversation(req, headers, &routing);
         // a rewrite rule: a session keeps its target, anything else goes by its body's hash
+        // (hashed only when the model has a rule)
         let rewrite = routing
-            .rewrite_model(
-                &req.model,
-                xxhash_rust::xxh3::xxh3_64(session.as_deref().map_or(&req.raw[..], str::as_bytes)),
-            )
+            .model_rewrites
+            .iter()
+            .any(|r| r.model == req.model)
+            .then(|| {
+                let key = session.as_deref().map_or(&req.raw[..], str::as_bytes);
+                routing.rewrite_model(&req.model, xxhash_rust::xxh3::xxh3_64(key))
+            })
+            .flatten()
             .filter(|t| *t != req.model)
             .map(|t| ModelRewritten {
                 asked: req.model.clone(),
@@ -600,7 +605,10 @@ impl PickerState {
             let _entered = decide.enter();
             self.pool.place(&route_request, self.now_ms())
         };
-        if let Ok(p) = &placed {
+        // the attributes are built only for a span that is recorded
+        if let Ok(p) = &placed
+            && !decide.is_disabled()
+        {
             let d = &p.decision;
             decide.record("candidates", 1 + d.fallbacks.len());
             decide.record("endpoint", d.endpoint.host_port().as_str());
