@@ -57,6 +57,9 @@ struct FakePicker {
     statuses: Mutex<Vec<(u64, u16)>>,
     first_bodies: Mutex<Vec<u64>>,
     completed: Mutex<Vec<u64>>,
+    /// Response bodies are rewritten (upper-cased) while set; the chunks it was given.
+    rewrite: std::sync::atomic::AtomicBool,
+    rewritten: Mutex<Vec<Vec<u8>>>,
 }
 
 impl FakePicker {
@@ -68,6 +71,8 @@ impl FakePicker {
             statuses: Mutex::new(Vec::new()),
             first_bodies: Mutex::new(Vec::new()),
             completed: Mutex::new(Vec::new()),
+            rewrite: std::sync::atomic::AtomicBool::new(false),
+            rewritten: Mutex::new(Vec::new()),
         })
     }
 
@@ -135,6 +140,15 @@ impl EndpointPicker for FakePicker {
 
     fn on_response_complete(&self, request_id: u64) {
         self.completed.lock().unwrap().push(request_id);
+    }
+
+    fn rewrites_response(&self, _request_id: u64) -> bool {
+        self.rewrite.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn rewrite_response_chunk(&self, _request_id: u64, chunk: Vec<u8>, _end: bool) -> Vec<u8> {
+        self.rewritten.lock().unwrap().push(chunk.clone());
+        chunk.to_ascii_uppercase()
     }
 }
 
@@ -576,8 +590,63 @@ async fn full_duplex_streamed_chunks() {
             *picker.first_bodies.lock().unwrap(),
             vec![picker.inputs()[0].request_id]
         );
+        assert!(
+            picker.rewritten.lock().unwrap().is_empty(),
+            "a picker that rewrites nothing is not handed the chunks"
+        );
         assert_eq!(picker.wait_completed(1).await.len(), 1);
         assert!(matches!(envoy.finish().await, Ok(None)));
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_rewritten_response_body_loses_its_content_length_and_streams_rewritten() {
+    tokio::time::timeout(TEST, async {
+        let picker = FakePicker::answering(&["10.0.0.3:8000"]);
+        picker
+            .rewrite
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let (addr, picker) = serve(picker, limits()).await;
+        let channel = connect(addr).await;
+        let mut envoy = Envoy::open(&channel).await;
+        let duplex = config(
+            BodySendMode::FullDuplexStreamed,
+            BodySendMode::FullDuplexStreamed,
+        );
+        envoy.send(post(CHAT.len(), Some(duplex))).await;
+        envoy.send(request_body(CHAT, true)).await;
+        envoy.recv().await;
+        collect_streamed_request_body(&mut envoy).await;
+
+        envoy.send(response_headers(false, None)).await;
+        let answer = envoy.recv().await;
+        let Some(processing_response::Response::ResponseHeaders(h)) = answer.response else {
+            panic!("expected a response-headers answer");
+        };
+        let removed = h
+            .response
+            .and_then(|c| c.header_mutation)
+            .map(|m| m.remove_headers)
+            .unwrap_or_default();
+        assert_eq!(removed, ["content-length"]);
+        for (chunk, end) in [(&b"data: a\n\n"[..], false), (&b"data: b\n\n"[..], true)] {
+            envoy.send(response_body(chunk, end)).await;
+            let Some(processing_response::Response::ResponseBody(b)) = envoy.recv().await.response
+            else {
+                panic!("expected a response-body answer");
+            };
+            let Some(body_mutation::Mutation::StreamedResponse(streamed)) = b
+                .response
+                .and_then(|c| c.body_mutation)
+                .and_then(|m| m.mutation)
+            else {
+                panic!("expected a streamed echo");
+            };
+            assert_eq!(streamed.body, chunk.to_ascii_uppercase());
+        }
+        assert_eq!(picker.rewritten.lock().unwrap().len(), 2);
     })
     .await
     .unwrap();

@@ -575,28 +575,7 @@ fn write_python_json(out: &mut String, v: &Value) {
             }
             _ => out.push_str("null"),
         },
-        Value::String(s) => {
-            out.push('"');
-            for c in s.chars() {
-                match c {
-                    '"' => out.push_str("\\\""),
-                    '\\' => out.push_str("\\\\"),
-                    '\n' => out.push_str("\\n"),
-                    '\r' => out.push_str("\\r"),
-                    '\t' => out.push_str("\\t"),
-                    '\u{08}' => out.push_str("\\b"),
-                    '\u{0c}' => out.push_str("\\f"),
-                    c if c.is_ascii() && (c as u32) >= 0x20 => out.push(c),
-                    c => {
-                        let mut buf = [0u16; 2];
-                        for unit in c.encode_utf16(&mut buf) {
-                            let _ = write!(out, "\\u{unit:04x}");
-                        }
-                    }
-                }
-            }
-            out.push('"');
-        }
+        Value::String(s) => crate::tokenize::write_python_json_str(out, s, true),
         Value::Array(items) => {
             out.push('[');
             for (k, item) in items.iter().enumerate() {
@@ -613,7 +592,7 @@ fn write_python_json(out: &mut String, v: &Value) {
                 if k > 0 {
                     out.push_str(", ");
                 }
-                write_python_json(out, &Value::from(key.as_str()));
+                crate::tokenize::write_python_json_str(out, key, true);
                 out.push_str(": ");
                 write_python_json(out, item);
             }

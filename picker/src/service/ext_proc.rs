@@ -184,8 +184,9 @@ pub trait EndpointPicker: Send + Sync + 'static {
     }
 
     /// Whether the response body of the request is rewritten (the proxy must then send it
-    /// without its `content-length`). Asked with the response headers; the body is rewritten
-    /// only where the proxy sends it in `FULL_DUPLEX_STREAMED` mode.
+    /// without its `content-length`). Asked once, with the response headers; the body is
+    /// rewritten only where the proxy sends it in `FULL_DUPLEX_STREAMED` mode, and
+    /// `rewrite_response_chunk` is called only when this said yes.
     fn rewrites_response(&self, _request_id: u64) -> bool {
         false
     }
@@ -438,6 +439,8 @@ struct InFlight<P: EndpointPicker> {
     body_reported: bool,
     /// Whether the picker still reads the response body's chunks.
     watch_body: bool,
+    /// Whether the picker rewrites the response body (decided with the response headers).
+    rewrite_body: bool,
 }
 
 impl<P: EndpointPicker> Drop for InFlight<P> {
@@ -605,12 +608,16 @@ impl<P: EndpointPicker> StreamTask<P> {
                         .picker
                         .on_response_status(inflight.request_id, status);
                 }
-                // a body that is rewritten may change length
+                // a body that is rewritten may change length; asked once, here, so the body's
+                // chunks go to the picker only when it rewrites them
                 let rewrites = self.echo_response_body
                     && self
                         .inflight
                         .as_ref()
                         .is_some_and(|i| i.picker.rewrites_response(i.request_id));
+                if let Some(i) = self.inflight.as_mut() {
+                    i.rewrite_body = rewrites;
+                }
                 let answer = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
                         HeadersResponse {
@@ -650,10 +657,11 @@ impl<P: EndpointPicker> StreamTask<P> {
                 // is lost. Otherwise an empty answer means CONTINUE with the chunk unchanged.
                 let common = self.echo_response_body.then(|| {
                     let chunk = match &self.inflight {
-                        Some(i) => i
-                            .picker
-                            .rewrite_response_chunk(i.request_id, body.body, end),
-                        None => body.body,
+                        Some(i) if i.rewrite_body => {
+                            i.picker
+                                .rewrite_response_chunk(i.request_id, body.body, end)
+                        }
+                        _ => body.body,
                     };
                     CommonResponse {
                         body_mutation: Some(streamed_chunk(chunk, end)),
@@ -866,6 +874,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             served_reported: false,
             body_reported: false,
             watch_body: true,
+            rewrite_body: false,
         });
 
         let endpoints = within_subset(output.endpoints, subset.as_deref());

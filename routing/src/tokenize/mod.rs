@@ -64,7 +64,7 @@ mod tests;
 use self::bounded::{EncodeBound, EncodeFailure, EncodeGate};
 use self::fallback::fallback_render;
 pub use self::piece_cache::{PieceCacheOff, PieceCacheStats, PieceEncoder, PieceEncoding};
-pub(crate) use self::python::push_python_float;
+pub(crate) use self::python::{push_python_float, write_python_json_str};
 use self::template::*;
 
 /// Name under which the chat template is stored in the environment. It has no file extension
