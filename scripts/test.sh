@@ -8,6 +8,11 @@
 # scripts/real-engines/install-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A CI run compiles everything once: incremental caches would only take disk (a CI run once
+# failed with the disk full while linking a test binary). The free space is printed so a log
+# shows it when that happens again.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+echo "free disk where cargo builds: $(df -h --output=avail . | tail -n 1 | tr -d ' ')"
 python3 -c 'import zmq, msgpack' 2>/dev/null || python3 -m pip install --quiet 'pyzmq>=26' 'msgpack>=1.0'
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
