@@ -683,13 +683,16 @@ fn coalesce_removals(events: Vec<KvEvent>) -> Vec<KvEvent> {
         if let KvEvent::BlockRemoved {
             block_hashes,
             medium,
+            place,
         } = e
         {
             if let Some(KvEvent::BlockRemoved {
                 block_hashes: prev,
                 medium: prev_medium,
+                place: prev_place,
             }) = out.last_mut()
                 && *prev_medium == medium
+                && *prev_place == place
             {
                 prev.extend_from_slice(&block_hashes);
                 continue;
@@ -697,6 +700,7 @@ fn coalesce_removals(events: Vec<KvEvent>) -> Vec<KvEvent> {
             out.push(KvEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                place,
             });
         } else {
             out.push(e);

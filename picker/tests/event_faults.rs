@@ -37,6 +37,7 @@ fn stored_batch(seq: u64, blocks: u64) -> Vec<u8> {
             lora_name: None,
             extra_keys: Vec::new(),
             cache_salt: None,
+            place: Default::default(),
         }],
         data_parallel_rank: None,
         skipped_unknown: 0,

@@ -193,6 +193,7 @@ scrape: {{interval: 50ms, timeout: 200ms}}
                 lora_name: None,
                 extra_keys: Vec::new(),
                 cache_salt: None,
+                place: Default::default(),
             }],
             data_parallel_rank: None,
             skipped_unknown: 0,

@@ -172,11 +172,13 @@ fn expected(generation: u64, seq: u64) -> EventBatch {
         lora_name: None,
         extra_keys: Vec::new(),
         cache_salt: None,
+        place: Default::default(),
     }];
     if seq % 2 == 1 {
         events.push(KvEvent::BlockRemoved {
             block_hashes: vec![block_hash(seq - 1, 0)],
             medium: Some("GPU".to_owned()),
+            place: Default::default(),
         });
     }
     if seq % 7 == 6 {

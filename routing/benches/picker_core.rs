@@ -139,6 +139,7 @@ fn stored_events(i: usize, n_endpoints: usize, prompt: &[u32]) -> EventBatch {
         lora_name: None,
         extra_keys: Vec::new(),
         cache_salt: None,
+        place: Default::default(),
     };
     EventBatch {
         ts: 0.0,

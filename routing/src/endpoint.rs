@@ -43,6 +43,8 @@ impl fmt::Display for EndpointId {
     }
 }
 
+use crate::index::TierBlocks;
+use crate::pool::KvOffloadSpec;
 pub use crate::pool::{EngineKind, RankSelection};
 
 /// What the picker needs to know about the model configuration an endpoint serves.
@@ -63,6 +65,70 @@ pub struct ModelConfig {
     /// Identifier of the tokenizer to use (a path or a ConfigMap reference); `None` means
     /// character-chunk hashing.
     pub tokenizer: Option<Arc<str>>,
+    /// What a hit in a tier below the GPU costs (`kvOffload`).
+    pub offload: OffloadCosts,
+}
+
+/// `kvOffload` resolved: per tier below the GPU (CPU, remote, storage, in
+/// [`TierBlocks`]' order), the bytes it loads back per millisecond and the fraction of a GPU
+/// block one of its blocks counts as (in thousandths, so that the config stays `Eq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffloadCosts {
+    pub kv_bytes_per_token: u64,
+    pub bytes_per_ms: [u64; 3],
+    pub weight_permille: [u32; 3],
+}
+
+impl Default for OffloadCosts {
+    /// The defaults documented on `KvOffloadSpec`.
+    fn default() -> Self {
+        Self::from_spec(None)
+    }
+}
+
+impl OffloadCosts {
+    pub fn from_spec(spec: Option<&KvOffloadSpec>) -> Self {
+        // (GB/s, weight) of cpu, remote, storage
+        const DEFAULTS: [(f64, f64); 3] = [(25.0, 0.75), (12.5, 0.5), (3.0, 0.25)];
+        let tiers = spec.map_or([None, None, None], |s| {
+            [s.cpu.as_ref(), s.remote.as_ref(), s.storage.as_ref()]
+        });
+        let mut bytes_per_ms = [0; 3];
+        let mut weight_permille = [0; 3];
+        for (i, t) in tiers.iter().enumerate() {
+            let gbps = t.and_then(|t| t.bandwidth_gbps).unwrap_or(DEFAULTS[i].0);
+            let w = t.and_then(|t| t.credit_weight).unwrap_or(DEFAULTS[i].1);
+            bytes_per_ms[i] = ((gbps * 1e6).round() as u64).max(1);
+            weight_permille[i] = (w.clamp(0.0, 1.0) * 1000.0).round() as u32;
+        }
+        Self {
+            kv_bytes_per_token: spec
+                .and_then(|s| s.kv_bytes_per_token)
+                .unwrap_or(131_072)
+                .max(1),
+            bytes_per_ms,
+            weight_permille,
+        }
+    }
+
+    /// Milliseconds to load `tiers`' blocks (of `block_size` tokens) back into the GPU.
+    pub fn load_ms(&self, tiers: &TierBlocks, block_size: u32) -> f64 {
+        let per_block = self.kv_bytes_per_token as f64 * f64::from(block_size);
+        [tiers.cpu, tiers.remote, tiers.storage]
+            .iter()
+            .zip(self.bytes_per_ms)
+            .map(|(&n, rate)| f64::from(n) * per_block / rate as f64)
+            .sum()
+    }
+
+    /// `tiers`' blocks in GPU-block equivalents, by the tiers' credit weights.
+    pub fn credit_blocks(&self, tiers: &TierBlocks) -> f64 {
+        [tiers.cpu, tiers.remote, tiers.storage]
+            .iter()
+            .zip(self.weight_permille)
+            .map(|(&n, w)| f64::from(n) * f64::from(w) / 1000.0)
+            .sum()
+    }
 }
 
 impl ModelConfig {
@@ -77,6 +143,7 @@ impl ModelConfig {
             rank_selection: RankSelection::Header,
             lora_adapters: Vec::new(),
             tokenizer: None,
+            offload: OffloadCosts::default(),
         }
     }
 
@@ -112,6 +179,7 @@ impl From<&ModelConfigSpec> for ModelConfig {
                 .as_ref()
                 .and_then(|t| t.path.as_deref().or(t.config_map.as_deref()))
                 .map(Arc::from),
+            offload: OffloadCosts::from_spec(spec.kv_offload.as_ref()),
         }
     }
 }

@@ -40,6 +40,13 @@ use thiserror::Error;
 use crate::block_keys::BlockKey;
 use crate::endpoint::EndpointId;
 
+mod residency;
+use residency::Residency;
+pub use residency::{
+    Credit, EventPlace, GroupKind, MAX_GROUPS, MAX_LOWER_TIERS, Namespace, NamespaceRefusal, Tier,
+    TierBlocks,
+};
+
 /// Dense handle of an endpoint inside the index (reused after the endpoint is removed).
 pub type Slot = u32;
 
@@ -794,9 +801,18 @@ struct EndpointEntry {
     by_engine_hash: Table,
     /// Approximate mode: our key → last use (ms) and place, least recently used first.
     approx: LinkedHashMap<BlockKey, Touched, FxBuildHasher>,
+    /// Precise mode: the engine's KV-cache groups and tiers.
+    residency: Residency,
 }
 
 impl EndpointEntry {
+    /// Precise mode's bound on engine hashes: the block budget, once more for each tier below
+    /// the GPU the engine reports (a CPU tier holds its own blocks beside the GPU's).
+    fn budget(&self) -> usize {
+        self.max_blocks
+            .saturating_mul(1 + self.residency.lower_tiers())
+    }
+
     fn len(&self) -> usize {
         self.by_engine_hash.len() + self.approx.len()
     }
@@ -811,6 +827,9 @@ pub struct KvIndex {
     endpoints: Vec<Option<EndpointEntry>>,
     free_slots: Vec<Slot>,
     slot_of: HashMap<EndpointId, Slot, FxBuildHasher>,
+    /// Endpoints whose credit needs more than the primary namespace (hybrid groups, lower
+    /// tiers, an unmodelled group kind); 0 keeps [`KvIndex::credit`] on its fast path.
+    special: usize,
 }
 
 impl Default for KvIndex {
@@ -827,6 +846,7 @@ impl KvIndex {
             endpoints: Vec::new(),
             free_slots: Vec::new(),
             slot_of: HashMap::default(),
+            special: 0,
         }
     }
 
@@ -853,7 +873,10 @@ impl KvIndex {
             if let Some(e) = self.endpoints[slot as usize].as_mut() {
                 e.mode = mode;
                 e.max_blocks = max_blocks;
-                e.by_engine_hash.limit = max_blocks;
+                if changed {
+                    e.residency = Residency::default();
+                }
+                e.by_engine_hash.limit = e.budget();
                 // a smaller budget holds at once: approximate entries go least recently used
                 // first; a precise view over it cannot be trimmed (removals are the engine's)
                 // and is dropped, to be rebuilt from the events that follow
@@ -862,10 +885,13 @@ impl KvIndex {
                         self.chains.release(t.place, slot);
                     }
                 }
-                over = e.by_engine_hash.len() > max_blocks;
+                over = e.by_engine_hash.len() > e.budget();
             }
             if over {
                 self.clear_endpoint(slot);
+            }
+            if changed {
+                self.special = self.count_special();
             }
             return Ok(slot);
         }
@@ -896,6 +922,7 @@ impl KvIndex {
             max_blocks,
             by_engine_hash,
             approx: LinkedHashMap::default(),
+            residency: Residency::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -919,6 +946,7 @@ impl KvIndex {
         let dropped = self.clear_endpoint(slot);
         self.endpoints[slot as usize] = None;
         self.free_slots.push(slot);
+        self.special = self.count_special();
         dropped
     }
 
@@ -1048,7 +1076,7 @@ impl KvIndex {
             };
             prev = Some(p);
         }
-        if entry.by_engine_hash.len() > entry.max_blocks {
+        if entry.by_engine_hash.len() > entry.budget() {
             self.clear_endpoint(slot);
             return Ok(StoreOutcome::Overflowed);
         }

@@ -185,6 +185,88 @@ pub struct ModelConfigSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub kv_capacity_blocks: Option<u64>,
+    /// What loading a prefix back from a tier below the GPU costs (vLLM's KV offloading,
+    /// SGLang's HiCache), when the engine reports such tiers in its KV events. Absent: the
+    /// defaults documented on each field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_offload: Option<KvOffloadSpec>,
+}
+
+/// The cost of a cache hit in a tier below the GPU: the cost model charges the time to load
+/// the blocks back (`kvBytesPerToken` over the tier's bandwidth) instead of prefilling them;
+/// the weighted and KV-cost policies count each such block as `creditWeight` of a GPU block.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvOffloadSpec {
+    /// KV-cache bytes per token over all layers (K and V). Default 131072: a Llama-3-8B-class
+    /// model in 16-bit (32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_073_741_824))]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Host memory (`medium: CPU`). Defaults: 25 GB/s (PCIe 4.0 x16 from pinned memory),
+    /// credit weight 0.75.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<TierCostSpec>,
+    /// Local disk or object storage (`medium: STORAGE`). Defaults: 3 GB/s (one NVMe drive),
+    /// credit weight 0.25.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<TierCostSpec>,
+    /// A remote or shared tier (`locality: REMOTE`, a secondary tier's `ownership`). Defaults:
+    /// 12.5 GB/s (a 100 Gb/s RDMA link), credit weight 0.5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<TierCostSpec>,
+}
+
+/// One tier's load bandwidth and credit weight.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TierCostSpec {
+    /// Bandwidth of loading KV blocks back into the GPU, in GB/s (10^9 bytes per second).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.001, max = 100_000.0))]
+    pub bandwidth_gbps: Option<f64>,
+    /// A block held in this tier counts as this fraction of a GPU-resident block (0-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub credit_weight: Option<f64>,
+}
+
+impl KvOffloadSpec {
+    /// Refuses values the schema's ranges refuse; errors name the field.
+    fn validate(&self, at: &dyn Fn(&str) -> String) -> Result<(), String> {
+        if let Some(b) = self.kv_bytes_per_token
+            && !(1..=1 << 30).contains(&b)
+        {
+            return Err(format!(
+                "{} must be 1-1073741824, got {b}",
+                at("kvOffload.kvBytesPerToken")
+            ));
+        }
+        for (name, t) in [
+            ("cpu", &self.cpu),
+            ("storage", &self.storage),
+            ("remote", &self.remote),
+        ] {
+            let Some(t) = t else { continue };
+            if let Some(b) = t.bandwidth_gbps
+                && !(b.is_finite() && (0.001..=100_000.0).contains(&b))
+            {
+                return Err(format!(
+                    "{} must be between 0.001 and 100000 (GB/s), got {b}",
+                    at(&format!("kvOffload.{name}.bandwidthGbps"))
+                ));
+            }
+            if let Some(w) = t.credit_weight
+                && !(w.is_finite() && (0.0..=1.0).contains(&w))
+            {
+                return Err(format!(
+                    "{} must be between 0 and 1, got {w}",
+                    at(&format!("kvOffload.{name}.creditWeight"))
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn default_port() -> u16 {
@@ -216,6 +298,9 @@ impl ModelConfigSpec {
         }
         if self.model.is_empty() {
             return Err(format!("{} must not be empty", at("model")));
+        }
+        if let Some(o) = &self.kv_offload {
+            o.validate(&at)?;
         }
         if self.port == 0 {
             return Err(format!("{} must be 1-65535", at("port")));

@@ -14,7 +14,7 @@ use crate::block_keys::BlockKey;
 use crate::calibration::Calibration;
 use crate::config::{FailureMode, RoutingConfig};
 use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
-use crate::index::{KvIndex, PrefixMatch};
+use crate::index::{Credit, KvIndex, TierBlocks};
 use crate::inflight::InflightTracker;
 use crate::load::LoadTable;
 use crate::policy::{self, Candidate, Features, Policy, RequestFacts};
@@ -444,19 +444,24 @@ fn features(
     failed_open: bool,
     pinned: Option<EndpointId>,
 ) -> Vec<Candidate> {
-    let mut matches: Vec<PrefixMatch> = Vec::new();
-    ctx.index.longest_prefix(req.keys, &mut matches);
+    let mut credits: Vec<Credit> = Vec::new();
+    ctx.index.credit(req.keys, &mut Vec::new(), &mut credits);
     let block_size = req.model_config.block_size.max(1);
     let servable = servable_blocks(req.prompt_tokens, block_size);
+    let offload = &req.model_config.offload;
     let mut cands: Vec<Candidate> = pool
         .iter()
         .map(|e| {
             let slot = ctx.index.slot(&e.id);
-            let matched = slot
-                .and_then(|s| matches.binary_search_by_key(&s, |m| m.slot).ok())
-                .map_or(0, |i| matches[i].blocks)
-                .min(servable);
+            let credit = slot
+                .and_then(|s| credits.binary_search_by_key(&s, |m| m.slot).ok())
+                .map(|i| credits[i]);
+            let matched = credit.map_or(0, |c| c.blocks).min(servable);
+            let offloaded = credit.map_or_else(TierBlocks::default, |c| {
+                cap_tiers(c.lower, servable - matched)
+            });
             let cached = (matched * block_size).min(req.prompt_tokens);
+            let loaded = (offloaded.total() * block_size).min(req.prompt_tokens - cached);
             let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
             let inflight = ctx.inflight.get(&e.id);
             Candidate {
@@ -464,7 +469,10 @@ fn features(
                 features: Features {
                     matched_blocks: matched,
                     cached_tokens: cached,
-                    uncached_tokens: req.prompt_tokens - cached,
+                    uncached_tokens: req.prompt_tokens - cached - loaded,
+                    offloaded,
+                    offload_load_ms: offload.load_ms(&offloaded, block_size),
+                    offload_credit_blocks: offload.credit_blocks(&offloaded),
                     waiting: load.waiting,
                     running: load.running,
                     kv_usage: load.kv_usage,
@@ -496,6 +504,18 @@ fn features(
         }
     }
     cands
+}
+
+/// At most `room` of a request's lower-tier blocks: the prompt's last block is never
+/// credited (the engine recomputes it), so the slowest tiers' blocks go first.
+fn cap_tiers(mut t: TierBlocks, room: u32) -> TierBlocks {
+    let mut over = t.total().saturating_sub(room);
+    for n in [&mut t.storage, &mut t.remote, &mut t.cpu] {
+        let cut = over.min(*n);
+        *n -= cut;
+        over -= cut;
+    }
+    t
 }
 
 /// Step 5, the explanation: every candidate with its features and score (`None` for the

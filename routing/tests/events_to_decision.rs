@@ -79,6 +79,7 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
                 lora_name: None,
                 extra_keys: Vec::new(),
                 cache_salt: None,
+                place: Default::default(),
             }],
             data_parallel_rank: Some(0),
             skipped_unknown: 0,
@@ -105,6 +106,7 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
             events: vec![KvEvent::BlockRemoved {
                 block_hashes: hashes[..1].to_vec(),
                 medium: None,
+                place: Default::default(),
             }],
             data_parallel_rank: Some(0),
             skipped_unknown: 0,

@@ -180,6 +180,7 @@ fn build(
                         lora_name: None,
                         extra_keys: Vec::new(),
                         cache_salt: None,
+                        place: Default::default(),
                     }],
                     data_parallel_rank: Some(0),
                     skipped_unknown: 0,

@@ -355,11 +355,13 @@ fn batch(events: &[Ev]) -> EventBatch {
                     lora_name: None,
                     extra_keys: Vec::new(),
                     cache_salt: None,
+                    place: Default::default(),
                 }
             }
             Ev::Remove { doc, block } => KvEvent::BlockRemoved {
                 block_hashes: vec![engine_hash(doc, block)],
                 medium: None,
+                place: Default::default(),
             },
             Ev::ClearAll => KvEvent::AllBlocksCleared,
         })

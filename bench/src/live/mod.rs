@@ -164,6 +164,7 @@ pub fn picker_config(
         lora_adapters: Vec::new(),
         pod_selector: BTreeMap::new(),
         kv_capacity_blocks: Some(u64::from(cluster.engine.num_blocks)),
+        kv_offload: None,
     };
     let endpoints = info
         .engines

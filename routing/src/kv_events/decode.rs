@@ -4,7 +4,7 @@
 use rmp::Marker;
 
 use super::{
-    DecodeError, DecodeLimits, EventBatch, ExtraKey, KvEvent, MAX_EXTRA_KEYS_PER_BLOCK,
+    BlockPlace, DecodeError, DecodeLimits, EventBatch, ExtraKey, KvEvent, MAX_EXTRA_KEYS_PER_BLOCK,
     MAX_SUPPORTED_DEPTH, Result, TAG_REMOVED, TAG_STORED,
 };
 
@@ -113,6 +113,7 @@ struct Fields {
     lora_name: Option<String>,
     extra_keys: Vec<Option<Vec<ExtraKey>>>,
     cache_salt: Option<String>,
+    place: BlockPlace,
 }
 
 impl Fields {
@@ -137,6 +138,7 @@ impl Fields {
                 lora_name: self.lora_name,
                 extra_keys: self.extra_keys,
                 cache_salt: self.cache_salt,
+                place: self.place,
             },
             Kind::Removed => KvEvent::BlockRemoved {
                 block_hashes: self.block_hashes.ok_or(DecodeError::MissingField {
@@ -144,6 +146,12 @@ impl Fields {
                     field: "block_hashes",
                 })?,
                 medium: self.medium,
+                place: BlockPlace {
+                    spec_kind: None,
+                    sliding_window: None,
+                    session_id: None,
+                    ..self.place
+                },
             },
             Kind::Cleared => KvEvent::AllBlocksCleared,
         })
@@ -799,6 +807,18 @@ impl<'a> Reader<'a> {
                 } else {
                     Vec::new()
                 };
+                // the last array-era schemas appended `group_idx, kv_cache_spec_kind,
+                // kv_cache_spec_sliding_window`
+                let mut place = BlockPlace::default();
+                if have > 8 {
+                    place.group_idx = self.opt_u32("group_idx")?;
+                }
+                if have > 9 {
+                    place.spec_kind = self.opt_string("kv_cache_spec_kind")?;
+                }
+                if have > 10 {
+                    place.sliding_window = self.opt_u32("kv_cache_spec_sliding_window")?;
+                }
                 let event = KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -809,8 +829,9 @@ impl<'a> Reader<'a> {
                     lora_name,
                     extra_keys,
                     cache_salt,
+                    place,
                 };
-                (event, have.min(8))
+                (event, have.min(11))
             }
             Kind::Removed => {
                 need(0, "block_hashes", TAG_REMOVED)?;
@@ -820,11 +841,16 @@ impl<'a> Reader<'a> {
                 } else {
                     None
                 };
+                let mut place = BlockPlace::default();
+                if have > 2 {
+                    place.group_idx = self.opt_u32("group_idx")?;
+                }
                 let event = KvEvent::BlockRemoved {
                     block_hashes,
                     medium,
+                    place,
                 };
-                (event, have.min(2))
+                (event, have.min(3))
             }
             Kind::Cleared => (KvEvent::AllBlocksCleared, 0),
         };
@@ -878,6 +904,24 @@ impl<'a> Reader<'a> {
                 }
                 (Kind::Stored, Some(b"extra_keys")) => {
                     f.extra_keys = self.extra_keys()?;
+                }
+                (Kind::Stored | Kind::Removed, Some(b"group_idx")) => {
+                    f.place.group_idx = self.opt_u32("group_idx")?;
+                }
+                (Kind::Stored | Kind::Removed, Some(b"locality")) => {
+                    f.place.locality = self.opt_string("locality")?;
+                }
+                (Kind::Stored | Kind::Removed, Some(b"ownership")) => {
+                    f.place.ownership = self.opt_string("ownership")?;
+                }
+                (Kind::Stored, Some(b"kv_cache_spec_kind")) => {
+                    f.place.spec_kind = self.opt_string("kv_cache_spec_kind")?;
+                }
+                (Kind::Stored, Some(b"kv_cache_spec_sliding_window")) => {
+                    f.place.sliding_window = self.opt_u32("kv_cache_spec_sliding_window")?;
+                }
+                (Kind::Stored, Some(b"session_id")) => {
+                    f.place.session_id = self.opt_string("session_id")?;
                 }
                 (Kind::Stored, Some(b"cache_salt")) => {
                     f.cache_salt = self.lora_name_or_metadata()?.0;

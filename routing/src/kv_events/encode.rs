@@ -3,7 +3,7 @@
 
 use rmp::encode::ByteBuf;
 
-use super::{EventBatch, ExtraKey, KvEvent, TAG_CLEARED, TAG_REMOVED, TAG_STORED};
+use super::{BlockPlace, EventBatch, ExtraKey, KvEvent, TAG_CLEARED, TAG_REMOVED, TAG_STORED};
 
 /// Which engine wire shape [`encode_event_batch`] produces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +167,31 @@ impl Writer {
         }
     }
 
+    /// vLLM 0.32's group and tier fields in declaration order, each only when set (msgspec's
+    /// `omit_defaults`).
+    fn place(&mut self, place: &BlockPlace) {
+        if let Some(g) = place.group_idx {
+            self.str("group_idx");
+            self.uint(u64::from(g));
+        }
+        self.opt_entry("kv_cache_spec_kind", place.spec_kind.as_deref());
+        if let Some(w) = place.sliding_window {
+            self.str("kv_cache_spec_sliding_window");
+            self.uint(u64::from(w));
+        }
+        self.opt_entry("locality", place.locality.as_deref());
+        self.opt_entry("ownership", place.ownership.as_deref());
+        self.opt_entry("session_id", place.session_id.as_deref());
+    }
+
+    /// A string entry of a map, written only when set.
+    fn opt_entry(&mut self, key: &str, v: Option<&str>) {
+        if let Some(v) = v {
+            self.str(key);
+            self.str(v);
+        }
+    }
+
     /// Writes the length prefix and at most `u32::MAX` elements, keeping the output valid.
     fn list<T: Copy>(&mut self, items: &[T], mut each: impl FnMut(&mut Self, T)) {
         let len = u32::try_from(items.len()).unwrap_or(u32::MAX);
@@ -200,8 +225,16 @@ impl Writer {
                 lora_name,
                 extra_keys,
                 cache_salt,
+                place,
             } => {
-                self.array_len(if extra_keys.is_empty() { 8 } else { 9 });
+                let grouped = place.group_idx.is_some()
+                    || place.spec_kind.is_some()
+                    || place.sliding_window.is_some();
+                self.array_len(match (grouped, extra_keys.is_empty()) {
+                    (true, _) => 12,
+                    (false, true) => 8,
+                    (false, false) => 9,
+                });
                 self.str(TAG_STORED);
                 self.list(block_hashes, |w, h| w.uint(h));
                 self.opt_uint(*parent_block_hash);
@@ -220,16 +253,28 @@ impl Writer {
                 }
                 if !extra_keys.is_empty() {
                     self.extra_keys(extra_keys);
+                } else if grouped {
+                    self.nil();
+                }
+                if grouped {
+                    // the last array-era schema; locality and ownership came after it
+                    self.opt_uint(place.group_idx.map(u64::from));
+                    self.opt_str(place.spec_kind.as_deref());
+                    self.opt_uint(place.sliding_window.map(u64::from));
                 }
             }
             KvEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                place,
             } => {
-                self.array_len(3);
+                self.array_len(if place.group_idx.is_some() { 4 } else { 3 });
                 self.str(TAG_REMOVED);
                 self.list(block_hashes, |w, h| w.uint(h));
                 self.opt_str(medium.as_deref());
+                if let Some(g) = place.group_idx {
+                    self.uint(u64::from(g));
+                }
             }
             KvEvent::AllBlocksCleared => {
                 self.array_len(1);
@@ -250,9 +295,12 @@ impl Writer {
                 lora_name,
                 extra_keys,
                 cache_salt,
+                place,
             } => {
                 self.map_len(
-                    8 + u32::from(!extra_keys.is_empty()) + u32::from(cache_salt.is_some()),
+                    8 + u32::from(!extra_keys.is_empty())
+                        + u32::from(cache_salt.is_some())
+                        + place.stored_fields(),
                 );
                 self.str("type");
                 self.str(TAG_STORED);
@@ -274,6 +322,7 @@ impl Writer {
                     self.str("extra_keys");
                     self.extra_keys(extra_keys);
                 }
+                self.place(place);
                 if let Some(salt) = cache_salt {
                     self.str("cache_salt");
                     self.str(salt);
@@ -282,14 +331,21 @@ impl Writer {
             KvEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                place,
             } => {
-                self.map_len(3);
+                self.map_len(3 + place.removed_fields());
                 self.str("type");
                 self.str(TAG_REMOVED);
                 self.str("block_hashes");
                 self.list(block_hashes, |w, h| w.uint(h));
                 self.str("medium");
                 self.opt_str(medium.as_deref());
+                self.place(&BlockPlace {
+                    spec_kind: None,
+                    sliding_window: None,
+                    session_id: None,
+                    ..place.clone()
+                });
             }
             KvEvent::AllBlocksCleared => {
                 self.map_len(1);

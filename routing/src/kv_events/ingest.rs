@@ -9,8 +9,8 @@
 use serde::Serialize;
 
 use crate::block_keys::{BlockHasher, ChainRoot};
-use crate::index::{KvIndex, Slot, StoreOutcome};
-use crate::kv_events::{EventBatch, ExtraKey, KvEvent};
+use crate::index::{EventPlace, KvIndex, NamespaceRefusal, Slot, StoreOutcome, Tier};
+use crate::kv_events::{BlockPlace, EventBatch, ExtraKey, KvEvent};
 
 /// What applying one batch did; counters feed the picker's metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -32,6 +32,16 @@ pub struct IngestStats {
     pub opaque_blocks: u64,
     /// The endpoint exceeded its block budget and was cleared: resynchronise it.
     pub overflowed: bool,
+    /// Blocks of a KV-cache group whose kind the picker does not model (the endpoint gets no
+    /// credit while it reports one).
+    pub unmodelled_blocks: u64,
+    /// Blocks of a storage tier beyond the ones tracked per endpoint.
+    pub untracked_tier_blocks: u64,
+    /// Blocks a lower tier stored after a parent the picker does not know (skipped, with no
+    /// resync: the GPU's stream is complete).
+    pub lower_tier_orphans: u64,
+    /// vLLM offloading placeholders (no tokens, block size 0): nothing to key them by.
+    pub placeholder_blocks: u64,
 }
 
 impl IngestStats {
@@ -100,6 +110,18 @@ impl<'a> ExtraKeyMeaning<'a> {
     }
 }
 
+/// An event's group and tier fields, as the index takes them.
+fn event_place<'a>(medium: Option<&'a str>, place: &'a BlockPlace) -> EventPlace<'a> {
+    EventPlace {
+        group_idx: place.group_idx,
+        spec_kind: place.spec_kind.as_deref(),
+        sliding_window: place.sliding_window,
+        medium,
+        locality: place.locality.as_deref(),
+        ownership: place.ownership.as_deref(),
+    }
+}
+
 /// A key derived from `parent` that no request chain produces.
 fn opaque_key(parent: u64) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(b"kvroute:opaque-extra-keys", parent)
@@ -116,6 +138,7 @@ pub fn apply_batch(
     let mut stats = IngestStats::default();
     let mut chain = Vec::new();
     let mut pairs = Vec::new();
+    let mut salted = Vec::new();
     for event in &batch.events {
         match event {
             KvEvent::BlockStored {
@@ -127,15 +150,40 @@ pub fn apply_batch(
                 lora_id,
                 extra_keys,
                 cache_salt,
-                ..
+                medium,
+                place,
             } => {
                 let n = block_hashes.len() as u64;
                 let bs = keys.hasher.block_size();
-                if *block_size as usize != bs || token_ids.len() != block_hashes.len() * bs {
-                    stats.malformed_blocks += n;
-                    if *block_size as usize != bs {
+                if *block_size == 0 && token_ids.is_empty() {
+                    // vLLM's offloading connector announces a chunk it kept no payload for
+                    stats.placeholder_blocks += n;
+                    continue;
+                }
+                let ns = match index.namespace_for_store(
+                    slot,
+                    event_place(medium.as_deref(), place),
+                    *block_size,
+                    bs as u32,
+                ) {
+                    Ok(ns) => ns,
+                    Err(NamespaceRefusal::BlockSize) => {
+                        stats.malformed_blocks += n;
                         stats.foreign_block_size = Some(*block_size);
+                        continue;
                     }
+                    Err(NamespaceRefusal::Unmodelled) => {
+                        stats.unmodelled_blocks += n;
+                        continue;
+                    }
+                    Err(NamespaceRefusal::TooManyTiers) => {
+                        stats.untracked_tier_blocks += n;
+                        continue;
+                    }
+                };
+                let group_block = *block_size as usize;
+                if token_ids.len() != block_hashes.len() * group_block {
+                    stats.malformed_blocks += n;
                     continue;
                 }
                 let extra = ExtraKeyMeaning::of(
@@ -147,10 +195,16 @@ pub fn apply_batch(
                 let salt = extra.salt.or(cache_salt.as_deref());
                 let parent = match parent_block_hash {
                     None => ChainRoot::new(keys.model, lora_name.as_deref(), salt).value(),
-                    Some(ph) => match index.key_for_engine_hash(slot, *ph) {
+                    Some(ph) => match index.chain_key_in(slot, *ph, &ns) {
                         Some(k) => k,
-                        None => {
+                        None if ns.tier == Tier::Gpu => {
                             stats.orphan_blocks += n;
+                            continue;
+                        }
+                        None => {
+                            // a lower tier's chunk whose parent the picker never saw: the GPU
+                            // stream lost nothing
+                            stats.lower_tier_orphans += n;
                             continue;
                         }
                     },
@@ -161,7 +215,7 @@ pub fn apply_batch(
                     Some(first) => {
                         // blocks from `first` on depend on inputs the picker does not hash
                         // (images, embeddings): key them apart so no request matches them
-                        let split = (first * bs).min(token_ids.len());
+                        let split = (first * group_block).min(token_ids.len());
                         keys.hasher
                             .continue_into(parent, &token_ids[..split], &mut chain);
                         let last = chain.last().copied().unwrap_or(parent);
@@ -173,9 +227,17 @@ pub fn apply_batch(
                         stats.opaque_blocks += n - first as u64;
                     }
                 }
+                // a group block of `mult` pool blocks is keyed by the chain at its last one
+                let mult = ns.mult as usize;
                 pairs.clear();
-                pairs.extend(block_hashes.iter().copied().zip(chain.iter().copied()));
-                match index.store_after(slot, *parent_block_hash, &pairs) {
+                pairs.extend(
+                    block_hashes
+                        .iter()
+                        .zip(chain.iter().skip(mult - 1).step_by(mult))
+                        .map(|(&h, &k)| (h ^ ns.salt, k ^ ns.salt)),
+                );
+                let parent_hash = parent_block_hash.map(|p| p ^ ns.salt);
+                match index.store_after(slot, parent_hash, &pairs) {
                     Ok(StoreOutcome::Stored) => stats.stored_blocks += n,
                     Ok(StoreOutcome::Overflowed) => {
                         stats.overflowed = true;
@@ -185,8 +247,22 @@ pub fn apply_batch(
                     Err(_) => return stats,
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, .. } => {
-                stats.removed_blocks += index.remove(slot, block_hashes) as u64;
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                place,
+            } => {
+                let removed =
+                    match index.salt_for_removal(slot, event_place(medium.as_deref(), place)) {
+                        None => 0,
+                        Some(0) => index.remove(slot, block_hashes),
+                        Some(salt) => {
+                            salted.clear();
+                            salted.extend(block_hashes.iter().map(|h| h ^ salt));
+                            index.remove(slot, &salted)
+                        }
+                    };
+                stats.removed_blocks += removed as u64;
             }
             KvEvent::AllBlocksCleared => {
                 index.clear_endpoint(slot);
@@ -202,6 +278,7 @@ mod tests {
     use super::*;
     use crate::endpoint::EndpointId;
     use crate::index::{IndexMode, PrefixMatch};
+    use crate::kv_events::BlockPlace;
     use std::net::{IpAddr, Ipv4Addr};
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
@@ -215,6 +292,7 @@ mod tests {
             lora_name: None,
             extra_keys: Vec::new(),
             cache_salt: None,
+            place: Default::default(),
         }
     }
 
@@ -269,6 +347,7 @@ mod tests {
             &batch(vec![KvEvent::BlockRemoved {
                 block_hashes: vec![0xa3],
                 medium: None,
+                place: Default::default(),
             }]),
         );
         assert_eq!(s.removed_blocks, 1);
@@ -297,6 +376,7 @@ mod tests {
                     lora_name: None,
                     extra_keys: Vec::new(),
                     cache_salt: None,
+                    place: Default::default(),
                 },
             ]),
         );
@@ -435,5 +515,255 @@ mod tests {
         let mut longer = prompt.clone();
         longer.extend(16..20);
         assert_eq!(matched(&ix, &longer), 2);
+    }
+
+    fn placed(mut ev: KvEvent, m: Option<&str>, p: BlockPlace) -> KvEvent {
+        match &mut ev {
+            KvEvent::BlockStored { medium, place, .. }
+            | KvEvent::BlockRemoved { medium, place, .. } => {
+                *medium = m.map(str::to_owned);
+                *place = p;
+            }
+            KvEvent::AllBlocksCleared => {}
+        }
+        ev
+    }
+
+    fn group(idx: u32, kind: &str, window: Option<u32>) -> BlockPlace {
+        BlockPlace {
+            group_idx: Some(idx),
+            spec_kind: Some(kind.into()),
+            sliding_window: window,
+            ..BlockPlace::default()
+        }
+    }
+
+    fn removed(hashes: &[u64], m: Option<&str>, p: BlockPlace) -> KvEvent {
+        placed(
+            KvEvent::BlockRemoved {
+                block_hashes: hashes.to_vec(),
+                medium: None,
+                place: BlockPlace::default(),
+            },
+            m,
+            p,
+        )
+    }
+
+    /// What the index credits `slot` for a request of `tokens`: (blocks, lower tiers).
+    fn credit(ix: &KvIndex, tokens: &[u32]) -> (u32, crate::index::TierBlocks) {
+        let k = BlockHasher::new(4).keys(ChainRoot::new("m", None, None), tokens);
+        let mut out = Vec::new();
+        ix.credit(&k, &mut Vec::new(), &mut out);
+        out.first()
+            .map_or((0, Default::default()), |c| (c.blocks, c.lower))
+    }
+
+    /// Eight blocks of 4 tokens stored in one event of `place` (engine hashes 1..=8).
+    fn eight(m: Option<&str>, p: BlockPlace) -> KvEvent {
+        placed(
+            stored(&[1, 2, 3, 4, 5, 6, 7, 8], None, (0..32).collect()),
+            m,
+            p,
+        )
+    }
+
+    #[test]
+    fn a_sliding_window_group_needs_the_window_before_the_boundary() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..32).collect();
+        // full attention (group 0) and an 8-token window (group 1), as vLLM 0.32 reports
+        // them: the same engine hashes in both groups
+        let full = group(0, "full_attention", None);
+        let swa = group(1, "sliding_window", Some(8));
+        let s = apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![
+                eight(Some("GPU"), full.clone()),
+                eight(Some("GPU"), swa.clone()),
+            ]),
+        );
+        assert_eq!(s.stored_blocks, 16);
+        // the window group frees the blocks it slid past
+        let gone = BlockPlace {
+            group_idx: Some(1),
+            ..BlockPlace::default()
+        };
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![removed(
+                &[1, 2, 3, 4, 5, 6],
+                Some("GPU"),
+                gone.clone(),
+            )]),
+        );
+        // cdiv(8 − 1, 4) = 2 blocks before the boundary: 7 and 8 are held
+        assert_eq!(credit(&ix, &prompt).0, 8);
+        // a 7-block request needs blocks 6 and 7 of the window group: 6 is gone
+        assert_eq!(credit(&ix, &prompt[..28]).0, 0);
+        // the full-attention group still holds everything: a removal addresses one group
+        assert_eq!(matched(&ix, &prompt), 8);
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![removed(&[8], Some("GPU"), gone)]),
+        );
+        assert_eq!(credit(&ix, &prompt).0, 0, "no window anywhere: no credit");
+    }
+
+    #[test]
+    fn a_mamba_group_hits_at_its_last_held_state() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..32).collect();
+        let mamba = group(1, "mamba", None);
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![
+                eight(None, group(0, "full_attention", None)),
+                eight(None, mamba.clone()),
+            ]),
+        );
+        assert_eq!(credit(&ix, &prompt).0, 8);
+        // only the state after block 4 is kept
+        let gone = BlockPlace {
+            group_idx: Some(1),
+            ..BlockPlace::default()
+        };
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![removed(&[1, 2, 3, 5, 6, 7, 8], None, gone)]),
+        );
+        assert_eq!(credit(&ix, &prompt).0, 4);
+        assert_eq!(
+            credit(&ix, &prompt[..12]).0,
+            0,
+            "no state at or before block 3"
+        );
+    }
+
+    #[test]
+    fn a_group_kind_the_picker_does_not_model_gives_no_credit() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..32).collect();
+        let s = apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![
+                eight(None, group(0, "full_attention", None)),
+                eight(None, group(1, "chunked_local_attention", None)),
+            ]),
+        );
+        assert_eq!((s.stored_blocks, s.unmodelled_blocks), (8, 8));
+        assert_eq!(matched(&ix, &prompt), 8, "group 0 is indexed");
+        assert_eq!(credit(&ix, &prompt), (0, Default::default()));
+    }
+
+    #[test]
+    fn offload_tiers_are_kept_apart_and_credited_after_the_gpu_hit() {
+        let (mut ix, slot, keys) = setup();
+        let prompt: Vec<u32> = (0..32).collect();
+        let gpu = BlockPlace {
+            group_idx: Some(0),
+            ..BlockPlace::default()
+        };
+        let cpu = BlockPlace {
+            locality: Some("LOCAL".into()),
+            ..gpu.clone()
+        };
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![
+                eight(Some("GPU"), gpu.clone()),
+                eight(Some("CPU"), cpu.clone()),
+            ]),
+        );
+        let (blocks, lower) = credit(&ix, &prompt);
+        assert_eq!(
+            (blocks, lower.total()),
+            (8, 0),
+            "the GPU copy is the one used"
+        );
+        // the GPU evicts its tail; the CPU copy stays
+        apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![removed(&[5, 6, 7, 8], Some("GPU"), gpu.clone())]),
+        );
+        let (blocks, lower) = credit(&ix, &prompt);
+        assert_eq!((blocks, lower.cpu), (4, 4));
+        // the CPU drops block 7; a storage tier holds 7 and 8
+        let storage = BlockPlace {
+            group_idx: Some(0),
+            ..BlockPlace::default()
+        };
+        let s = apply_batch(
+            &mut ix,
+            slot,
+            keys,
+            &batch(vec![
+                removed(&[7], Some("CPU"), cpu),
+                placed(
+                    stored(&[7, 8], Some(6), (24..32).collect()),
+                    Some("STORAGE"),
+                    storage,
+                ),
+            ]),
+        );
+        assert_eq!(
+            (s.orphan_blocks, s.lower_tier_orphans),
+            (0, 0),
+            "parent 6 is on the CPU"
+        );
+        let (blocks, lower) = credit(&ix, &prompt);
+        assert_eq!(
+            (blocks, lower.cpu, lower.storage),
+            (4, 3, 1),
+            "block 8 is on the CPU too"
+        );
+        // the GPU view is untouched by the lower tiers
+        assert_eq!(matched(&ix, &prompt), 4);
+    }
+
+    #[test]
+    fn offload_placeholders_and_lower_tier_orphans_need_no_resync() {
+        let (mut ix, slot, keys) = setup();
+        let cpu = BlockPlace {
+            group_idx: Some(0),
+            ..BlockPlace::default()
+        };
+        let placeholder = placed(
+            KvEvent::BlockStored {
+                block_hashes: vec![9],
+                parent_block_hash: None,
+                token_ids: Vec::new(),
+                block_size: 0,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+                extra_keys: Vec::new(),
+                cache_salt: None,
+                place: BlockPlace::default(),
+            },
+            Some("CPU"),
+            cpu.clone(),
+        );
+        let orphan = placed(stored(&[11], Some(10), (0..4).collect()), Some("CPU"), cpu);
+        let s = apply_batch(&mut ix, slot, keys, &batch(vec![placeholder, orphan]));
+        assert_eq!((s.placeholder_blocks, s.lower_tier_orphans), (1, 1));
+        assert_eq!((s.malformed_blocks, s.foreign_block_size), (0, None));
+        assert!(!s.needs_resync());
     }
 }

@@ -115,6 +115,8 @@ pub enum KvEvent {
         extra_keys: Vec<Option<Vec<ExtraKey>>>,
         /// SGLang's `cache_salt` (from `BlockStoredWithMetadata`'s metadata map).
         cache_salt: Option<String>,
+        /// vLLM's KV-cache group, its kind and the tier beyond `medium` (0.32 on).
+        place: BlockPlace,
     },
     /// Blocks were evicted from the given tier.
     BlockRemoved {
@@ -122,9 +124,57 @@ pub enum KvEvent {
         block_hashes: Vec<u64>,
         /// Storage tier the blocks left; `None` when not reported.
         medium: Option<String>,
+        /// The group and tier the blocks left (`spec_kind`, `sliding_window` and `session_id`
+        /// are never set on a removal).
+        place: BlockPlace,
     },
     /// The engine dropped its whole prefix cache (e.g. `reset_prefix_cache`).
     AllBlocksCleared,
+}
+
+/// Where stored or removed blocks live beyond their `medium`, as vLLM 0.32 reports it: the
+/// KV-cache group (a hybrid model has one per layer kind), the group's kind, and the tier's
+/// locality and secondary owner. All `None` on older engines and on SGLang.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockPlace {
+    /// `group_idx`: index of the engine's KV-cache group. Engine block hashes are unique per
+    /// group only: the same hash names a block of each group.
+    pub group_idx: Option<u32>,
+    /// `kv_cache_spec_kind`, e.g. `"full_attention"`, `"sliding_window"`, `"mamba"`.
+    pub spec_kind: Option<String>,
+    /// `kv_cache_spec_sliding_window`: the window in tokens of a sliding-window group.
+    pub sliding_window: Option<u32>,
+    /// `locality`: `"LOCAL"` or `"REMOTE"` relative to the publisher.
+    pub locality: Option<String>,
+    /// `ownership`: the secondary offloading tier that produced the event, if one did.
+    pub ownership: Option<String>,
+    /// `session_id`: the request context that caused a store (informational).
+    pub session_id: Option<String>,
+}
+
+impl BlockPlace {
+    /// Nothing reported: a single-group engine's primary tier.
+    pub fn is_unset(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Map entries a `BlockStored` encodes for these fields (the set ones).
+    fn stored_fields(&self) -> u32 {
+        u32::from(self.group_idx.is_some())
+            + u32::from(self.spec_kind.is_some())
+            + u32::from(self.sliding_window.is_some())
+            + self.tier_fields()
+            + u32::from(self.session_id.is_some())
+    }
+
+    /// Map entries a `BlockRemoved` encodes (group and tier only).
+    fn removed_fields(&self) -> u32 {
+        u32::from(self.group_idx.is_some()) + self.tier_fields()
+    }
+
+    fn tier_fields(&self) -> u32 {
+        u32::from(self.locality.is_some()) + u32::from(self.ownership.is_some())
+    }
 }
 
 /// One element of a block's extra keys.

@@ -101,6 +101,7 @@ fn stored(
         lora_name,
         extra_keys: Vec::new(),
         cache_salt: None,
+        place: Default::default(),
     }
 }
 
@@ -108,6 +109,7 @@ fn removed(hashes: &[u64], medium: Option<String>) -> KvEvent {
     KvEvent::BlockRemoved {
         block_hashes: hashes.to_vec(),
         medium,
+        place: Default::default(),
     }
 }
 
@@ -160,6 +162,26 @@ fn with_first_extra(mut events: Vec<KvEvent>, keys: Vec<Option<Vec<ExtraKey>>>) 
     events
 }
 
+/// The group fields gen_fixtures.py adds to the first store and to the removal.
+fn with_places(mut events: Vec<KvEvent>, stored: BlockPlace, removed: BlockPlace) -> Vec<KvEvent> {
+    if let Some(KvEvent::BlockStored { place, .. }) = events.first_mut() {
+        *place = stored;
+    }
+    for e in &mut events {
+        if let KvEvent::BlockRemoved { place, .. } = e {
+            *place = removed.clone();
+        }
+    }
+    events
+}
+
+fn group(idx: u32) -> BlockPlace {
+    BlockPlace {
+        group_idx: Some(idx),
+        ..BlockPlace::default()
+    }
+}
+
 fn tenant_a_extra() -> Option<Vec<ExtraKey>> {
     Some(vec![ExtraKey::Str("tenant-a".into()), ExtraKey::Int(3)])
 }
@@ -167,6 +189,7 @@ fn tenant_a_extra() -> Option<Vec<ExtraKey>> {
 #[test]
 fn vllm_array_extra_trailing_fields_are_ignored() {
     let events = with_first_extra(canonical_events(), vec![tenant_a_extra(), None, None]);
+    let events = with_places(events, group(1), group(1));
     let want = batch(1_718_000_001.5, events, Some(0), 0);
     assert_eq!(decode(VLLM_ARRAY_EXTRA_TRAILING), want);
 }
@@ -191,6 +214,12 @@ fn vllm_map_events_with_unknown_keys() {
         ExtraKey::Other(vec![0xc4, 2, 0, 1]),
     ]);
     let events = with_first_extra(canonical_events(), vec![tenant_a_extra(), None, img]);
+    let stored = BlockPlace {
+        spec_kind: Some("full_attention".into()),
+        sliding_window: Some(4096),
+        ..group(0)
+    };
+    let events = with_places(events, stored, group(0));
     let want = batch(1_718_000_004.0, events, Some(0), 0);
     assert_eq!(decode(VLLM_MAP_EXTRA_KEYS), want);
 }
@@ -1076,6 +1105,7 @@ fn a_batch_costs_one_per_event_plus_one_per_block_it_names() {
         lora_name: None,
         extra_keys: Vec::new(),
         cache_salt: None,
+        place: Default::default(),
     };
     let batch = EventBatch {
         ts: 0.0,
@@ -1084,6 +1114,7 @@ fn a_batch_costs_one_per_event_plus_one_per_block_it_names() {
             KvEvent::BlockRemoved {
                 block_hashes: vec![1, 2, 3],
                 medium: None,
+                place: Default::default(),
             },
             KvEvent::AllBlocksCleared,
         ],

@@ -39,7 +39,7 @@ impl Policy for CacheAware {
             if req.prompt_blocks == 0 {
                 0.0
             } else {
-                f64::from(c.features.matched_blocks) / f64::from(req.prompt_blocks)
+                c.features.credited_blocks() / f64::from(req.prompt_blocks)
             }
         };
         let best_ratio = cands.iter().map(ratio).fold(0.0, f64::max);

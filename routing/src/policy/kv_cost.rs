@@ -32,7 +32,7 @@ impl Policy for KvCost {
         let bs = f64::from(req.block_size.max(1));
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             let f = &c.features;
-            let new_blocks = f64::from(req.prompt_blocks.saturating_sub(f.matched_blocks));
+            let new_blocks = (f64::from(req.prompt_blocks) - f.credited_blocks()).max(0.0);
             let prefill = new_blocks + f.pending_tokens as f64 / bs;
             let decode = match f.kv_capacity_blocks {
                 Some(cap) => f.kv_usage.clamp(0.0, 1.0) * cap as f64,

@@ -26,6 +26,7 @@ pub use weighted::Weighted;
 use crate::calibration::LearnedCost;
 use crate::config::{RoutingConfig, Strategy};
 use crate::endpoint::EndpointId;
+use crate::index::TierBlocks;
 
 /// What the policy knows about the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,10 +49,18 @@ pub struct RequestFacts {
 /// What the router measured about one candidate for this request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Features {
-    /// Longest run of the prompt's leading blocks cached on the endpoint.
+    /// Longest run of the prompt's leading blocks cached on the endpoint (for a hybrid
+    /// engine: the prefix every KV-cache group would hit).
     pub matched_blocks: u32,
     pub cached_tokens: u32,
+    /// Tokens to prefill: neither cached nor loadable from a lower tier.
     pub uncached_tokens: u32,
+    /// Blocks right after the cached prefix that a tier below the GPU holds, by tier.
+    pub offloaded: TierBlocks,
+    /// Milliseconds to load `offloaded` back into the GPU (the model config's `kvOffload`).
+    pub offload_load_ms: f64,
+    /// `offloaded` in GPU-block equivalents (the tiers' credit weights).
+    pub offload_credit_blocks: f64,
     /// Scraped from the engine.
     pub waiting: f64,
     pub running: f64,
@@ -82,6 +91,12 @@ impl Features {
     /// the scrape).
     pub fn load(&self) -> f64 {
         (self.waiting + self.running).max(self.inflight_requests as f64)
+    }
+
+    /// Matched blocks plus the lower tiers' blocks at their credit weights: the prefix credit
+    /// of the weighted, cache-aware and KV-cost policies.
+    pub fn credited_blocks(&self) -> f64 {
+        f64::from(self.matched_blocks) + self.offload_credit_blocks
     }
 
     /// Requests waiting for prefill.

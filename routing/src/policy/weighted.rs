@@ -40,7 +40,7 @@ impl Policy for Weighted {
             let prefix = if req.prompt_blocks == 0 {
                 0.0
             } else {
-                f64::from(f.matched_blocks) / f64::from(req.prompt_blocks)
+                f.credited_blocks() / f64::from(req.prompt_blocks)
             };
             let queue = lower_is_better(f.queue(), qmin, qmax);
             let kv = 1.0 - f.kv_usage.clamp(0.0, 1.0);

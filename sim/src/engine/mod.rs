@@ -45,7 +45,7 @@ use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_routing::kv_events::{ExtraKey, KvEvent};
+use kvroute_routing::kv_events::{BlockPlace, ExtraKey, KvEvent};
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
@@ -763,6 +763,10 @@ impl Rank {
                 events.push(KvEvent::BlockRemoved {
                     block_hashes: vec![h],
                     medium: Some(MEDIUM_GPU.to_owned()),
+                    place: BlockPlace {
+                        group_idx: Some(0),
+                        ..BlockPlace::default()
+                    },
                 });
             }
             req.blocks.push(b);
@@ -813,6 +817,12 @@ impl Rank {
             lora_name: req.lora_name.as_deref().map(str::to_owned),
             extra_keys,
             cache_salt: None,
+            // vLLM 0.32 names the (single, full-attention) group on every store
+            place: BlockPlace {
+                group_idx: Some(0),
+                spec_kind: Some("full_attention".to_owned()),
+                ..BlockPlace::default()
+            },
         });
         req.num_cached_blocks = full;
     }

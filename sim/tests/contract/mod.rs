@@ -777,8 +777,11 @@ pub async fn eviction_is_published_and_visible(t: &Target) {
             KvEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                place,
             } => {
                 assert_eq!(medium.as_deref(), Some("GPU"));
+                // vLLM 0.32 names the group a removal addresses
+                assert_eq!(place.group_idx, Some(0));
                 block_hashes.len()
             }
             _ => 0,
