@@ -496,6 +496,48 @@ mod tests {
     }
 
     #[test]
+    fn kv_offload_prices_tiers_and_refuses_bad_values_by_field() {
+        use crate::endpoint::{ModelConfig, OffloadCosts};
+        use crate::index::TierBlocks;
+        let s: ModelConfigSpec = serde_json::from_str(
+            r#"{"name":"a","model":"m","kvOffload":{"kvBytesPerToken":1000,"cpu":{"bandwidthGbps":1.0,"creditWeight":0.5}}}"#,
+        )
+        .expect("spec");
+        s.validate(0).expect("valid");
+        let costs = ModelConfig::from(&s).offload;
+        let four_cpu = TierBlocks {
+            cpu: 4,
+            ..TierBlocks::default()
+        };
+        // 4 blocks × 16 tokens × 1000 bytes at 1 GB/s (10^6 bytes per ms)
+        assert!((costs.load_ms(&four_cpu, 16) - 0.064).abs() < 1e-9);
+        assert!((costs.credit_blocks(&four_cpu) - 2.0).abs() < 1e-9);
+        // the storage tier keeps its defaults: 3 GB/s, weight 0.25
+        let one_storage = TierBlocks {
+            storage: 1,
+            ..TierBlocks::default()
+        };
+        assert!((costs.credit_blocks(&one_storage) - 0.25).abs() < 1e-9);
+        assert_eq!(OffloadCosts::default().kv_bytes_per_token, 131_072);
+        for (json, field) in [
+            (r#"{"kvBytesPerToken":0}"#, "kvOffload.kvBytesPerToken"),
+            (
+                r#"{"cpu":{"bandwidthGbps":0}}"#,
+                "kvOffload.cpu.bandwidthGbps",
+            ),
+            (
+                r#"{"storage":{"creditWeight":1.5}}"#,
+                "kvOffload.storage.creditWeight",
+            ),
+        ] {
+            let mut bad = spec();
+            bad.kv_offload = Some(serde_json::from_str(json).expect("offload"));
+            let e = bad.validate(1).expect_err(json);
+            assert!(e.starts_with(&format!("modelConfigs[1].{field}")), "{e}");
+        }
+    }
+
+    #[test]
     fn ranks_expand_by_header_or_port() {
         let mut s = spec();
         s.data_parallel = DataParallel {

@@ -271,6 +271,37 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_in_host_memory_is_loaded_not_prefilled() {
+        use crate::endpoint::OffloadCosts;
+        use crate::index::TierBlocks;
+        let p = CostModel::new(CostModelCalibration::default());
+        let r = req(8192);
+        let miss = feat(8192, 0, 0.0, 0.0);
+        let gpu = feat(8192, 511, 0.0, 0.0);
+        // the same 511 blocks held on the CPU tier at the documented defaults
+        let lower = TierBlocks {
+            cpu: 511,
+            ..TierBlocks::default()
+        };
+        let costs = OffloadCosts::default();
+        let cpu = Features {
+            offloaded: lower,
+            offload_load_ms: costs.load_ms(&lower, 16),
+            offload_credit_blocks: costs.credit_blocks(&lower),
+            ..gpu
+        };
+        let cpu = Features {
+            matched_blocks: 0,
+            cached_tokens: 0,
+            ..cpu
+        };
+        assert_eq!(pick(&p, &r, &[cand(1, miss), cand(2, cpu)]), ep(2));
+        assert_eq!(pick(&p, &r, &[cand(2, cpu), cand(1, gpu)]), ep(1));
+        // 8176 tokens × 128 KiB at 25 GB/s
+        assert!((cpu.offload_load_ms - 8176.0 * 131_072.0 / 25e6).abs() < 1e-6);
+    }
+
+    #[test]
     fn deep_queue_loses_to_cold_idle_endpoint() {
         let p = CostModel::new(CostModelCalibration::default());
         let r = req(2048);

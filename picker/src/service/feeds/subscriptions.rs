@@ -121,6 +121,17 @@ async fn consume(
                 if stats.malformed_blocks > 0 {
                     picker.metrics.event_problem("malformed_blocks");
                 }
+                // a hybrid engine with a KV-cache group kind the picker does not model: its
+                // endpoint gets no credit rather than false credit (docs/cache-state.md)
+                if stats.unmodelled_blocks > 0 {
+                    picker.metrics.event_problem("unmodelled_group");
+                }
+                if stats.untracked_tier_blocks > 0 {
+                    picker.metrics.event_problem("untracked_tier");
+                }
+                if stats.lower_tier_orphans > 0 {
+                    picker.metrics.event_problem("lower_tier_orphans");
+                }
                 if let Some(engine) = stats.foreign_block_size {
                     picker.report(picker.diagnostics.lock().block_size_seen(
                         key.endpoint,

@@ -1,0 +1,137 @@
+//! Hybrid KV-cache groups and offload tiers from payloads built with vLLM 0.32's own event
+//! classes (`tests/fixtures/vllm-0.32/gen_cache_state.py`): decoded, applied to the index,
+//! and credited under the engine's own prefix-cache rule (`docs/cache-state.md`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::endpoint::EndpointId;
+use kvroute_routing::index::{IndexMode, KvIndex, Slot, TierBlocks};
+use kvroute_routing::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
+use kvroute_routing::kv_events::{BlockPlace, DecodeLimits, KvEvent, decode_event_batch};
+
+const BS: u32 = 16;
+
+macro_rules! fixture {
+    ($name:literal) => {
+        include_bytes!(concat!("fixtures/vllm-0.32/events/", $name, ".bin")).as_slice()
+    };
+}
+
+fn ingest(payload: &[u8]) -> (KvIndex, Slot, IngestStats) {
+    let mut ix = KvIndex::default();
+    let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 0);
+    let slot = ix.add_endpoint(id, IndexMode::Precise, 1000).unwrap();
+    let batch = decode_event_batch(payload, &DecodeLimits::default()).unwrap();
+    let keys = IngestKeys {
+        hasher: BlockHasher::new(BS),
+        model: "m",
+    };
+    let stats = apply_batch(&mut ix, slot, keys, &batch);
+    (ix, slot, stats)
+}
+
+/// (blocks the engine reuses from its own cache, blocks after them in lower tiers) for a
+/// prompt of `blocks` pool blocks of the fixtures' tokens.
+fn credit(ix: &KvIndex, blocks: u32) -> (u32, TierBlocks) {
+    let tokens: Vec<u32> = (0..blocks * BS).collect();
+    let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
+    let mut out = Vec::new();
+    ix.credit(&keys, &mut Vec::new(), &mut out);
+    out.first()
+        .map_or((0, TierBlocks::default()), |c| (c.blocks, c.lower))
+}
+
+fn plain_run(ix: &KvIndex, blocks: u32) -> u32 {
+    let tokens: Vec<u32> = (0..blocks * BS).collect();
+    let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
+    let mut out = Vec::new();
+    ix.longest_prefix(&keys, &mut out);
+    out.first().map_or(0, |m| m.blocks)
+}
+
+#[test]
+fn vllm_0_32_names_group_kind_window_tier_and_session() {
+    let b = decode_event_batch(fixture!("hybrid_swa"), &DecodeLimits::default()).unwrap();
+    let KvEvent::BlockStored { place, .. } = &b.events[1] else {
+        panic!("{:?}", b.events[1]);
+    };
+    assert_eq!(
+        *place,
+        BlockPlace {
+            group_idx: Some(1),
+            spec_kind: Some("sliding_window".into()),
+            sliding_window: Some(32),
+            session_id: Some("agent-7".into()),
+            ..BlockPlace::default()
+        }
+    );
+    let b = decode_event_batch(fixture!("offload_cpu"), &DecodeLimits::default()).unwrap();
+    let KvEvent::BlockRemoved { medium, place, .. } = &b.events[3] else {
+        panic!("{:?}", b.events[3]);
+    };
+    assert_eq!(medium.as_deref(), Some("CPU"));
+    assert_eq!(
+        (place.group_idx, place.locality.as_deref()),
+        (Some(0), Some("LOCAL"))
+    );
+    let KvEvent::BlockStored { place, .. } = &b.events[4] else {
+        panic!("{:?}", b.events[4]);
+    };
+    assert_eq!(place.ownership.as_deref(), Some("kvcr"));
+}
+
+#[test]
+fn a_sliding_window_hybrid_is_credited_only_where_the_window_is_held() {
+    let (ix, _, s) = ingest(fixture!("hybrid_swa"));
+    assert_eq!((s.stored_blocks, s.removed_blocks), (16, 6));
+    // a 32-token window needs cdiv(31, 16) = 2 blocks before the boundary: 6 and 7 are held
+    assert_eq!(credit(&ix, 8).0, 8);
+    // at 7 blocks it needs blocks 5 and 6: 5 was freed, so the engine recomputes everything
+    assert_eq!(credit(&ix, 7).0, 0);
+    // the full-attention group keeps its eight blocks: the removals named group 1
+    assert_eq!(plain_run(&ix, 8), 8);
+}
+
+#[test]
+fn a_mamba_hybrid_is_credited_at_its_last_state_boundary() {
+    let (ix, _, s) = ingest(fixture!("hybrid_mamba"));
+    assert_eq!(
+        (s.stored_blocks, s.removed_blocks, s.malformed_blocks),
+        (12, 2, 0)
+    );
+    // states at 32 and 96 tokens: an 8-block prompt reuses 96 tokens (6 blocks)
+    assert_eq!(credit(&ix, 8).0, 6);
+    // a 5-block prompt: hits are aligned to the 32-token state block; the state at 32
+    assert_eq!(credit(&ix, 5).0, 2);
+    assert_eq!(credit(&ix, 1).0, 0);
+}
+
+#[test]
+fn an_unmodelled_group_kind_gives_no_credit() {
+    let (ix, _, s) = ingest(fixture!("hybrid_unmodelled"));
+    assert_eq!((s.stored_blocks, s.unmodelled_blocks), (8, 8));
+    assert_eq!(credit(&ix, 8), (0, TierBlocks::default()));
+}
+
+#[test]
+fn offloaded_blocks_are_credited_by_tier_after_the_gpu_hit() {
+    let (ix, _, s) = ingest(fixture!("offload_cpu"));
+    assert_eq!(s.placeholder_blocks, 1);
+    assert!(!s.needs_resync());
+    let (gpu, lower) = credit(&ix, 8);
+    // GPU 0-3; then 4 and 5 from the CPU, 6 only in the storage tier, 7 on the CPU
+    assert_eq!(gpu, 4);
+    assert_eq!(
+        lower,
+        TierBlocks {
+            cpu: 3,
+            remote: 0,
+            storage: 1
+        }
+    );
+    // the GPU view itself is what the engine's events left on the GPU
+    assert_eq!(plain_run(&ix, 8), 4);
+}
