@@ -803,6 +803,9 @@ struct EndpointEntry {
     approx: LinkedHashMap<BlockKey, Touched, FxBuildHasher>,
     /// Precise mode: the engine's KV-cache groups and tiers.
     residency: Residency,
+    /// Precise mode: blocks of requests routed here whose `BlockStored` has not arrived yet,
+    /// with the time (ms) their provisional credit ends; earliest first.
+    provisional: LinkedHashMap<BlockKey, u64, FxBuildHasher>,
 }
 
 impl EndpointEntry {
@@ -830,6 +833,8 @@ pub struct KvIndex {
     /// Endpoints whose credit needs more than the primary namespace (hybrid groups, lower
     /// tiers, an unmodelled group kind); 0 keeps [`KvIndex::credit`] on its fast path.
     special: usize,
+    /// Provisional blocks over all endpoints (0 also keeps that path fast).
+    provisional: usize,
 }
 
 impl Default for KvIndex {
@@ -847,6 +852,7 @@ impl KvIndex {
             free_slots: Vec::new(),
             slot_of: HashMap::default(),
             special: 0,
+            provisional: 0,
         }
     }
 
@@ -923,6 +929,7 @@ impl KvIndex {
             by_engine_hash,
             approx: LinkedHashMap::default(),
             residency: Residency::default(),
+            provisional: LinkedHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -1041,6 +1048,14 @@ impl KvIndex {
         else {
             return Err(IndexError::UnknownSlot(slot));
         };
+        if !entry.provisional.is_empty() {
+            // the engine's own word supersedes the picker's guess
+            let before = entry.provisional.len();
+            for (_, key) in blocks {
+                entry.provisional.remove(key);
+            }
+            self.provisional -= before - entry.provisional.len();
+        }
         let chains = &mut self.chains;
         let mut prev = parent.and_then(|p| entry.by_engine_hash.get(p));
         for (i, &(engine_hash, key)) in blocks.iter().enumerate() {
@@ -1135,6 +1150,57 @@ impl KvIndex {
             self.chains.release(t.place, slot);
         }
         entry.approx.shrink_to_fit();
+        self.provisional -= entry.provisional.len();
+        entry.provisional = LinkedHashMap::default();
+        n
+    }
+
+    /// Precise mode: the blocks `keys` of a request just routed to `slot` count as held there
+    /// until `now_ms + ttl_ms` or until the engine's `BlockStored` for them arrives, whichever
+    /// is first, so that a burst sharing a new prefix (n-sampling, an agent's fan-out, a new
+    /// system prompt) is not spread before any event can arrive. At most the endpoint's block
+    /// budget is kept, the oldest dropped first.
+    pub fn record_provisional(&mut self, slot: Slot, keys: &[BlockKey], now_ms: u64, ttl_ms: u64) {
+        let Some(entry) = self
+            .endpoints
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        if entry.mode != IndexMode::Precise || ttl_ms == 0 {
+            return;
+        }
+        let before = entry.provisional.len();
+        Self::expire_provisional(entry, now_ms);
+        let until = now_ms.saturating_add(ttl_ms);
+        for &key in keys.iter().take(entry.max_blocks) {
+            if entry.by_engine_hash.len() == 0
+                || self
+                    .chains
+                    .by_key
+                    .get(key)
+                    .is_none_or(|p| !holds(self.chains.block(p).holders, slot, &self.chains.arena))
+            {
+                entry.provisional.insert(key, until);
+            }
+        }
+        while entry.provisional.len() > entry.max_blocks {
+            entry.provisional.pop_front();
+        }
+        self.provisional = self.provisional + entry.provisional.len() - before;
+    }
+
+    fn expire_provisional(entry: &mut EndpointEntry, now_ms: u64) -> usize {
+        let mut n = 0;
+        while entry
+            .provisional
+            .front()
+            .is_some_and(|(_, &until)| until <= now_ms)
+        {
+            entry.provisional.pop_front();
+            n += 1;
+        }
         n
     }
 
@@ -1215,6 +1281,9 @@ impl KvIndex {
                 && let IndexMode::Approximate { ttl_ms } = entry.mode
             {
                 n += Self::expire_entry(entry, &mut self.chains, slot as Slot, ttl_ms, now_ms);
+            }
+            if let Some(entry) = e.as_mut() {
+                self.provisional -= Self::expire_provisional(entry, now_ms);
             }
         }
         n
@@ -1525,5 +1594,43 @@ mod tests {
         }
         assert_eq!(ix.distinct_blocks(), 0);
         assert_eq!(ix.endpoint_blocks(a), 0);
+    }
+
+    #[test]
+    fn provisional_credit_is_bounded_superseded_by_events_and_expires() {
+        let mut ix = KvIndex::default();
+        let a = ix.add_endpoint(id(1), IndexMode::Precise, 3).expect("slot");
+        let b = ix
+            .add_endpoint(id(2), IndexMode::Approximate { ttl_ms: 1000 }, 10)
+            .expect("slot");
+        let credit = |ix: &KvIndex, keys: &[u64], now| {
+            let mut out = Vec::new();
+            ix.credit(keys, now, &mut Vec::new(), &mut out);
+            out.iter()
+                .map(|c| (c.slot, c.blocks, c.provisional))
+                .collect::<Vec<_>>()
+        };
+        // four blocks wanted, the budget is three: a prefix's first blocks are kept
+        ix.record_provisional(a, &[1, 2, 3, 4], 0, 100);
+        assert_eq!(credit(&ix, &[1, 2, 3, 4], 50), vec![(a, 3, 3)]);
+        // a later request's blocks push the oldest out
+        ix.record_provisional(a, &[5, 6], 10, 100);
+        assert_eq!(credit(&ix, &[1, 2, 3], 50), vec![]);
+        assert_eq!(credit(&ix, &[5, 6], 50), vec![(a, 2, 2)]);
+        // an approximate endpoint learns from record_routed, not from this
+        ix.record_provisional(b, &[7, 8], 0, 100);
+        assert_eq!(credit(&ix, &[7, 8], 50), vec![]);
+        // the engine's events supersede the guess: block 5 is now held, 6 still provisional
+        ix.store(a, &[(0xe5, 5)]).expect("stored");
+        assert_eq!(credit(&ix, &[5, 6], 50), vec![(a, 2, 1)]);
+        // the TTL ends the rest exactly at its end
+        assert_eq!(credit(&ix, &[5, 6], 109), vec![(a, 2, 1)]);
+        assert_eq!(credit(&ix, &[5, 6], 110), vec![(a, 1, 0)]);
+        ix.expire(110);
+        assert_eq!(ix.provisional, 0);
+        // a clear (resync, staleness) drops provisional credit with the rest
+        ix.record_provisional(a, &[7, 8], 200, 100);
+        ix.clear_endpoint(a);
+        assert_eq!((ix.provisional, credit(&ix, &[7, 8], 210)), (0, vec![]));
     }
 }

@@ -569,6 +569,81 @@ mod tests {
         assert!(place(4_100).is_ok());
     }
 
+    /// Issue 16: 32 requests sharing one new 8k-token prefix within 20 ms, before any
+    /// `BlockStored` can arrive. Precise endpoints credit each routed request's blocks
+    /// provisionally, so the burst stays on one endpoint until the balance guard moves it
+    /// (and the next endpoint then collects the rest); without that, every request is a cold
+    /// placement and the prefix is prefilled over and over.
+    #[test]
+    fn a_burst_sharing_a_new_prefix_is_kept_together_before_any_event() {
+        use crate::block_keys::{BlockHasher, ChainRoot};
+        let tokens: Vec<u32> = (0..8192).collect();
+        let keys = BlockHasher::new(16).keys(ChainRoot::new("m", None, None), &tokens);
+        let burst = |ttl_ms: u64| {
+            let mc = Arc::new(ModelConfig::new("c", "m"));
+            let mut settings = PoolSettings::default();
+            settings.budget.provisional_ttl_ms = ttl_ms;
+            let pool = Pool::new(
+                settings,
+                Router::new(RoutingConfig {
+                    strategy: Strategy::CostModel,
+                    ..RoutingConfig::default()
+                }),
+            );
+            let members = (1..=4)
+                .map(|i| PoolMember {
+                    endpoint: Endpoint::new(id(i), mc.clone()),
+                    precise: true,
+                    kv_capacity_blocks: Some(100_000),
+                })
+                .collect();
+            pool.apply_view(members, || {}).expect("view");
+            pool.observe_scrape(0, (1..=4).map(|i| (id(i), load(0.0, 0))));
+            let mut guards = Vec::new();
+            let mut cold = 0;
+            let mut placed = Vec::new();
+            for i in 0..32u64 {
+                let now = i * 20 / 32;
+                let req = RouteRequest {
+                    keys: &keys,
+                    prompt_tokens: 8192,
+                    ..request(&mc, None)
+                };
+                let p = pool.place(&req, now).expect("placed");
+                let d = &p.decision;
+                cold += u32::from(d.matched_blocks == 0);
+                placed.push(d.endpoint);
+                pool.record(&p, &keys, now);
+                let uncached = 8192 - u64::from(d.cached_tokens);
+                guards.push(pool.begin(d.endpoint, 8192, uncached, true));
+            }
+            // the TTL after the last of them (recorded at 19 ms), and no event: gone
+            let later = pool
+                .place(
+                    &RouteRequest {
+                        keys: &keys,
+                        prompt_tokens: 8192,
+                        ..request(&mc, None)
+                    },
+                    ttl_ms + 19,
+                )
+                .expect("placed");
+            (cold, placed, later.decision.matched_blocks)
+        };
+        let (cold, placed, later) = burst(2_000);
+        let first = placed[0];
+        let on_first = placed.iter().filter(|&&e| e == first).count();
+        let used: std::collections::HashSet<_> = placed.iter().collect();
+        // one prefill per endpoint the guard opened, never more
+        assert_eq!(cold as usize, used.len(), "{placed:?}");
+        // the first endpoint takes the burst until it is `balance.absolute` (8) requests
+        // ahead of the idle ones
+        assert_eq!(on_first, 9, "{placed:?}");
+        assert_eq!(later, 0, "a provisional credit never outlives its TTL");
+        let (cold, _, _) = burst(0);
+        assert_eq!(cold, 32, "without it every request of the burst is cold");
+    }
+
     /// A routing edit replaces the policy only: pins and the turn count are the pool's. An
     /// endpoint that leaves is forgotten by every table.
     #[test]

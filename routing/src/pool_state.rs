@@ -35,6 +35,9 @@ pub struct IndexBudget {
     pub precise_slack: u64,
     /// Approximate entries expire after this long without use.
     pub approximate_ttl_ms: u64,
+    /// A precise endpoint is credited with the blocks of a request routed to it for this long,
+    /// or until its engine's events for them arrive (0: never).
+    pub provisional_ttl_ms: u64,
     /// The most blocks one endpoint's entry may hold, whatever its engine reports (slack
     /// included): an engine's metrics are not trusted to size the picker's memory.
     pub max_blocks_per_endpoint: u64,
@@ -47,6 +50,7 @@ impl Default for IndexBudget {
             default_kv_capacity_blocks: 32_768,
             precise_slack: 2,
             approximate_ttl_ms: 600_000,
+            provisional_ttl_ms: 2_000,
             max_blocks_per_endpoint: 2 << 20,
         }
     }
@@ -413,24 +417,25 @@ impl PoolState {
         changes
     }
 
-    /// The approximate index learns that `keys` now live on `endpoint` (a precise endpoint
-    /// learns only from its engine's events: the index ignores this there).
+    /// `keys` were routed to `endpoint`: an approximate index learns that they live there; a
+    /// precise one credits them provisionally for `index.provisionalTtl`, until the engine's
+    /// own events say so ([`KvIndex::record_provisional`]).
     pub fn record_routed(&self, endpoint: &EndpointId, keys: &[BlockKey], now_ms: u64) {
-        // a precise endpoint (the common case) costs a read lock, not the write lock
-        let approximate = {
-            let inner = self.inner.read();
-            inner
-                .index
-                .slot(endpoint)
-                .and_then(|slot| inner.index.mode(slot))
-                .is_some_and(|m| matches!(m, IndexMode::Approximate { .. }))
-        };
-        if !approximate || keys.is_empty() {
+        if keys.is_empty() {
             return;
         }
         let mut inner = self.inner.write();
+        let ttl_ms = self.budget.provisional_ttl_ms;
         if let Some(slot) = inner.index.slot(endpoint) {
-            inner.index.record_routed(slot, keys, now_ms);
+            match inner.index.mode(slot) {
+                Some(IndexMode::Approximate { .. }) => {
+                    inner.index.record_routed(slot, keys, now_ms);
+                }
+                Some(IndexMode::Precise) if ttl_ms > 0 => {
+                    inner.index.record_provisional(slot, keys, now_ms, ttl_ms);
+                }
+                _ => {}
+            }
         }
     }
 

@@ -445,7 +445,8 @@ fn features(
     pinned: Option<EndpointId>,
 ) -> Vec<Candidate> {
     let mut credits: Vec<Credit> = Vec::new();
-    ctx.index.credit(req.keys, &mut Vec::new(), &mut credits);
+    ctx.index
+        .credit(req.keys, ctx.now_ms, &mut Vec::new(), &mut credits);
     let block_size = req.model_config.block_size.max(1);
     let servable = servable_blocks(req.prompt_tokens, block_size);
     let offload = &req.model_config.offload;
@@ -468,6 +469,7 @@ fn features(
                 endpoint: e.id,
                 features: Features {
                     matched_blocks: matched,
+                    provisional_blocks: credit.map_or(0, |c| c.provisional).min(matched),
                     cached_tokens: cached,
                     uncached_tokens: req.prompt_tokens - cached - loaded,
                     offloaded,

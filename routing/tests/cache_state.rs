@@ -39,7 +39,7 @@ fn credit(ix: &KvIndex, blocks: u32) -> (u32, TierBlocks) {
     let tokens: Vec<u32> = (0..blocks * BS).collect();
     let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
     let mut out = Vec::new();
-    ix.credit(&keys, &mut Vec::new(), &mut out);
+    ix.credit(&keys, 0, &mut Vec::new(), &mut out);
     out.first()
         .map_or((0, TierBlocks::default()), |c| (c.blocks, c.lower))
 }

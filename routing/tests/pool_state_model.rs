@@ -35,6 +35,9 @@ const BUDGET: IndexBudget = IndexBudget {
     default_kv_capacity_blocks: 5,
     precise_slack: 2,
     approximate_ttl_ms: 50,
+    // the model's precise endpoints hold exactly what their events say (provisional credit
+    // has its own tests in `place.rs` and `index.rs`)
+    provisional_ttl_ms: 0,
     // below the default's 5 × 2: precise endpoints are often clamped
     max_blocks_per_endpoint: 8,
 };

@@ -238,6 +238,11 @@ pub struct IndexSettings {
     /// Approximate entries expire after this long without use.
     #[serde(with = "duration_str")]
     pub approximate_ttl: Duration,
+    /// Precise endpoints: the blocks of a request routed to an endpoint count as held there
+    /// for this long, or until its engine's KV events for them arrive, so that a burst
+    /// sharing a new prefix is not spread before the first event (`0s`: off; at most 10 min).
+    #[serde(with = "duration_str")]
+    pub provisional_ttl: Duration,
     /// The most blocks the index keeps for one endpoint, slack included, whatever capacity
     /// its engine reports or its model config names (about 66 bytes each).
     pub max_blocks_per_endpoint: u64,
@@ -251,6 +256,7 @@ impl Default for IndexSettings {
             default_kv_capacity_blocks: budget.default_kv_capacity_blocks,
             precise_slack: budget.precise_slack,
             approximate_ttl: Duration::from_millis(budget.approximate_ttl_ms),
+            provisional_ttl: Duration::from_millis(budget.provisional_ttl_ms),
             max_blocks_per_endpoint: budget.max_blocks_per_endpoint,
         }
     }
@@ -268,6 +274,7 @@ impl IndexSettings {
                 default_kv_capacity_blocks: self.default_kv_capacity_blocks,
                 precise_slack: self.precise_slack,
                 approximate_ttl_ms: self.approximate_ttl.as_millis() as u64,
+                provisional_ttl_ms: self.provisional_ttl.as_millis() as u64,
                 max_blocks_per_endpoint: self.max_blocks_per_endpoint,
             },
             max_inflight_per_endpoint: limits.max_inflight_per_endpoint,
@@ -408,6 +415,12 @@ impl PickerConfig {
                 )));
             }
         }
+        if self.index.provisional_ttl > Duration::from_secs(600) {
+            return Err(PickerError::Invalid(format!(
+                "index.provisionalTtl must be at most 10m, got {:?}",
+                self.index.provisional_ttl
+            )));
+        }
         if let Some(tls) = &self.listen.ext_proc_tls {
             if self.listen.ext_proc.is_none() {
                 return Err("listen.extProcTls is set but listen.extProc is null".into());
@@ -515,6 +528,12 @@ limits:
                 "{e}"
             );
         }
+        let bad = format!("{SAMPLE}\nindex: {{provisionalTtl: 11m}}\n");
+        let e = PickerConfig::from_yaml(&bad).expect_err("provisional ttl");
+        assert!(e.to_string().contains("index.provisionalTtl"), "{e}");
+        let off = format!("{SAMPLE}\nindex: {{provisionalTtl: 0s}}\n");
+        let s = PickerConfig::from_yaml(&off).expect("0s turns it off");
+        assert_eq!(s.index.provisional_ttl, Duration::ZERO);
         let bad = format!("{SAMPLE}\nindex: {{approximateTtl: 0s}}\n");
         let e = PickerConfig::from_yaml(&bad).expect_err("ttl");
         assert!(e.to_string().contains("index.approximateTtl"), "{e}");

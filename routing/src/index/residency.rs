@@ -250,6 +250,8 @@ pub struct Credit {
     pub slot: Slot,
     /// Leading blocks (pool block size) the engine reuses without loading.
     pub blocks: u32,
+    /// How many of `blocks` are provisional: routed there, their events not in yet.
+    pub provisional: u32,
     /// The blocks that follow, by the tier they would be loaded from.
     pub lower: TierBlocks,
 }
@@ -398,18 +400,26 @@ impl KvIndex {
             .is_some_and(|p| super::holds(self.chains.block(p).holders, slot, &self.chains.arena))
     }
 
-    /// What each endpoint offers the request with block keys `keys`: for a single-group
-    /// engine its longest held prefix ([`Self::longest_prefix`]); for a hybrid one the prefix
-    /// every group would hit under vLLM's rule; for an engine with lower tiers, the blocks
-    /// right after that which a lower tier holds. Endpoints offering nothing are absent;
-    /// results are in slot order. `scratch` is reused between calls.
-    pub fn credit(&self, keys: &[BlockKey], scratch: &mut Vec<PrefixMatch>, out: &mut Vec<Credit>) {
+    /// What each endpoint offers the request with block keys `keys` at `now_ms`: for a
+    /// single-group engine its longest held prefix ([`Self::longest_prefix`]), extended by
+    /// the blocks provisionally credited to it ([`Self::record_provisional`]); for a hybrid
+    /// one the prefix every group would hit under vLLM's rule; for an engine with lower
+    /// tiers, the blocks right after that which a lower tier holds. Endpoints offering
+    /// nothing are absent; results are in slot order. `scratch` is reused between calls.
+    pub fn credit(
+        &self,
+        keys: &[BlockKey],
+        now_ms: u64,
+        scratch: &mut Vec<PrefixMatch>,
+        out: &mut Vec<Credit>,
+    ) {
         out.clear();
         self.longest_prefix(keys, scratch);
-        if self.special == 0 {
+        if self.special == 0 && self.provisional == 0 {
             out.extend(scratch.iter().map(|m| Credit {
                 slot: m.slot,
                 blocks: m.blocks,
+                provisional: 0,
                 lower: TierBlocks::default(),
             }));
             return;
@@ -423,29 +433,37 @@ impl KvIndex {
             };
             let Some(entry) = entry else { continue };
             let r = &entry.residency;
-            let c = if !r.is_special() {
-                Credit {
-                    slot,
-                    blocks: run,
-                    lower: TierBlocks::default(),
-                }
-            } else if r.unmodelled {
+            if r.unmodelled {
                 continue;
+            }
+            let hybrid = r.groups.iter().any(|g| Some(g.idx) != r.primary);
+            let (blocks, provisional) = if hybrid {
+                (self.hybrid_hit(slot, r, keys, run), 0)
             } else {
-                let blocks = self.hybrid_hit(slot, r, keys, run);
-                let lower = if r.groups.len() == 1 && r.primary.is_some() {
-                    self.lower_tier_run(slot, r, keys, blocks)
-                } else {
-                    TierBlocks::default()
-                };
-                Credit {
+                let mut n = run as usize;
+                if !entry.provisional.is_empty() {
+                    while keys
+                        .get(n)
+                        .and_then(|k| entry.provisional.get(k))
+                        .is_some_and(|&until| until > now_ms)
+                    {
+                        n += 1;
+                    }
+                }
+                (n as u32, n as u32 - run)
+            };
+            let lower = if !hybrid && !r.lower.is_empty() {
+                self.lower_tier_run(slot, r, keys, blocks)
+            } else {
+                TierBlocks::default()
+            };
+            if blocks > 0 || lower.total() > 0 {
+                out.push(Credit {
                     slot,
                     blocks,
+                    provisional,
                     lower,
-                }
-            };
-            if c.blocks > 0 || c.lower.total() > 0 {
-                out.push(c);
+                });
             }
         }
     }

@@ -554,7 +554,7 @@ mod tests {
     fn credit(ix: &KvIndex, tokens: &[u32]) -> (u32, crate::index::TierBlocks) {
         let k = BlockHasher::new(4).keys(ChainRoot::new("m", None, None), tokens);
         let mut out = Vec::new();
-        ix.credit(&k, &mut Vec::new(), &mut out);
+        ix.credit(&k, 0, &mut Vec::new(), &mut out);
         out.first()
             .map_or((0, Default::default()), |c| (c.blocks, c.lower))
     }

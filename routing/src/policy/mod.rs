@@ -52,6 +52,9 @@ pub struct Features {
     /// Longest run of the prompt's leading blocks cached on the endpoint (for a hybrid
     /// engine: the prefix every KV-cache group would hit).
     pub matched_blocks: u32,
+    /// How many of `matched_blocks` are provisional: recently routed here, the engine's
+    /// events for them not arrived yet (`index.provisionalTtl`).
+    pub provisional_blocks: u32,
     pub cached_tokens: u32,
     /// Tokens to prefill: neither cached nor loadable from a lower tier.
     pub uncached_tokens: u32,
