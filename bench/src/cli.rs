@@ -304,6 +304,11 @@ pub struct ReplayArgs {
     /// engines, repeated runs on the same engines show the run-to-run spread.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// The picker's `index.provisionalTtl` in ms: how long a routed request's blocks count as
+    /// held on a precise endpoint before its events arrive [default: the picker's, 2000; 0:
+    /// off].
+    #[arg(long)]
+    pub provisional_ttl_ms: Option<u64>,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -542,6 +547,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         chat: a.chat,
         chat_tokenizer: None,
         repeat: a.repeat.max(1),
+        provisional_ttl_ms: a.provisional_ttl_ms,
     })
 }
 

@@ -102,6 +102,19 @@ pub struct BenchOptions {
     pub chat_tokenizer: Option<std::path::PathBuf>,
     /// Times the policy list runs, interleaved.
     pub repeat: usize,
+    /// The picker's `index.provisionalTtl` in ms (`None`: its default; 0: off).
+    pub provisional_ttl_ms: Option<u64>,
+}
+
+impl BenchOptions {
+    /// The picker's index settings for this run.
+    pub fn index_settings(&self) -> kvroute_picker::service::settings::IndexSettings {
+        let mut s = kvroute_picker::service::settings::IndexSettings::default();
+        if let Some(ms) = self.provisional_ttl_ms {
+            s.provisional_ttl = std::time::Duration::from_millis(ms);
+        }
+        s
+    }
 }
 
 /// The engines of live mode.
@@ -158,6 +171,7 @@ impl Default for BenchOptions {
             token_vocab: None,
             chat: false,
             chat_tokenizer: None,
+            provisional_ttl_ms: None,
             repeat: 1,
         }
     }

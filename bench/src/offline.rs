@@ -37,7 +37,7 @@ use kvroute_picker::place::Pool;
 use kvroute_picker::plan::{PlanInput, RequestPlan, Scope};
 use kvroute_picker::pool_state::PoolMember;
 use kvroute_picker::router::Router;
-use kvroute_picker::service::settings::{IndexSettings, Limits};
+use kvroute_picker::service::settings::Limits;
 use kvroute_picker::tokenize::TokenKind;
 use kvroute_sim::engine::{Rank, Request, StepOutcome};
 use rustc_hash::FxHashMap;
@@ -157,7 +157,7 @@ impl<'a> Sim<'a> {
         let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
         // the picker's own settings: index budget, in-flight cap, session pins, ejections
         let limits = Limits::default();
-        let pool = Pool::new(IndexSettings::default().pool_settings(&limits), router);
+        let pool = Pool::new(opts.index_settings().pool_settings(&limits), router);
         let members = endpoints
             .into_iter()
             .map(|endpoint| PoolMember {

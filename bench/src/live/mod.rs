@@ -341,7 +341,8 @@ pub async fn start_picker(
         config_path: Some(dir.join("tokenizer_config.json").display().to_string()),
         ..TokenizerSpec::default()
     });
-    let cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
+    let mut cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
+    cfg.index.provisional_ttl = opts.index_settings().provisional_ttl;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
     std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
         .with_context(|| format!("writing {}", path.display()))?;

@@ -422,17 +422,24 @@ pub async fn streaming_completions_and_chat_follow_openai(t: &Target) {
         .iter()
         .map(|e| serde_json::from_str(&e[6..]).unwrap())
         .collect();
-    assert_eq!(chunks.len(), 6, "5 tokens and the usage chunk:\n{text}");
-    for c in &chunks[..4] {
+    // one chunk per token, except that a token whose text is an incomplete UTF-8 sequence
+    // (a byte-fallback token of a random-weight model) is held back and sent with the next
+    let n = chunks.len() - 1;
+    assert!(
+        (1..=5).contains(&n),
+        "at most 5 token chunks and the usage chunk:\n{text}"
+    );
+    for c in &chunks[..n - 1] {
         assert_eq!(c["object"], "text_completion");
         assert_eq!(c["choices"][0]["finish_reason"], Value::Null, "{c}");
         assert!(c["choices"][0]["text"].is_string(), "{c}");
     }
-    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
-    assert_eq!(chunks[5]["choices"], json!([]));
-    assert_eq!(chunks[5]["usage"]["completion_tokens"], 5);
+    assert_eq!(chunks[n - 1]["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[n];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
     assert_eq!(
-        chunks[5]["usage"]["prompt_tokens"],
+        usage["usage"]["prompt_tokens"],
         prompt_ids.len(),
         "the prompt as the engine renders it"
     );
@@ -455,10 +462,17 @@ pub async fn streaming_completions_and_chat_follow_openai(t: &Target) {
         .map(|e| serde_json::from_str(&e[6..]).unwrap())
         .collect();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-    assert_eq!(chunks.len(), 4, "the role and 3 tokens:\n{text}");
+    // the role, then at most one chunk per token (see above)
+    assert!(
+        (2..=4).contains(&chunks.len()),
+        "the role and 3 tokens:\n{text}"
+    );
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        chunks[chunks.len() - 1]["choices"][0]["finish_reason"],
+        "length"
+    );
     assert!(
         chunks.iter().all(|c| c.get("usage").is_none()),
         "no usage unless asked:\n{text}"
