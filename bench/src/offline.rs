@@ -481,6 +481,7 @@ impl<'a> Sim<'a> {
                     kv_usage: s.kv_usage,
                     kv_capacity_blocks: Some(u64::from(s.num_blocks)),
                     sampled_at_ms: t as u64,
+                    lora: None,
                 },
             ));
             if record {

@@ -168,6 +168,7 @@ fn bench_decision(c: &mut Criterion) {
         kv_usage: 0.5,
         kv_capacity_blocks: Some(31_250),
         sampled_at_ms: 0,
+        lora: None,
     };
     for &n in &[8usize, 64] {
         let prompt = tokens(11, 8 * 1024);

@@ -67,7 +67,18 @@ pub struct ModelConfig {
     pub tokenizer: Option<Arc<str>>,
     /// What a hit in a tier below the GPU costs (`kvOffload`).
     pub offload: OffloadCosts,
+    /// `loraLoadMs`: loading an adapter the engine is not running.
+    pub lora_load_ms: u32,
+    /// `loraSlotWaitMs`: waiting for one of the engine's `max_lora` slots when all hold busy
+    /// adapters.
+    pub lora_slot_wait_ms: u32,
 }
+
+/// `loraLoadMs` when unset: loading a rank-16 adapter of an 8B model (~50 MB) from host
+/// memory or a local disk.
+pub const DEFAULT_LORA_LOAD_MS: u32 = 50;
+/// `loraSlotWaitMs` when unset: about one long request finishing and freeing a slot.
+pub const DEFAULT_LORA_SLOT_WAIT_MS: u32 = 2000;
 
 /// `kvOffload` resolved: per tier below the GPU (CPU, remote, storage, in
 /// [`TierBlocks`]' order), the bytes it loads back per millisecond and the fraction of a GPU
@@ -144,6 +155,8 @@ impl ModelConfig {
             lora_adapters: Vec::new(),
             tokenizer: None,
             offload: OffloadCosts::default(),
+            lora_load_ms: DEFAULT_LORA_LOAD_MS,
+            lora_slot_wait_ms: DEFAULT_LORA_SLOT_WAIT_MS,
         }
     }
 
@@ -180,6 +193,8 @@ impl From<&ModelConfigSpec> for ModelConfig {
                 .and_then(|t| t.path.as_deref().or(t.config_map.as_deref()))
                 .map(Arc::from),
             offload: OffloadCosts::from_spec(spec.kv_offload.as_ref()),
+            lora_load_ms: spec.lora_load_ms.unwrap_or(DEFAULT_LORA_LOAD_MS),
+            lora_slot_wait_ms: spec.lora_slot_wait_ms.unwrap_or(DEFAULT_LORA_SLOT_WAIT_MS),
         }
     }
 }

@@ -112,6 +112,69 @@ pub struct LoadSample {
     pub prefix_cache_queries: Option<f64>,
     /// Of those, tokens found in the cache on the GPU (a counter).
     pub prefix_cache_hits: Option<f64>,
+    /// vLLM's `vllm:lora_requests_info`: the adapters its running requests use and
+    /// `max_lora`. `None` when the engine serves no adapters (or does not say).
+    pub lora: Option<LoraActivity>,
+}
+
+/// Most adapters [`LoraActivity`] keeps (vLLM's `max_loras` is typically 1-8).
+pub const MAX_ACTIVE_LORAS: usize = 16;
+
+/// The LoRA adapters an engine has in use: those of its running requests (loaded in its
+/// `max_lora` GPU slots), from the newest series of `vllm:lora_requests_info` (vLLM writes a
+/// new series, valued with the current time, on every logging interval).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct LoraActivity {
+    /// xxh3 hashes of the running adapters' names, sorted; the first `running` are valid.
+    #[serde(skip)]
+    hashes: [u64; MAX_ACTIVE_LORAS],
+    /// Adapters with running requests (at most [`MAX_ACTIVE_LORAS`] are kept).
+    pub running: u8,
+    /// Adapters with waiting requests.
+    pub waiting: u8,
+    /// The engine's `max_loras`: adapters it can hold in its GPU slots at once.
+    pub max_lora: Option<u32>,
+}
+
+impl LoraActivity {
+    fn new(running: &str, waiting: &str, max_lora: Option<u32>) -> Self {
+        fn names(s: &str) -> BTreeSet<&str> {
+            s.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .collect()
+        }
+        let run = names(running);
+        let mut hashes = [0; MAX_ACTIVE_LORAS];
+        let mut kept: Vec<u64> = run.iter().map(|n| lora_hash(n)).collect();
+        kept.sort_unstable();
+        kept.truncate(MAX_ACTIVE_LORAS);
+        hashes[..kept.len()].copy_from_slice(&kept);
+        Self {
+            hashes,
+            running: kept.len() as u8,
+            waiting: names(waiting).len().min(255) as u8,
+            max_lora,
+        }
+    }
+
+    /// Whether adapter `name` has running requests, so is loaded.
+    pub fn runs(&self, name: &str) -> bool {
+        self.hashes[..usize::from(self.running)]
+            .binary_search(&lora_hash(name))
+            .is_ok()
+    }
+
+    /// Whether every GPU adapter slot holds an adapter with running requests: a request for
+    /// another one waits until a slot frees.
+    pub fn slots_full(&self) -> bool {
+        self.max_lora
+            .is_some_and(|m| u32::from(self.running) >= m.max(1))
+    }
+}
+
+fn lora_hash(name: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
 }
 
 impl LoadSample {
@@ -340,7 +403,16 @@ pub fn parse_engine_metrics(
         };
         groups.add(&scheme, field, &labels, value, line_no)?;
     }
-    build(engine, &groups.fold())
+    let lora: BTreeMap<Option<u32>, LoraActivity> =
+        groups.lora.iter().map(|(r, (_, a))| (*r, *a)).collect();
+    let mut metrics = build(engine, &groups.fold())?;
+    // a rank's own series, else the server's (vLLM's gauge carries no rank label)
+    let global = lora.get(&None).copied();
+    for (rank, sample) in &mut metrics.ranks {
+        sample.lora = lora.get(&Some(*rank)).copied().or(global);
+    }
+    metrics.aggregate.lora = global.or_else(|| lora.values().next().copied());
+    Ok(metrics)
 }
 
 /// One sample line of an exposition as the strict lexer reads it: the metric name, the
@@ -628,6 +700,9 @@ enum Field {
     HitsFallback,
     /// vLLM's info gauge; its labels carry `BlockSize` and `CapacityBlocks`.
     CacheConfig,
+    /// vLLM's `lora_requests_info`: labels `running_lora_adapters`, `waiting_lora_adapters`,
+    /// `max_lora`; the value is the time it was written (the newest series counts).
+    LoraInfo,
     /// `_sum` and `_count` of the latency histograms (see [`PerfCounters`]).
     PrefillTimeSum,
     PrefillTimeCount,
@@ -711,6 +786,7 @@ impl Scheme {
                 "vllm:kv_cache_usage_perc" => KvUsage,
                 "vllm:gpu_cache_usage_perc" => KvUsageFallback,
                 "vllm:cache_config_info" => CacheConfig,
+                "vllm:lora_requests_info" => LoraInfo,
                 "vllm:prefix_cache_queries_total" | "vllm:prefix_cache_queries" => Queries,
                 "vllm:prefix_cache_hits_total" | "vllm:prefix_cache_hits" => Hits,
                 "vllm:gpu_prefix_cache_queries_total" | "vllm:gpu_prefix_cache_queries" => {
@@ -797,6 +873,8 @@ struct Groups {
     /// Distinct ranks seen, bounded by [`ParseLimits::max_ranks`].
     ranks: std::collections::BTreeSet<u32>,
     max_ranks: usize,
+    /// The newest `lora_requests_info` series per rank: (its value, the activity).
+    lora: BTreeMap<Option<u32>, (f64, LoraActivity)>,
 }
 
 /// Values per (field, rank) once groups are combined.
@@ -833,6 +911,18 @@ impl Groups {
                 line: line_no,
                 limit: self.max_ranks,
             });
+        }
+        if field == Field::LoraInfo {
+            if value.is_finite() && self.lora.get(&rank).is_none_or(|(t, _)| value >= *t) {
+                let get = |l| label_value(labels, l).unwrap_or_default();
+                let activity = LoraActivity::new(
+                    &get("running_lora_adapters"),
+                    &get("waiting_lora_adapters"),
+                    get("max_lora").parse().ok(),
+                );
+                self.lora.insert(rank, (value, activity));
+            }
+            return Ok(());
         }
         if field == Field::CacheConfig {
             // An info gauge: the data is in the labels; its value is always 1.
@@ -1047,6 +1137,7 @@ impl Partial {
             kv_capacity_blocks: self.capacity,
             prefix_cache_queries: self.queries,
             prefix_cache_hits: self.hits,
+            lora: None,
         })
     }
 }
@@ -1189,6 +1280,7 @@ mod tests {
             kv_capacity_blocks: Some(27713),
             prefix_cache_queries: Some(1_048_576.0),
             prefix_cache_hits: Some(524_288.0),
+            lora: None,
         };
         let rank1 = LoadSample {
             waiting: 0.0,
@@ -1198,6 +1290,7 @@ mod tests {
             kv_capacity_blocks: Some(27713),
             prefix_cache_queries: Some(917_504.0),
             prefix_cache_hits: Some(393_216.0),
+            lora: None,
         };
         assert_eq!(m.ranks().len(), 2);
         assert_eq!(m.for_rank(0), Some(&rank0));
@@ -1213,6 +1306,7 @@ mod tests {
                 kv_capacity_blocks: Some(55426),
                 prefix_cache_queries: Some(1_966_080.0),
                 prefix_cache_hits: Some(917_504.0),
+                lora: None,
             }
         );
         assert_eq!(rank0.kv_capacity_tokens(), Some(27713 * 16));
@@ -1229,6 +1323,7 @@ mod tests {
             kv_capacity_blocks: Some(7281),
             prefix_cache_queries: None,
             prefix_cache_hits: None,
+            lora: None,
         };
         assert!(m.ranks().is_empty());
         assert_eq!(m.aggregate(), &expected);
@@ -1247,6 +1342,7 @@ mod tests {
             kv_capacity_blocks: Some(412_000),
             prefix_cache_queries: None,
             prefix_cache_hits: None,
+            lora: None,
         };
         assert_eq!(m.for_rank(0), Some(&rank(5.0, 14.0, 0.52)));
         assert_eq!(m.for_rank(1), Some(&rank(1.0, 11.0, 0.47)));
@@ -1262,6 +1358,7 @@ mod tests {
                 kv_capacity_blocks: Some(824_000),
                 prefix_cache_queries: Some(2_346_800.0),
                 prefix_cache_hits: Some(1_200_000.0),
+                lora: None,
             }
         );
         assert_eq!(m.aggregate().kv_capacity_tokens(), Some(824_000));
@@ -1278,6 +1375,7 @@ mod tests {
             kv_capacity_blocks: Some(4096),
             prefix_cache_queries: Some(473_088.0),
             prefix_cache_hits: Some(190_464.0),
+            lora: None,
         };
         assert!(m.ranks().is_empty());
         assert_eq!(m.for_rank(0), Some(&expected));
@@ -1820,5 +1918,32 @@ vllm:request_prefill_time_seconds_count{engine="1"} 8
             let text = String::from_utf8_lossy(&bytes);
             let _ = parse(&text, engine);
         }
+    }
+
+    /// vLLM writes a new `lora_requests_info` series on every logging interval, valued with
+    /// the time; the newest is the state.
+    #[test]
+    fn lora_activity_is_the_newest_lora_requests_info_series() {
+        let text = "\
+vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0
+vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.1
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a\",waiting_lora_adapters=\"\"} 1.7649e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,b\",waiting_lora_adapters=\"c\"} 1.7649000005e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.76489e+09
+";
+        let m = parse(text, EngineKind::Vllm).unwrap();
+        let lora = m.aggregate().lora.expect("reported");
+        assert!(lora.runs("sql") && lora.runs("b") && !lora.runs("a"));
+        assert_eq!((lora.running, lora.waiting, lora.max_lora), (2, 1, Some(2)));
+        assert!(lora.slots_full());
+        // the gauge has no rank label: each rank gets the server's
+        assert_eq!(m.for_rank(0).and_then(|s| s.lora), Some(lora));
+        // an engine serving no adapters has no such gauge
+        let plain = text.lines().take(3).collect::<Vec<_>>().join("\n");
+        assert_eq!(
+            parse(&plain, EngineKind::Vllm).unwrap().aggregate().lora,
+            None
+        );
     }
 }

@@ -17,6 +17,8 @@ pub struct EndpointLoad {
     pub kv_capacity_blocks: Option<u64>,
     /// When the sample was taken (monotonic milliseconds of the caller's clock).
     pub sampled_at_ms: u64,
+    /// The LoRA adapters it has in use, when it reports them.
+    pub lora: Option<crate::engine_metrics::LoraActivity>,
 }
 
 impl EndpointLoad {
@@ -40,6 +42,7 @@ impl EndpointLoad {
             kv_usage: s.kv_usage,
             kv_capacity_blocks,
             sampled_at_ms,
+            lora: s.lora,
         }
     }
 }

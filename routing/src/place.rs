@@ -513,6 +513,7 @@ mod tests {
             allow: None,
             fallback_hash: 1,
             explain: false,
+            lora: None,
         }
     }
 

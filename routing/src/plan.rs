@@ -65,6 +65,8 @@ pub struct RequestPlan {
     pub session: Option<String>,
     /// Identifies the request when it has no full block.
     pub fallback_hash: u64,
+    /// The LoRA adapter the request names.
+    pub lora: Option<String>,
 }
 
 impl RequestPlan {
@@ -103,6 +105,7 @@ impl RequestPlan {
             tenant_salted,
             session,
             fallback_hash: xxhash_rust::xxh3::xxh3_64(seed),
+            lora: input.lora.map(str::to_owned),
         })
     }
 
@@ -123,6 +126,7 @@ impl RequestPlan {
             allow: scope.allow,
             fallback_hash: self.fallback_hash,
             explain,
+            lora: self.lora.as_deref(),
         }
     }
 }

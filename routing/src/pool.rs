@@ -190,6 +190,18 @@ pub struct ModelConfigSpec {
     /// defaults documented on each field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_offload: Option<KvOffloadSpec>,
+    /// Milliseconds to load a LoRA adapter the engine is not running (vLLM reports the
+    /// running ones in `vllm:lora_requests_info`); the cost model adds it for a request naming
+    /// that adapter. Default 50.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 600_000))]
+    pub lora_load_ms: Option<u32>,
+    /// Milliseconds a request for an adapter that is not running waits when each of the
+    /// engine's `max_lora` slots holds an adapter with running requests (it cannot be loaded
+    /// until one finishes); added to `loraLoadMs`. Default 2000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 600_000))]
+    pub lora_slot_wait_ms: Option<u32>,
 }
 
 /// The cost of a cache hit in a tier below the GPU: the cost model charges the time to load
@@ -301,6 +313,16 @@ impl ModelConfigSpec {
         }
         if let Some(o) = &self.kv_offload {
             o.validate(&at)?;
+        }
+        for (field, v) in [
+            ("loraLoadMs", self.lora_load_ms),
+            ("loraSlotWaitMs", self.lora_slot_wait_ms),
+        ] {
+            if let Some(v) = v
+                && v > 600_000
+            {
+                return Err(format!("{} must be at most 600000, got {v}", at(field)));
+            }
         }
         if self.port == 0 {
             return Err(format!("{} must be 1-65535", at("port")));

@@ -14,6 +14,7 @@ use crate::block_keys::BlockKey;
 use crate::calibration::Calibration;
 use crate::config::{FailureMode, RoutingConfig};
 use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
+use crate::engine_metrics::LoraActivity;
 use crate::index::{Credit, KvIndex, TierBlocks};
 use crate::inflight::InflightTracker;
 use crate::load::LoadTable;
@@ -134,6 +135,8 @@ pub struct RouteRequest<'a> {
     /// Hash identifying the request when it has no full block (short prompts).
     pub fallback_hash: u64,
     pub explain: bool,
+    /// The LoRA adapter the request names, if any.
+    pub lora: Option<&'a str>,
 }
 
 /// The feeds the router reads.
@@ -475,6 +478,8 @@ fn features(
                     offloaded,
                     offload_load_ms: offload.load_ms(&offloaded, block_size),
                     offload_credit_blocks: offload.credit_blocks(&offloaded),
+                    lora_resident: req.lora.and_then(|name| Some(load.lora?.runs(name))),
+                    lora_penalty_ms: lora_penalty_ms(req, load.lora.as_ref()),
                     waiting: load.waiting,
                     running: load.running,
                     kv_usage: load.kv_usage,
@@ -506,6 +511,26 @@ fn features(
         }
     }
     cands
+}
+
+/// What the request's adapter costs on an endpoint with `activity` (vLLM's
+/// `lora_requests_info`): nothing when it is running there (loaded) or when the engine does
+/// not report adapters; its load time (`loraLoadMs`) otherwise; and the wait for a slot
+/// (`loraSlotWaitMs`) when every one of the engine's `max_lora` slots holds a busy adapter.
+fn lora_penalty_ms(req: &RouteRequest<'_>, activity: Option<&LoraActivity>) -> f64 {
+    let (Some(name), Some(a)) = (req.lora, activity) else {
+        return 0.0;
+    };
+    if a.runs(name) {
+        return 0.0;
+    }
+    let mc = req.model_config;
+    let wait = if a.slots_full() {
+        mc.lora_slot_wait_ms
+    } else {
+        0
+    };
+    f64::from(mc.lora_load_ms) + f64::from(wait)
 }
 
 /// At most `room` of a request's lower-tier blocks: the prompt's last block is never
@@ -633,6 +658,7 @@ mod tests {
                 allow: None,
                 fallback_hash: 0,
                 explain: true,
+                lora: None,
             };
             let d = r.decide(&ctx, &req)?;
             // served where it was decided: the session is pinned there
@@ -654,6 +680,92 @@ mod tests {
             strategy,
             ..RoutingConfig::default()
         })
+    }
+
+    /// Issue 16: a request naming an adapter goes where the engine runs it; where it runs
+    /// nothing, the load time is charged, and where every `max_lora` slot is busy, the wait
+    /// for one too.
+    #[test]
+    fn a_lora_request_prefers_the_engine_running_its_adapter() {
+        use crate::endpoint::EngineKind as Kind;
+        use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
+        let ids: Vec<_> = (1..=3).map(|n| id(n, 0)).collect();
+        let mut w = World::new(&ids);
+        let activity = |running: &str| {
+            let text = format!(
+                "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n\
+                 vllm:lora_requests_info{{max_lora=\"1\",running_lora_adapters=\"{running}\",waiting_lora_adapters=\"\"}} 1.0\n"
+            );
+            parse_engine_metrics(&text, Kind::Vllm, &ParseLimits::default())
+                .expect("metrics")
+                .aggregate()
+                .lora
+        };
+        // 1 runs another adapter in its only slot, 2 runs none, 3 runs "sql"
+        for (i, running) in ["other", "", "sql"].iter().enumerate() {
+            w.loads.update(
+                ids[i],
+                EndpointLoad {
+                    running: 1.0,
+                    lora: activity(running),
+                    ..EndpointLoad::default()
+                },
+            );
+        }
+        let keys = w.keys(&prompt(3, 256));
+        let decide = |w: &World, lora: Option<&str>, allow: &(dyn Fn(&Endpoint) -> bool + Sync)| {
+            let snap = w.set.load();
+            let ctx = RouteContext {
+                endpoints: &snap,
+                index: &w.index,
+                loads: &w.loads,
+                inflight: &w.inflight,
+                now_ms: 0,
+                ejected: &[],
+                calibration: None,
+                pinned: None,
+                pinned_tokens: 0,
+                working_sets: None,
+                turn: 0,
+            };
+            let req = RouteRequest {
+                model_config: &w.mc,
+                keys: &keys,
+                prompt_tokens: 256,
+                session: None,
+                tenant: None,
+                subset: None,
+                allow: Some(allow),
+                fallback_hash: 0,
+                explain: true,
+                lora,
+            };
+            router(Strategy::CostModel)
+                .decide(&ctx, &req)
+                .expect("decision")
+        };
+        let any = |_: &Endpoint| true;
+        let d = decide(&w, Some("sql"), &any);
+        assert_eq!(d.endpoint, ids[2], "where it runs");
+        let f = |d: &Decision, i: usize| {
+            d.candidates
+                .iter()
+                .find(|c| c.endpoint == ids[i].to_string())
+                .map(|c| (c.features.lora_resident, c.features.lora_penalty_ms))
+        };
+        assert_eq!(f(&d, 2), Some((Some(true), 0.0)));
+        assert_eq!(f(&d, 1), Some((Some(false), 50.0)), "loadMs");
+        assert_eq!(f(&d, 0), Some((Some(false), 2050.0)), "loadMs + slotWaitMs");
+        // without 3, the free slot beats the busy one
+        let not_3 = |e: &Endpoint| e.id != ids[2];
+        assert_eq!(decide(&w, Some("sql"), &not_3).endpoint, ids[1]);
+        // a base-model request pays nothing anywhere
+        let d = decide(&w, None, &any);
+        assert!(
+            d.candidates
+                .iter()
+                .all(|c| c.features.lora_penalty_ms == 0.0 && c.features.lora_resident.is_none())
+        );
     }
 
     #[test]
@@ -717,6 +829,7 @@ mod tests {
                 allow: None,
                 fallback_hash: 0,
                 explain: false,
+                lora: None,
             };
             r.decide(&ctx, &req).expect("decision")
         };
@@ -921,6 +1034,7 @@ mod tests {
             allow: None,
             fallback_hash: 0,
             explain: false,
+            lora: None,
         };
         let r = router(Strategy::Weighted);
         assert_eq!(r.decide(&ctx, &base).expect("d").endpoint, ids[1]);
@@ -968,6 +1082,7 @@ mod tests {
                 allow,
                 fallback_hash: 0,
                 explain: false,
+                lora: None,
             };
             r.decide(&ctx, &req).expect("decision")
         };

@@ -33,6 +33,7 @@ fn place(pool: &Pool, mc: &ModelConfig, prompt: &[u32]) -> EndpointId {
         allow: None,
         fallback_hash: 0,
         explain: false,
+        lora: None,
     };
     pool.place(&req, 0).expect("placement").decision.endpoint
 }

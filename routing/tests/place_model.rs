@@ -216,6 +216,7 @@ fn build(
                     kv_usage: 0.5,
                     kv_capacity_blocks: Some(1000),
                     sampled_at_ms: 0,
+                    lora: None,
                 },
             )
         }));
@@ -308,6 +309,7 @@ fn place(pool: &Pool, mc: &ModelConfig, r: &Request, n: usize) -> (Vec<BlockKey>
         allow: None,
         fallback_hash: u64::from(r.doc),
         explain: r.explain,
+        lora: None,
     };
     let _ = pool.gate(&req, 0);
     let placement = pool.place(&req, 0);

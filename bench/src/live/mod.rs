@@ -165,6 +165,8 @@ pub fn picker_config(
         pod_selector: BTreeMap::new(),
         kv_capacity_blocks: Some(u64::from(cluster.engine.num_blocks)),
         kv_offload: None,
+        lora_load_ms: None,
+        lora_slot_wait_ms: None,
     };
     let endpoints = info
         .engines

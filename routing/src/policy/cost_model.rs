@@ -107,8 +107,12 @@ pub fn ttft_basis(cal: &CostModelCalibration, f: &Features) -> TtftBasis {
 /// the given features.
 pub fn estimated_ttft_ms(cal: &CostModelCalibration, f: &Features) -> f64 {
     let basis = ttft_basis(cal, f);
-    // a prefix held in a lower tier is loaded back, not prefilled
-    candidate_prefill_ms(cal, f, basis.work_tokens) + basis.decode_ms + f.offload_load_ms
+    // a prefix held in a lower tier is loaded back, not prefilled; an adapter not loaded
+    // there is loaded first
+    candidate_prefill_ms(cal, f, basis.work_tokens)
+        + basis.decode_ms
+        + f.offload_load_ms
+        + f.lora_penalty_ms
 }
 
 /// Tokens of other live sessions' context that placing `req` on the candidate evicts: what

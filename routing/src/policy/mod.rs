@@ -64,6 +64,11 @@ pub struct Features {
     pub offload_load_ms: f64,
     /// `offloaded` in GPU-block equivalents (the tiers' credit weights).
     pub offload_credit_blocks: f64,
+    /// Whether the request's LoRA adapter is running on the endpoint (`None`: no adapter,
+    /// or the engine does not report them).
+    pub lora_resident: Option<bool>,
+    /// What loading the adapter (and waiting for a slot) costs there, ms.
+    pub lora_penalty_ms: f64,
     /// Scraped from the engine.
     pub waiting: f64,
     pub running: f64,
