@@ -110,6 +110,21 @@ fn a_mamba_hybrid_is_credited_at_its_last_state_boundary() {
 }
 
 #[test]
+fn sparse_stores_are_placed_where_vllm_caches_them() {
+    let (ix, _, s) = ingest(fixture!("hybrid_sparse_stores"));
+    // Mamba keeps one state per chunk (blocks 3 and 7), the window group each chunk's 2-block
+    // tail (2, 3, 6, 7); three states of a four-block chunk have no knowable place
+    assert_eq!(
+        (s.stored_blocks, s.unplaced_blocks, s.malformed_blocks),
+        (8 + 2 + 4, 3, 0)
+    );
+    assert_eq!(credit(&ix, 8).0, 8);
+    // 7 blocks: the last state at or before them is after block 3
+    assert_eq!(credit(&ix, 7).0, 4);
+    assert_eq!(credit(&ix, 3).0, 0);
+}
+
+#[test]
 fn an_unmodelled_group_kind_gives_no_credit() {
     let (ix, _, s) = ingest(fixture!("hybrid_unmodelled"));
     assert_eq!((s.stored_blocks, s.unmodelled_blocks), (8, 8));

@@ -93,6 +93,26 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
+    /// Where the `hashes` blocks of a store whose tokens span `span` group blocks of
+    /// `block_tokens` tokens sit: their first index in the span, or `None` when that cannot be
+    /// known. vLLM leaves out of a store the blocks it does not cache (`cache_full_blocks`
+    /// skips null and masked blocks) but sends the whole span's tokens: a Mamba group in
+    /// align mode keeps one state, at the span's end; a sliding-window group keeps the tail
+    /// its window needs. Any other gap has no position the picker could trust.
+    pub fn placed_from(self, hashes: usize, span: usize, block_tokens: u32) -> Option<usize> {
+        if hashes == span {
+            return Some(0);
+        }
+        let tail = match self {
+            Self::Mamba => hashes == 1,
+            Self::SlidingWindow { window } => {
+                hashes as u32 <= (window.saturating_sub(1)).div_ceil(block_tokens.max(1))
+            }
+            Self::Full | Self::Unmodelled => false,
+        };
+        (tail && hashes < span).then(|| span - hashes)
+    }
+
     /// The kind of a group from `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`;
     /// no kind at all (engines before 0.32, SGLang) is full attention.
     pub fn from_event(kind: Option<&str>, window: Option<u32>) -> Self {
@@ -196,6 +216,8 @@ pub struct Namespace {
     pub fallbacks: Vec<u64>,
     /// The tier class (a lower tier's orphans do not mean the GPU stream lost events).
     pub tier: Tier,
+    /// The group's kind (a sparse group's store may name fewer blocks than its tokens span).
+    pub kind: GroupKind,
 }
 
 /// Why a `BlockStored` was not given a namespace.
@@ -357,6 +379,7 @@ impl KvIndex {
             } else {
                 tier.max(Tier::Cpu)
             },
+            kind: group.kind,
         })
     }
 

@@ -42,6 +42,9 @@ pub struct IngestStats {
     pub lower_tier_orphans: u64,
     /// vLLM offloading placeholders (no tokens, block size 0): nothing to key them by.
     pub placeholder_blocks: u64,
+    /// Blocks of a sparse group's store whose place in its token span cannot be known
+    /// (skipped: never false credit).
+    pub unplaced_blocks: u64,
 }
 
 impl IngestStats {
@@ -182,10 +185,17 @@ pub fn apply_batch(
                     }
                 };
                 let group_block = *block_size as usize;
-                if token_ids.len() != block_hashes.len() * group_block {
+                let span = token_ids.len() / group_block;
+                if token_ids.len() % group_block != 0 || block_hashes.len() > span {
                     stats.malformed_blocks += n;
                     continue;
                 }
+                // a sparse group's store names only the blocks it caches
+                let Some(first_held) = ns.kind.placed_from(block_hashes.len(), span, *block_size)
+                else {
+                    stats.unplaced_blocks += n;
+                    continue;
+                };
                 let extra = ExtraKeyMeaning::of(
                     extra_keys,
                     lora_name.as_deref(),
@@ -233,7 +243,7 @@ pub fn apply_batch(
                 pairs.extend(
                     block_hashes
                         .iter()
-                        .zip(chain.iter().skip(mult - 1).step_by(mult))
+                        .zip(chain.iter().skip(mult - 1).step_by(mult).skip(first_held))
                         .map(|(&h, &k)| (h ^ ns.salt, k ^ ns.salt)),
                 );
                 let parent_hash = parent_block_hash.map(|p| p ^ ns.salt);

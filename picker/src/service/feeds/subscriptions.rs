@@ -132,6 +132,9 @@ async fn consume(
                 if stats.lower_tier_orphans > 0 {
                     picker.metrics.event_problem("lower_tier_orphans");
                 }
+                if stats.unplaced_blocks > 0 {
+                    picker.metrics.event_problem("unplaced_blocks");
+                }
                 if let Some(engine) = stats.foreign_block_size {
                     picker.report(picker.diagnostics.lock().block_size_seen(
                         key.endpoint,
