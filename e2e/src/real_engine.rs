@@ -223,6 +223,42 @@ pub fn make_model(dir: &Path) {
     kvroute_bench::real_vllm::tiny_model(Some(dir)).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
+/// Writes a Gemma-3-style hybrid of the tiny model into `dir`: layer 0 attends over a 64-token
+/// sliding window, layer 1 over everything, so vLLM runs two KV-cache groups (a
+/// `sliding_window` one and a `full_attention` one) and publishes both in its KV events. Same
+/// tokenizer, random weights.
+pub fn make_hybrid_model(dir: &Path) {
+    make_model(dir);
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).expect("config.json")).expect("json");
+    let o = c.as_object_mut().expect("object");
+    o.remove("hidden_act");
+    for (k, v) in [
+        ("architectures", serde_json::json!(["Gemma3ForCausalLM"])),
+        ("model_type", serde_json::json!("gemma3_text")),
+        ("sliding_window", serde_json::json!(SLIDING_WINDOW)),
+        (
+            "layer_types",
+            serde_json::json!(["sliding_attention", "full_attention"]),
+        ),
+        ("sliding_window_pattern", serde_json::json!(2)),
+        ("query_pre_attn_scalar", serde_json::json!(64)),
+        ("rope_local_base_freq", serde_json::json!(10000.0)),
+        ("hidden_activation", serde_json::json!("gelu_pytorch_tanh")),
+        ("final_logit_softcapping", serde_json::Value::Null),
+        ("attn_logit_softcapping", serde_json::Value::Null),
+        ("rope_scaling", serde_json::Value::Null),
+        ("pad_token_id", serde_json::json!(0)),
+    ] {
+        o.insert(k.into(), v);
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&c).expect("json")).expect("write config");
+}
+
+/// The sliding window of [`make_hybrid_model`]'s first layer, in tokens.
+pub const SLIDING_WINDOW: u64 = 64;
+
 #[cfg(test)]
 mod tests {
     use super::failure_excerpt;

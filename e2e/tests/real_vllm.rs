@@ -15,6 +15,10 @@
 //! healthy upstream": the whole fallback list was in `x-gateway-destination-endpoint`), and the
 //! restarted picker (vLLM 0.32's four-frame replay replies were not understood).
 //!
+//! A third test runs a Gemma-3-style hybrid of the tiny model (a sliding-window layer and a
+//! full-attention layer: two KV-cache groups) and checks the hybrid credit rule against the
+//! engine's own hits (issue 16).
+//!
 //! Needs the venv of `scripts/real-engines/install-vllm.sh`; without it every test fails (never
 //! skips) and says so. Starting an engine takes about a minute, so one test starts the two
 //! engines once and runs every check against them, collecting failures so that one wrong
@@ -29,7 +33,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
-use kvroute_e2e::real_engine::{BLOCK, Engine, make_model, vllm_venv};
+use kvroute_e2e::real_engine::{
+    BLOCK, Engine, SLIDING_WINDOW, make_hybrid_model, make_model, vllm_venv,
+};
 
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
@@ -304,6 +310,103 @@ async fn credit_case(
              (vllm:prefix_cache_hits_total delta) for a {prompt_tokens}-token prompt"
         )
     });
+}
+
+/// Asks `/v1/pick` what the engine `e` holds of `body`'s prompt, runs it there, and checks
+/// the credit against the engine's own `vllm:prefix_cache_hits_total` delta; returns both.
+async fn credit_against_engine(
+    checks: &mut Checks,
+    name: &str,
+    p: &Running,
+    e: &Engine,
+    body: &Value,
+) -> (u64, u64) {
+    let d = pick(p, body).await;
+    let credited = candidate_credit(&d, e.http).unwrap_or(u64::MAX);
+    let mut request = body.clone();
+    request.as_object_mut().unwrap().extend([
+        ("max_tokens".into(), json!(1)),
+        ("temperature".into(), json!(0)),
+    ]);
+    let before = engine_hits(e).await;
+    post(e.url("/v1/completions"), &request).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let delta = (engine_hits(e).await - before) as u64;
+    eprintln!("{name}: picker credits {credited}, engine hit {delta}");
+    checks.check(credited == delta, || {
+        format!("{name}: the picker credits {credited} tokens, the engine hit {delta}")
+    });
+    (credited, delta)
+}
+
+/// Issue 16 on a real hybrid engine: vLLM runs the Gemma-3-style tiny model (a 64-token
+/// sliding window on layer 0, full attention on layer 1) as two KV-cache groups and publishes
+/// both; the window group caches only the tail its window needs (its stores name fewer hashes
+/// than their tokens span). The picker's credit follows vLLM's hybrid rule and equals the
+/// engine's own hits: the same prompt again, a longer one continuing it, and one that shares
+/// only an early prefix, which the full-attention group holds but the window group does not
+/// (the engine reuses nothing there; a full-attention-only index would credit 5 blocks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_sliding_window_hybrid_is_credited_as_the_engine_reuses() {
+    let _venv = vllm_venv();
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("hybrid");
+    make_hybrid_model(&model);
+    let mut e = Engine::spawn(&model, 1, KV_CACHE_BYTES, work.path());
+    e.wait_healthy().await;
+    let p = picker(&model, &[&e]).await;
+    let mut checks = Checks::default();
+    let block = BLOCK as u32;
+    // 9 full blocks and 12 tokens
+    let a: Vec<u32> = (100..100 + 9 * block + 12).collect();
+    credit_case(
+        &mut checks,
+        "hybrid: the same prompt again",
+        &p,
+        &e,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": a}),
+    )
+    .await;
+    // a continuation: every group holds what it needs at A's last full block
+    let mut c = a.clone();
+    c.extend(2000..2000 + 3 * block);
+    let (credited, _) = credit_against_engine(
+        &mut checks,
+        "hybrid: a continuation",
+        &p,
+        &e,
+        &json!({"model": MODEL, "prompt": c}),
+    )
+    .await;
+    checks.check(credited >= 9 * BLOCK, || {
+        format!("hybrid: a continuation of 9 cached blocks credited only {credited}")
+    });
+    // A's first 5 blocks, then new tokens: the window group holds none of blocks 3 and 4
+    let need = SLIDING_WINDOW.div_ceil(BLOCK);
+    let mut b: Vec<u32> = a[..5 * block as usize].to_vec();
+    b.extend(3500..3500 + 100);
+    let (credited, hit) = credit_against_engine(
+        &mut checks,
+        "hybrid: an early prefix without its window",
+        &p,
+        &e,
+        &json!({"model": MODEL, "prompt": b}),
+    )
+    .await;
+    eprintln!(
+        "(the window needs {need} blocks before the boundary; credited {credited}, hit {hit})"
+    );
+    checks.check(credited < 5 * BLOCK, || {
+        format!("hybrid: credited {credited} for a prefix whose window the engine does not hold")
+    });
+    drop(p);
+    drop(e);
+    assert!(
+        checks.0.is_empty(),
+        "failed checks:\n{}",
+        checks.0.join("\n")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
