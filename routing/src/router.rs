@@ -615,6 +615,23 @@ mod tests {
             BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), tokens)
         }
 
+        /// The feeds at time 0: no pin, no calibration, no ejections.
+        fn context<'a>(&'a self, snap: &'a EndpointSnapshot) -> RouteContext<'a> {
+            RouteContext {
+                endpoints: snap,
+                index: &self.index,
+                loads: &self.loads,
+                inflight: &self.inflight,
+                now_ms: 0,
+                ejected: &[],
+                calibration: None,
+                pinned: None,
+                pinned_tokens: 0,
+                working_sets: None,
+                turn: 0,
+            }
+        }
+
         fn decide(
             &self,
             r: &Router,
@@ -636,17 +653,9 @@ mod tests {
             let pinned =
                 Router::session_key(None, session).and_then(|k| self.sessions.lock().peek(k));
             let ctx = RouteContext {
-                endpoints: &snap,
-                index: &self.index,
-                loads: &self.loads,
-                inflight: &self.inflight,
-                now_ms: 0,
-                ejected: &[],
                 calibration: calibrated.then_some(&self.calibration),
                 pinned,
-                pinned_tokens: 0,
-                working_sets: None,
-                turn: 0,
+                ..self.context(&snap)
             };
             let req = RouteRequest {
                 model_config: &self.mc,
@@ -715,19 +724,7 @@ mod tests {
         let keys = w.keys(&prompt(3, 256));
         let decide = |w: &World, lora: Option<&str>, allow: &(dyn Fn(&Endpoint) -> bool + Sync)| {
             let snap = w.set.load();
-            let ctx = RouteContext {
-                endpoints: &snap,
-                index: &w.index,
-                loads: &w.loads,
-                inflight: &w.inflight,
-                now_ms: 0,
-                ejected: &[],
-                calibration: None,
-                pinned: None,
-                pinned_tokens: 0,
-                working_sets: None,
-                turn: 0,
-            };
+            let ctx = w.context(&snap);
             let req = RouteRequest {
                 model_config: &w.mc,
                 keys: &keys,
@@ -806,19 +803,7 @@ mod tests {
         let decide = |w: &World, tokens: &[u32]| {
             let keys = hasher.keys(root, tokens);
             let snap = w.set.load();
-            let ctx = RouteContext {
-                endpoints: &snap,
-                index: &w.index,
-                loads: &w.loads,
-                inflight: &w.inflight,
-                now_ms: 0,
-                ejected: &[],
-                calibration: None,
-                pinned: None,
-                pinned_tokens: 0,
-                working_sets: None,
-                turn: 0,
-            };
+            let ctx = w.context(&snap);
             let req = RouteRequest {
                 model_config: &w.mc,
                 keys: &keys,

@@ -288,8 +288,15 @@ impl KvIndex {
         block_size: u32,
         pool_block_size: u32,
     ) -> Result<Namespace, NamespaceRefusal> {
+        let special = |ix: &Self| ix.entry(slot).is_some_and(|e| e.residency.is_special());
+        let was = special(self);
         let ns = self.learn_namespace(slot, place, block_size, pool_block_size);
-        self.special = self.count_special();
+        // on the ingest path: adjust the count rather than recount every endpoint
+        match (was, special(self)) {
+            (false, true) => self.special += 1,
+            (true, false) => self.special -= 1,
+            _ => {}
+        }
         ns
     }
 
