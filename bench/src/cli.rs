@@ -134,6 +134,14 @@ pub struct ClusterArgs {
     /// Factor on the simulated decode step time [default: 1].
     #[arg(long)]
     pub step_decode_scale: Option<f64>,
+    /// A CPU offload tier of this many blocks per rank (vLLM's offloading connector: written
+    /// through, published with `medium: CPU`, loaded back past the GPU hit) [default: none].
+    #[arg(long, default_value_t = 0)]
+    pub cpu_offload_blocks: u32,
+    /// Milliseconds to load one block back from the CPU tier [default: 16 tokens × 128 KiB at
+    /// 25 GB/s = 0.084].
+    #[arg(long)]
+    pub cpu_load_ms_per_block: Option<f64>,
 }
 
 impl ClusterArgs {
@@ -165,6 +173,15 @@ impl ClusterArgs {
         c.engine.num_blocks = kv_blocks;
         c.engine.max_num_seqs = self.max_num_seqs.max(1);
         c.engine.max_num_batched_tokens = self.max_batched_tokens.max(1);
+        c.engine.cpu_offload_blocks = self.cpu_offload_blocks;
+        c.engine.cpu_load_ms_per_block = match self.cpu_load_ms_per_block {
+            Some(x) if !(x.is_finite() && x >= 0.0) => {
+                anyhow::bail!("--cpu-load-ms-per-block must be a number >= 0, got {x}")
+            }
+            Some(x) => x,
+            // kvOffload's defaults: 128 KiB per token at 25 GB/s
+            None => f64::from(self.block_size) * 131_072.0 / 25e6,
+        };
         let positive = |v: Option<f64>, flag: &str| -> anyhow::Result<Option<f64>> {
             match v {
                 Some(x) if !(x.is_finite() && x > 0.0) => {
@@ -309,6 +326,10 @@ pub struct ReplayArgs {
     /// off].
     #[arg(long)]
     pub provisional_ttl_ms: Option<u64>,
+    /// Offline: the picker indexes only the engines' GPU blocks (their lower-tier events are
+    /// dropped before it sees them): the tier-blind baseline of `--cpu-offload-blocks`.
+    #[arg(long)]
+    pub tier_blind: bool,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -548,6 +569,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         chat_tokenizer: None,
         repeat: a.repeat.max(1),
         provisional_ttl_ms: a.provisional_ttl_ms,
+        tier_blind: a.tier_blind,
     })
 }
 
@@ -947,6 +969,8 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
         step_prefill_ms_per_token: None,
         step_overhead_ms: None,
         step_decode_scale: None,
+        cpu_offload_blocks: 0,
+        cpu_load_ms_per_block: None,
     }
     .cluster()?;
     let policies = parse_policies(&d.policies).map_err(anyhow::Error::msg)?;

@@ -104,6 +104,8 @@ pub struct BenchOptions {
     pub repeat: usize,
     /// The picker's `index.provisionalTtl` in ms (`None`: its default; 0: off).
     pub provisional_ttl_ms: Option<u64>,
+    /// Offline: drop the engines' lower-tier KV events before the picker sees them.
+    pub tier_blind: bool,
 }
 
 impl BenchOptions {
@@ -172,6 +174,7 @@ impl Default for BenchOptions {
             chat: false,
             chat_tokenizer: None,
             provisional_ttl_ms: None,
+            tier_blind: false,
             repeat: 1,
         }
     }

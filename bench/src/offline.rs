@@ -413,10 +413,19 @@ impl<'a> Sim<'a> {
             .min(out.duration_ms);
         eng.prefill_ms += prefill;
         eng.prefill_tokens += u64::from(out.prefill_tokens);
-        if !out.kv_events.is_empty() {
+        let mut events = out.kv_events;
+        if self.opts.tier_blind {
+            events.retain(|e| match e {
+                KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
+                    medium.as_deref().is_none_or(|m| m == "GPU")
+                }
+                KvEvent::AllBlocksCleared => true,
+            });
+        }
+        if !events.is_empty() {
             let batch = EventBatch {
                 ts: t / 1000.0,
-                events: coalesce_removals(out.kv_events),
+                events: coalesce_removals(events),
                 data_parallel_rank: Some(eng.id.rank),
                 skipped_unknown: 0,
             };

@@ -241,11 +241,16 @@ async fn credit_case(
     post(warm.url(api), &request).await;
 
     let deadline = Instant::now() + Duration::from_secs(15);
+    // the credit must have settled: an earlier request's blocks may already route there
+    // before this one's events arrive
+    let mut last: Option<u64> = None;
     let hot = loop {
         let d = pick_on(p, api, body).await;
-        if port_of(&d) == warm.http && d["matched_blocks"].as_u64().unwrap_or(0) > 0 {
+        let matched = d["matched_blocks"].as_u64().unwrap_or(0);
+        if port_of(&d) == warm.http && matched > 0 && last == Some(matched) {
             break Some(d);
         }
+        last = (port_of(&d) == warm.http).then_some(matched);
         if Instant::now() > deadline {
             checks.check(false, || {
                 format!(
@@ -255,7 +260,7 @@ async fn credit_case(
             });
             break None;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let Some(hot) = hot else { return };
     let credited = hot["cached_tokens"].as_u64().unwrap_or(u64::MAX);

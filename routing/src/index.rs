@@ -43,8 +43,8 @@ use crate::endpoint::EndpointId;
 mod residency;
 use residency::Residency;
 pub use residency::{
-    Credit, EventPlace, GroupKind, MAX_GROUPS, MAX_LOWER_TIERS, Namespace, NamespaceRefusal, Tier,
-    TierBlocks,
+    Credit, EventPlace, GroupKind, LOWER_TIER_FACTOR, MAX_GROUPS, MAX_LOWER_TIERS, Namespace,
+    NamespaceRefusal, Tier, TierBlocks,
 };
 
 /// Dense handle of an endpoint inside the index (reused after the endpoint is removed).
@@ -809,11 +809,12 @@ struct EndpointEntry {
 }
 
 impl EndpointEntry {
-    /// Precise mode's bound on engine hashes: the block budget, once more for each tier below
-    /// the GPU the engine reports (a CPU tier holds its own blocks beside the GPU's).
+    /// Precise mode's bound on engine hashes: the block budget, and
+    /// [`LOWER_TIER_FACTOR`] times it for each tier below the GPU the engine reports (host
+    /// memory and disk tiers are commonly several times the GPU's cache).
     fn budget(&self) -> usize {
         self.max_blocks
-            .saturating_mul(1 + self.residency.lower_tiers())
+            .saturating_mul(1 + LOWER_TIER_FACTOR.saturating_mul(self.residency.lower_tiers()))
     }
 
     fn len(&self) -> usize {

@@ -76,6 +76,13 @@ struct Args {
     max_model_len: Option<u32>,
     #[arg(long)]
     no_prefix_caching: bool,
+    /// A CPU offload tier of this many blocks per rank, written through and published with
+    /// `medium: CPU` as vLLM's offloading connector does (0: none).
+    #[arg(long, default_value_t = 0)]
+    cpu_offload_blocks: u32,
+    /// Milliseconds to load one block back from the CPU tier.
+    #[arg(long, default_value_t = 0.0)]
+    cpu_load_ms_per_block: f64,
     /// Run this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -171,6 +178,8 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
                 decode_floor: a.decode_floor,
             },
             hash_seed: 0,
+            cpu_offload_blocks: a.cpu_offload_blocks,
+            cpu_load_ms_per_block: a.cpu_load_ms_per_block,
         },
         speedup: a.speedup,
         seed,

@@ -21,6 +21,10 @@ use crate::block_keys::BlockKey;
 pub const MAX_GROUPS: usize = 32;
 /// Most tiers below the GPU tracked per endpoint; blocks of further tiers are not stored.
 pub const MAX_LOWER_TIERS: usize = 4;
+/// Each tier below the GPU may hold this many times an endpoint's block budget before the
+/// endpoint is taken to be out of sync (SGLang's HiCache defaults to twice the GPU's cache;
+/// vLLM's CPU offloading is sized in bytes, often several times it).
+pub const LOWER_TIER_FACTOR: usize = 16;
 
 /// The storage tier classes the cost model prices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -365,8 +369,9 @@ impl KvIndex {
                 id,
             });
             r.lower.sort_by_key(|t| (t.tier, t.id));
-            // each tier below the GPU may hold a GPU's worth of blocks besides
-            entry.by_engine_hash.limit = entry.max_blocks.saturating_mul(1 + r.lower.len());
+            entry.by_engine_hash.limit = entry
+                .max_blocks
+                .saturating_mul(1 + LOWER_TIER_FACTOR.saturating_mul(r.lower.len()));
         }
         let salt = r.salt(idx, id);
         let mut fallbacks: Vec<u64> = std::iter::once(0)

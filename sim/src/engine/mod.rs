@@ -56,6 +56,8 @@ pub type RequestId = u64;
 
 /// Storage tier reported in events, as vLLM reports GPU blocks.
 pub const MEDIUM_GPU: &str = "GPU";
+/// The CPU offload tier's `medium`, as vLLM names it.
+pub const MEDIUM_CPU: &str = "CPU";
 
 /// Step-time model in milliseconds. Defaults are the published fit in DESIGN.md §10.
 ///
@@ -136,6 +138,14 @@ pub struct EngineConfig {
     /// Seed of the block hash (like `PYTHONHASHSEED`: hashes are comparable only within one
     /// seed) and of the pseudo-text.
     pub hash_seed: u64,
+    /// A CPU offload tier of this many blocks (0: none), as vLLM's offloading connector keeps
+    /// one: every block the engine computes is written through to it (`BlockStored` with
+    /// `medium: CPU`), its least recently used blocks are dropped when it is full
+    /// (`BlockRemoved`, `medium: CPU`), and a request's blocks past its GPU hit that the tier
+    /// holds are loaded back instead of prefilled.
+    pub cpu_offload_blocks: u32,
+    /// Milliseconds to load one block back from the CPU tier.
+    pub cpu_load_ms_per_block: f64,
 }
 
 impl Default for EngineConfig {
@@ -149,6 +159,8 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             step_time: StepTimeModel::default(),
             hash_seed: 0,
+            cpu_offload_blocks: 0,
+            cpu_load_ms_per_block: 0.0,
         }
     }
 }
@@ -227,6 +239,9 @@ pub struct StepOutcome {
     pub prefill_tokens: u32,
     /// Requests that decoded one token in the step.
     pub decode_requests: u32,
+    /// Blocks requests admitted in the step load back from the CPU offload tier (each such
+    /// request computes nothing until its load is done; the others do not wait for it).
+    pub loaded_blocks: u32,
     /// Requests whose first output token was produced in this step.
     pub first_tokens: Vec<RequestId>,
     /// The output token each request produced in this step, in schedule order.
@@ -254,6 +269,8 @@ pub struct EngineStats {
     pub prefix_cache_queries: u64,
     /// Of those, tokens found (counter, tokens).
     pub prefix_cache_hits: u64,
+    /// Prompt tokens loaded back from the CPU offload tier instead of prefilled.
+    pub offload_hit_tokens: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -287,6 +304,8 @@ struct Req {
     first_token_ms: Option<f64>,
     preemptions: u32,
     text_seed: u64,
+    /// While its blocks load back from the CPU tier, it computes nothing before this time (ms).
+    ready_ms: f64,
 }
 
 impl Req {
@@ -307,6 +326,8 @@ pub struct Rank {
     slowdown: f64,
     stats: EngineStats,
     lora_ids: FxHashMap<Arc<str>, i64>,
+    /// The CPU offload tier's blocks, least recently used first.
+    cpu: hashlink::LinkedHashMap<u64, ()>,
 }
 
 impl Rank {
@@ -332,6 +353,7 @@ impl Rank {
             slowdown: 1.0,
             stats,
             lora_ids: FxHashMap::default(),
+            cpu: hashlink::LinkedHashMap::new(),
         }
     }
 
@@ -486,6 +508,7 @@ impl Rank {
             first_token_ms: None,
             preemptions: 0,
             text_seed: mix(self.config.hash_seed ^ mix(request.id.wrapping_add(0x5eed))),
+            ready_ms: 0.0,
         };
         self.extend_block_hashes(&mut req);
         self.requests.insert(request.id, req);
@@ -518,6 +541,8 @@ impl Rank {
         aborted.extend(self.waiting.drain(..));
         self.requests.clear();
         self.pool.reset(usable_blocks(self.config.num_blocks));
+        // `AllBlocksCleared` makes a router forget every tier of the engine
+        self.cpu.clear();
         if reset_counters {
             self.stats = EngineStats {
                 num_blocks: self.config.num_blocks,
@@ -538,6 +563,21 @@ impl Rank {
         }
         let mut out = StepOutcome::default();
         let scheduled = self.schedule(&mut out);
+        if scheduled.is_empty()
+            && let Some(ready) = self
+                .running
+                .iter()
+                .filter_map(|id| self.requests.get(id))
+                .map(|r| r.ready_ms)
+                .filter(|&t| t > self.now_ms)
+                .min_by(f64::total_cmp)
+        {
+            // nothing to compute until a load finishes: the engine waits for it
+            out.duration_ms = ready - self.now_ms;
+            self.now_ms = ready;
+            out.end_ms = ready;
+            return Some(out);
+        }
         if scheduled.is_empty() {
             // Cannot happen for requests admitted by `submit` (each fits an empty cache), but a
             // stuck engine must not spin: report an idle step.
@@ -636,7 +676,7 @@ impl Rank {
                 continue;
             };
             let n = (req.num_tokens() - req.num_computed).min(budget);
-            if n == 0 {
+            if n == 0 || req.ready_ms > self.now_ms {
                 self.requests.insert(id, req);
                 i += 1;
                 continue;
@@ -690,13 +730,32 @@ impl Rank {
             } else {
                 Vec::new()
             };
+            // the blocks after the GPU hit that the CPU tier holds are loaded, not prefilled
+            let loaded = if req.num_computed == 0 {
+                self.lookup_offloaded(&req, hits.len())
+            } else {
+                0
+            };
             let hit_tokens = hits.len() as u32 * self.config.block_size;
-            let n = (req.num_tokens() - hit_tokens).min(budget);
-            req.num_computed = hit_tokens;
+            let computed = hit_tokens + loaded * self.config.block_size;
+            // a request loading from the CPU tier takes its blocks now and computes once
+            // they are in
+            let n = if loaded > 0 {
+                0
+            } else {
+                (req.num_tokens() - computed).min(budget)
+            };
+            req.num_computed = computed;
             if !self.allocate(&mut req, n, &hits, &mut out.kv_events) {
                 req.num_computed = 0;
                 self.requests.insert(id, req);
                 break;
+            }
+            out.loaded_blocks += loaded;
+            self.stats.offload_hit_tokens += u64::from(loaded * self.config.block_size);
+            if loaded > 0 {
+                req.ready_ms =
+                    self.now_ms + f64::from(loaded) * self.config.cpu_load_ms_per_block.max(0.0);
             }
             if !req.scheduled_once {
                 req.scheduled_once = true;
@@ -709,8 +768,10 @@ impl Rank {
             self.requests.insert(id, req);
             self.waiting.pop_front();
             self.running.push(id);
-            scheduled.push((id, n));
-            budget -= n;
+            if n > 0 {
+                scheduled.push((id, n));
+                budget -= n;
+            }
         }
         scheduled
     }
@@ -726,6 +787,64 @@ impl Rank {
             .take(max_blocks)
             .map_while(|&h| self.pool.lookup(h))
             .collect()
+    }
+
+    /// Blocks right after the first `from` of `req`'s prompt that the CPU tier holds (never
+    /// covering the last token), refreshed as used.
+    fn lookup_offloaded(&mut self, req: &Req, from: usize) -> u32 {
+        if self.config.cpu_offload_blocks == 0 || !self.config.enable_prefix_caching {
+            return 0;
+        }
+        let max_blocks = (req.num_tokens() as usize - 1) / self.config.block_size as usize;
+        let mut n = 0;
+        for h in req.block_hashes.iter().take(max_blocks).skip(from) {
+            if self.cpu.to_back(h).is_none() {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Write the blocks of a `BlockStored` through to the CPU tier (vLLM's offloading
+    /// connector with self-describing events: the same hashes, parent and tokens, `medium:
+    /// CPU`), dropping its least recently used blocks past its capacity.
+    fn offload(&mut self, stored: &KvEvent, events: &mut Vec<KvEvent>) {
+        let cap = self.config.cpu_offload_blocks as usize;
+        let KvEvent::BlockStored { block_hashes, .. } = stored else {
+            return;
+        };
+        if cap == 0 {
+            return;
+        }
+        for &h in block_hashes {
+            if self.cpu.to_back(&h).is_none() {
+                self.cpu.insert(h, ());
+            }
+        }
+        let mut copy = stored.clone();
+        if let KvEvent::BlockStored { medium, place, .. } = &mut copy {
+            *medium = Some(MEDIUM_CPU.to_owned());
+            place.locality = Some("LOCAL".to_owned());
+        }
+        events.push(copy);
+        let mut dropped = Vec::new();
+        while self.cpu.len() > cap {
+            if let Some((h, ())) = self.cpu.pop_front() {
+                dropped.push(h);
+            }
+        }
+        if !dropped.is_empty() {
+            events.push(KvEvent::BlockRemoved {
+                block_hashes: dropped,
+                medium: Some(MEDIUM_CPU.to_owned()),
+                place: BlockPlace {
+                    group_idx: Some(0),
+                    locality: Some("LOCAL".to_owned()),
+                    ..BlockPlace::default()
+                },
+            });
+        }
     }
 
     /// Give `req` room for `n` more tokens after `req.num_computed` (which already counts the
@@ -824,6 +943,11 @@ impl Rank {
                 ..BlockPlace::default()
             },
         });
+        if self.config.cpu_offload_blocks > 0
+            && let Some(stored) = events.last().cloned()
+        {
+            self.offload(&stored, events);
+        }
         req.num_cached_blocks = full;
     }
 

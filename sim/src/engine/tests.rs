@@ -474,3 +474,57 @@ fn events_rekeyed_by_the_picker_match_request_keys() {
     }
     assert!(r.stats().cached_blocks <= 12);
 }
+
+/// Issue 16: vLLM's CPU offloading, modelled: every computed block is written through to the
+/// CPU tier and published there; a prompt evicted from the GPU is loaded back past its GPU
+/// hit instead of prefilled, and only the loading request waits for it.
+#[test]
+fn a_cpu_tier_loads_back_what_the_gpu_evicted() {
+    let mut r = Rank::new(EngineConfig {
+        cpu_offload_blocks: 16,
+        cpu_load_ms_per_block: 10.0,
+        ..cfg(9) // 8 usable GPU blocks
+    });
+    let is_cpu = |e: &KvEvent| match e {
+        KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
+            medium.as_deref() == Some("CPU")
+        }
+        KvEvent::AllBlocksCleared => false,
+    };
+    r.submit(req(1, toks(0, 16), 1)).unwrap();
+    let ev = events(&run(&mut r));
+    // the same 4 blocks on the GPU and, written through, on the CPU
+    let (cpu, gpu): (Vec<KvEvent>, Vec<KvEvent>) = ev.into_iter().partition(is_cpu);
+    assert_eq!(stored_hashes(&cpu), stored_hashes(&gpu));
+    assert_eq!(stored_hashes(&cpu).len(), 4);
+    // a longer prompt evicts the first from the GPU
+    r.submit(req(2, toks(100, 24), 1)).unwrap();
+    let ev = events(&run(&mut r));
+    let (_, gpu): (Vec<KvEvent>, Vec<KvEvent>) = ev.into_iter().partition(is_cpu);
+    assert!(
+        !removed_hashes(&gpu).is_empty(),
+        "the GPU evicted the first prompt"
+    );
+    // the first prompt again: what the GPU lost is loaded from the CPU
+    let before = r.stats();
+    let t0 = r.now_ms();
+    r.submit(req(3, toks(0, 16), 1)).unwrap();
+    let o = run(&mut r);
+    let f = finished(&o);
+    let loaded = r.stats().offload_hit_tokens - before.offload_hit_tokens;
+    assert!(loaded > 0);
+    // GPU hit + loaded = the 3 blocks before the last token's
+    assert_eq!(u64::from(f[0].cached_tokens) + loaded, 12);
+    // it waited for the load (10 ms a block) before it computed its last block
+    let load_ms = (loaded / 4) as f64 * 10.0;
+    assert!(f[0].first_token_ms - t0 >= load_ms, "{:?} after {t0}", f[0]);
+    // a tier over its capacity drops its least recently used blocks, and says so
+    let mut small = Rank::new(EngineConfig {
+        cpu_offload_blocks: 2,
+        ..cfg(9)
+    });
+    small.submit(req(1, toks(0, 16), 1)).unwrap();
+    let ev = events(&run(&mut small));
+    let (cpu, _): (Vec<KvEvent>, Vec<KvEvent>) = ev.into_iter().partition(is_cpu);
+    assert_eq!(removed_hashes(&cpu), stored_hashes(&cpu)[..2]);
+}
