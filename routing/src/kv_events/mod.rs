@@ -153,11 +153,6 @@ pub struct BlockPlace {
 }
 
 impl BlockPlace {
-    /// Nothing reported: a single-group engine's primary tier.
-    pub fn is_unset(&self) -> bool {
-        *self == Self::default()
-    }
-
     /// Map entries a `BlockStored` encodes for these fields (the set ones).
     fn stored_fields(&self) -> u32 {
         u32::from(self.group_idx.is_some())
