@@ -421,11 +421,23 @@ impl PoolState {
     /// precise one credits them provisionally for `index.provisionalTtl`, until the engine's
     /// own events say so ([`KvIndex::record_provisional`]).
     pub fn record_routed(&self, endpoint: &EndpointId, keys: &[BlockKey], now_ms: u64) {
+        let ttl_ms = self.budget.provisional_ttl_ms;
         if keys.is_empty() {
             return;
         }
+        if ttl_ms == 0 {
+            // only an approximate endpoint learns then: a precise one costs a read lock
+            let inner = self.inner.read();
+            let approximate = inner
+                .index
+                .slot(endpoint)
+                .and_then(|slot| inner.index.mode(slot))
+                .is_some_and(|m| matches!(m, IndexMode::Approximate { .. }));
+            if !approximate {
+                return;
+            }
+        }
         let mut inner = self.inner.write();
-        let ttl_ms = self.budget.provisional_ttl_ms;
         if let Some(slot) = inner.index.slot(endpoint) {
             match inner.index.mode(slot) {
                 Some(IndexMode::Approximate { .. }) => {
