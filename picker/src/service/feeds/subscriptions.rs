@@ -112,28 +112,20 @@ async fn consume(
                     continue;
                 };
                 picker.metrics.event_batches.inc();
-                if stats.orphan_blocks > 0 {
-                    picker.metrics.event_problem("orphan_blocks");
-                }
-                if stats.opaque_blocks > 0 {
-                    picker.metrics.event_problem("opaque_blocks");
-                }
-                if stats.malformed_blocks > 0 {
-                    picker.metrics.event_problem("malformed_blocks");
-                }
-                // a hybrid engine with a KV-cache group kind the picker does not model: its
-                // endpoint gets no credit rather than false credit (docs/cache-state.md)
-                if stats.unmodelled_blocks > 0 {
-                    picker.metrics.event_problem("unmodelled_group");
-                }
-                if stats.untracked_tier_blocks > 0 {
-                    picker.metrics.event_problem("untracked_tier");
-                }
-                if stats.lower_tier_orphans > 0 {
-                    picker.metrics.event_problem("lower_tier_orphans");
-                }
-                if stats.unplaced_blocks > 0 {
-                    picker.metrics.event_problem("unplaced_blocks");
+                // (`unmodelled_group`: a hybrid engine with a KV-cache group kind the picker
+                // does not model gets no credit rather than false credit, docs/cache-state.md)
+                for (blocks, kind) in [
+                    (stats.orphan_blocks, "orphan_blocks"),
+                    (stats.opaque_blocks, "opaque_blocks"),
+                    (stats.malformed_blocks, "malformed_blocks"),
+                    (stats.unmodelled_blocks, "unmodelled_group"),
+                    (stats.untracked_tier_blocks, "untracked_tier"),
+                    (stats.lower_tier_orphans, "lower_tier_orphans"),
+                    (stats.unplaced_blocks, "unplaced_blocks"),
+                ] {
+                    if blocks > 0 {
+                        picker.metrics.event_problem(kind);
+                    }
                 }
                 if let Some(engine) = stats.foreign_block_size {
                     picker.report(picker.diagnostics.lock().block_size_seen(
