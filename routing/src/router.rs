@@ -995,19 +995,7 @@ mod tests {
         let w = World::new(&ids);
         let keys = w.keys(&prompt(5, 64));
         let snap = w.set.load();
-        let ctx = RouteContext {
-            endpoints: &snap,
-            index: &w.index,
-            loads: &w.loads,
-            inflight: &w.inflight,
-            now_ms: 0,
-            ejected: &[],
-            calibration: None,
-            pinned: None,
-            pinned_tokens: 0,
-            working_sets: None,
-            turn: 0,
-        };
+        let ctx = w.context(&snap);
         let subset = [SocketAddr::new(ids[1].address, 8000)];
         let base = RouteRequest {
             model_config: &w.mc,
