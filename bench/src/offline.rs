@@ -419,6 +419,8 @@ impl<'a> Sim<'a> {
                 KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
                     medium.as_deref().is_none_or(|m| m == "GPU")
                 }
+                // the simulator writes through to its CPU tier: it never moves a block
+                KvEvent::BlockMoved { .. } => false,
                 KvEvent::AllBlocksCleared => true,
             });
         }

@@ -46,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
         let Ok(req) = ParsedRequest::parse(kind, Bytes::copy_from_slice(data), &limits) else {
             continue;
         };
-        if let Ok(body) = engine_body(&req, Some(TENANT_SALT), None) {
+        if let Ok(body) = engine_body(&req, Some(TENANT_SALT), None, None) {
             let v: serde_json::Value =
                 serde_json::from_slice(&body).expect("the forwarded body parses");
             assert_eq!(v["cache_salt"], TENANT_SALT, "the tenant's salt is forwarded");

@@ -27,6 +27,9 @@ enum EncodingArg {
     MapEvents,
     /// Map batch and map events (vLLM main).
     Map,
+    /// TensorRT-LLM's serializer dicts, a bare list per batch (no clear event: a reset is
+    /// seen as a restart).
+    Trtllm,
 }
 
 /// Simulated vLLM (or SGLang) engines: OpenAI HTTP API, /metrics, KV events over ZMQ.
@@ -147,6 +150,14 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
         .map(|f| serde_json::from_str::<FaultSpec>(f).with_context(|| format!("bad --fault {f}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let seed = a.seed.unwrap_or_else(rand::random);
+    if matches!(a.kv_events_encoding, EncodingArg::Trtllm) && a.cpu_offload_blocks > 0 {
+        // the simulated CPU tier is vLLM's write-through one; TensorRT-LLM moves a block
+        // between tiers and removes it from whichever holds it
+        anyhow::bail!(
+            "--kv-events-encoding trtllm cannot be combined with --cpu-offload-blocks: the \
+             simulated CPU tier writes through (vLLM), TensorRT-LLM moves blocks between tiers"
+        );
+    }
     Ok(SimConfig {
         host: a.host,
         port: a.port,
@@ -190,6 +201,7 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
             EncodingArg::Array => EventEncoding::Array,
             EncodingArg::MapEvents => EventEncoding::MapEvents,
             EncodingArg::Map => EventEncoding::Map,
+            EncodingArg::Trtllm => EventEncoding::Trtllm,
         },
         replay_buffer: a.kv_replay_buffer,
         max_waiting: a.max_waiting,

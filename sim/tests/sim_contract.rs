@@ -98,7 +98,11 @@ async fn sim_text_and_capacity() {
 #[tokio::test]
 async fn kv_events_rekey_into_the_picker_index_in_other_encodings() {
     bounded(async {
-        for e in [EventEncoding::MapEvents, EventEncoding::Map] {
+        for e in [
+            EventEncoding::MapEvents,
+            EventEncoding::Map,
+            EventEncoding::Trtllm,
+        ] {
             let (_h, t) = sim(|c| c.kv_encoding = e).await;
             contract::kv_events_rekey_into_the_picker_index(&t).await;
         }

@@ -408,6 +408,20 @@ impl KvIndex {
         Some(r.salt(idx, id))
     }
 
+    /// The salts of every tier of group `group` on `slot` into `out` (nothing when the group
+    /// was never stored there): a removal that names no tier addresses them all.
+    pub fn group_salts(&self, slot: Slot, group: u32, out: &mut Vec<u64>) {
+        out.clear();
+        let Some(r) = self.entry(slot).map(|e| &e.residency) else {
+            return;
+        };
+        if r.group(group).is_none() {
+            return;
+        }
+        out.push(r.salt(group, 0));
+        out.extend(r.lower.iter().map(|t| r.salt(group, t.id)));
+    }
+
     /// The plain chain key of the block with engine hash `engine_hash` in the namespace
     /// `ns`, or in its fallbacks.
     pub fn chain_key_in(&self, slot: Slot, engine_hash: u64, ns: &Namespace) -> Option<BlockKey> {

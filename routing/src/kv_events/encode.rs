@@ -20,7 +20,20 @@ pub enum EventEncoding {
     /// vLLM main: the batch too is a map `{"ts", "events", "data_parallel_rank"}` (rank
     /// omitted when `None`), events as in [`EventEncoding::MapEvents`].
     Map,
+    /// TensorRT-LLM: a bare list of `KVCacheEventSerializer` dicts (see the decoder's
+    /// TensorRT-LLM module). `ts` is not written (the format has none); the group is written
+    /// as `layer_group_id` and the window as `window_size` (the sliding window, or
+    /// [`TRTLLM_FULL_WINDOW`]); a [`KvEvent::BlockMoved`] becomes one `updated` event per
+    /// block. TensorRT-LLM has no clear event: [`KvEvent::AllBlocksCleared`] is left out.
+    Trtllm,
 }
+
+/// The `window_size` the TensorRT-LLM encoding writes for a full-attention group (its
+/// `max_attention_window`, the longest sequence the engine serves).
+pub const TRTLLM_FULL_WINDOW: u32 = 131_072;
+
+/// TensorRT-LLM's default block priority (`KvCacheRetentionConfig`'s default, 35).
+const TRTLLM_DEFAULT_PRIORITY: u64 = 35;
 
 /// Encodes a batch exactly as the engine's msgspec encoder would (smallest integer forms,
 /// `ts` as float64), for the engine simulator and for tests. `skipped_unknown` is not encoded.
@@ -42,6 +55,7 @@ pub fn encode_event_batch(batch: &EventBatch, encoding: EventEncoding) -> Vec<u8
                 w.uint(u64::from(rank));
             }
         }
+        EventEncoding::Trtllm => w.trtllm_events(&batch.events, batch.data_parallel_rank),
         EventEncoding::Map => {
             w.map_len(if batch.data_parallel_rank.is_some() {
                 3
@@ -71,7 +85,8 @@ fn estimate_size(batch: &EventBatch) -> usize {
                 token_ids,
                 ..
             } => 96 + 9 * block_hashes.len() + 5 * token_ids.len(),
-            KvEvent::BlockRemoved { block_hashes, .. } => 48 + 9 * block_hashes.len(),
+            KvEvent::BlockRemoved { block_hashes, .. }
+            | KvEvent::BlockMoved { block_hashes, .. } => 48 + 9 * block_hashes.len(),
             KvEvent::AllBlocksCleared => 24,
         })
         .sum::<usize>()
@@ -276,6 +291,7 @@ impl Writer {
                     self.uint(u64::from(g));
                 }
             }
+            KvEvent::BlockMoved { .. } => self.array_event(&moved_as_removal(event)),
             KvEvent::AllBlocksCleared => {
                 self.array_len(1);
                 self.str(TAG_CLEARED);
@@ -347,11 +363,176 @@ impl Writer {
                     ..place.clone()
                 });
             }
+            KvEvent::BlockMoved { .. } => self.map_event(&moved_as_removal(event)),
             KvEvent::AllBlocksCleared => {
                 self.map_len(1);
                 self.str("type");
                 self.str(TAG_CLEARED);
             }
         }
+    }
+
+    /// TensorRT-LLM's event list (see [`EventEncoding::Trtllm`]).
+    fn trtllm_events(&mut self, events: &[KvEvent], rank: Option<u32>) {
+        let count: usize = events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockMoved { block_hashes, .. } => block_hashes.len(),
+                KvEvent::AllBlocksCleared => 0,
+                _ => 1,
+            })
+            .sum();
+        let len = u32::try_from(count).unwrap_or(u32::MAX);
+        self.array_len(len);
+        let mut id = 0u64;
+        let mut head = |w: &mut Self, place: &BlockPlace| {
+            w.map_len(3 + u32::from(place.group_idx.is_some()) + u32::from(rank.is_some()));
+            w.str("event_id");
+            w.uint(id);
+            id += 1;
+            w.str("window_size");
+            w.uint(u64::from(
+                place.sliding_window.unwrap_or(TRTLLM_FULL_WINDOW),
+            ));
+            if let Some(g) = place.group_idx {
+                w.str("layer_group_id");
+                w.uint(u64::from(g));
+            }
+            if let Some(r) = rank {
+                w.str("attention_dp_rank");
+                w.uint(u64::from(r));
+            }
+            w.str("data");
+        };
+        let mut written = 0usize;
+        for event in events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    lora_id,
+                    medium,
+                    place,
+                    ..
+                } => {
+                    if written >= len as usize {
+                        break;
+                    }
+                    written += 1;
+                    head(self, place);
+                    self.map_len(3);
+                    self.str("type");
+                    self.str("stored");
+                    self.str("parent_hash");
+                    self.opt_uint(*parent_block_hash);
+                    self.str("blocks");
+                    let level = trtllm_level(medium.as_deref());
+                    let per = (*block_size as usize).max(1);
+                    self.array_len(u32::try_from(block_hashes.len()).unwrap_or(u32::MAX));
+                    for (i, &h) in block_hashes.iter().enumerate().take(u32::MAX as usize) {
+                        self.map_len(5 + u32::from(lora_id.is_some()));
+                        self.str("type");
+                        self.str("stored_block");
+                        self.str("block_hash");
+                        self.uint(h);
+                        self.str("tokens");
+                        let tokens = token_ids.get(i * per..(i + 1) * per).unwrap_or(&[]);
+                        self.array_len(u32::try_from(tokens.len()).unwrap_or(u32::MAX));
+                        for &t in tokens {
+                            self.map_len(3);
+                            self.str("type");
+                            self.str("unique_token");
+                            self.str("token_id");
+                            self.uint(u64::from(t));
+                            self.str("token_extra_id");
+                            self.uint(0);
+                        }
+                        self.str("cache_level");
+                        self.uint(level);
+                        self.str("priority");
+                        self.uint(TRTLLM_DEFAULT_PRIORITY);
+                        if let Some(l) = lora_id {
+                            self.str("lora_id");
+                            self.sint(*l);
+                        }
+                    }
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    place,
+                    ..
+                } => {
+                    if written >= len as usize {
+                        break;
+                    }
+                    written += 1;
+                    head(self, place);
+                    self.map_len(2);
+                    self.str("type");
+                    self.str("removed");
+                    self.str("block_hashes");
+                    self.list(block_hashes, |w, h| w.uint(h));
+                }
+                KvEvent::BlockMoved {
+                    block_hashes,
+                    from_medium,
+                    to_medium,
+                    place,
+                } => {
+                    for &h in block_hashes {
+                        if written >= len as usize {
+                            break;
+                        }
+                        written += 1;
+                        head(self, place);
+                        self.map_len(4);
+                        self.str("type");
+                        self.str("updated");
+                        self.str("block_hash");
+                        self.uint(h);
+                        self.str("cache_level");
+                        self.map_len(3);
+                        self.str("type");
+                        self.str("event_diff");
+                        self.str("new_value");
+                        self.uint(trtllm_level(to_medium.as_deref()));
+                        self.str("old_value");
+                        self.uint(trtllm_level(from_medium.as_deref()));
+                        self.str("priority");
+                        self.nil();
+                    }
+                }
+                KvEvent::AllBlocksCleared => {}
+            }
+        }
+    }
+}
+
+/// TensorRT-LLM's cache level of a tier name: 0 the GPU, 1 host memory, 2 anything lower.
+fn trtllm_level(medium: Option<&str>) -> u64 {
+    match medium.map(str::to_ascii_uppercase).as_deref() {
+        None | Some("GPU") => 0,
+        Some("CPU") => 1,
+        Some(_) => 2,
+    }
+}
+
+/// A [`KvEvent::BlockMoved`] as vLLM's and SGLang's shapes can say it (they have no move):
+/// a removal from the tier the blocks left.
+fn moved_as_removal(event: &KvEvent) -> KvEvent {
+    match event {
+        KvEvent::BlockMoved {
+            block_hashes,
+            from_medium,
+            place,
+            ..
+        } => KvEvent::BlockRemoved {
+            block_hashes: block_hashes.clone(),
+            medium: from_medium.clone(),
+            place: place.clone(),
+        },
+        other => other.clone(),
     }
 }

@@ -45,6 +45,11 @@ pub struct IngestStats {
     /// Blocks of a sparse group's store whose place in its token span cannot be known
     /// (skipped: never false credit).
     pub unplaced_blocks: u64,
+    /// Blocks moved between tiers (TensorRT-LLM's offload and onboard).
+    pub moved_blocks: u64,
+    /// Moves of blocks the picker did not hold in the tier they left (skipped: the block's
+    /// tokens are not in the move, so it cannot be keyed).
+    pub unknown_moved_blocks: u64,
 }
 
 impl IngestStats {
@@ -142,6 +147,7 @@ pub fn apply_batch(
     let mut chain = Vec::new();
     let mut pairs = Vec::new();
     let mut salted = Vec::new();
+    let mut salts = Vec::new();
     for event in &batch.events {
         match event {
             KvEvent::BlockStored {
@@ -262,17 +268,75 @@ pub fn apply_batch(
                 medium,
                 place,
             } => {
-                let removed =
-                    match index.salt_for_removal(slot, event_place(medium.as_deref(), place)) {
-                        None => 0,
-                        Some(0) => index.remove(slot, block_hashes),
-                        Some(salt) => {
-                            salted.clear();
-                            salted.extend(block_hashes.iter().map(|h| h ^ salt));
-                            index.remove(slot, &salted)
-                        }
+                salts.clear();
+                if place.any_tier {
+                    index.group_salts(slot, place.group_idx.unwrap_or(0), &mut salts);
+                } else {
+                    salts.extend(
+                        index.salt_for_removal(slot, event_place(medium.as_deref(), place)),
+                    );
+                }
+                for &salt in &salts {
+                    let removed = if salt == 0 {
+                        index.remove(slot, block_hashes)
+                    } else {
+                        salted.clear();
+                        salted.extend(block_hashes.iter().map(|h| h ^ salt));
+                        index.remove(slot, &salted)
                     };
-                stats.removed_blocks += removed as u64;
+                    stats.removed_blocks += removed as u64;
+                }
+            }
+            KvEvent::BlockMoved {
+                block_hashes,
+                from_medium,
+                to_medium,
+                place,
+            } => {
+                let n = block_hashes.len() as u64;
+                let Some(from) =
+                    index.salt_for_removal(slot, event_place(from_medium.as_deref(), place))
+                else {
+                    stats.unknown_moved_blocks += n;
+                    continue;
+                };
+                let bs = keys.hasher.block_size() as u32;
+                let to = match index.namespace_for_store(
+                    slot,
+                    event_place(to_medium.as_deref(), place),
+                    bs,
+                    bs,
+                ) {
+                    Ok(ns) => ns,
+                    Err(NamespaceRefusal::TooManyTiers) => {
+                        stats.untracked_tier_blocks += n;
+                        continue;
+                    }
+                    Err(_) => {
+                        stats.unmodelled_blocks += n;
+                        continue;
+                    }
+                };
+                pairs.clear();
+                salted.clear();
+                for &h in block_hashes {
+                    match index.key_for_engine_hash(slot, h ^ from) {
+                        Some(key) => {
+                            salted.push(h ^ from);
+                            pairs.push((h ^ to.salt, key ^ from ^ to.salt));
+                        }
+                        None => stats.unknown_moved_blocks += 1,
+                    }
+                }
+                index.remove(slot, &salted);
+                match index.store_after(slot, None, &pairs) {
+                    Ok(StoreOutcome::Stored) => stats.moved_blocks += pairs.len() as u64,
+                    Ok(StoreOutcome::Overflowed) => {
+                        stats.overflowed = true;
+                        return stats;
+                    }
+                    Err(_) => return stats,
+                }
             }
             KvEvent::AllBlocksCleared => {
                 index.clear_endpoint(slot);
@@ -534,7 +598,7 @@ mod tests {
                 *medium = m.map(str::to_owned);
                 *place = p;
             }
-            KvEvent::AllBlocksCleared => {}
+            KvEvent::BlockMoved { .. } | KvEvent::AllBlocksCleared => {}
         }
         ev
     }

@@ -1,4 +1,5 @@
-//! Decoding (and encoding) of the KV-cache event stream that vLLM and SGLang publish over ZMQ.
+//! Decoding (and encoding) of the KV-cache event stream that vLLM, SGLang and TensorRT-LLM
+//! publish over ZMQ.
 //!
 //! The picker learns which prefixes each engine holds from these events (DESIGN.md §6). The
 //! stream is untrusted network input arriving at thousands of batches per second, so this
@@ -19,6 +20,7 @@
 //! | vLLM v0.26 (after #42892) | `[ts, events, data_parallel_rank]` | maps: `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", (extra_keys, group_idx, kv_cache_spec_kind, ...)}` |
 //! | vLLM main (commit 0181ea31) | map `{"ts", "events", "data_parallel_rank"}` | maps, as above |
 //! | SGLang (`srt/disaggregation/kv_events.py`) | `[ts, events, attn_dp_rank]` (older: `[ts, events]`) | `["BlockStored", hashes, parent, tokens, block_size, lora_id, (medium), (metadata)]`, `["BlockRemoved", hashes, (medium)]` |
+//! | TensorRT-LLM (`KVCacheEventSerializer`) | a bare list of events, or a map with `events` | maps `{"event_id", "window_size", "data": {"type": "stored" \| "removed" \| "updated" \| "created", ...}}` (see the decoder's TensorRT-LLM module) |
 //!
 //! Field order of `BlockStored` in every version: `block_hashes, parent_block_hash, token_ids,
 //! block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
@@ -46,7 +48,7 @@ mod sequence;
 mod tests;
 
 pub use decode::decode_event_batch;
-pub use encode::{EventEncoding, encode_event_batch};
+pub use encode::{EventEncoding, TRTLLM_FULL_WINDOW, encode_event_batch};
 pub use framing::{
     decode_message, decode_replay_message, is_replay_end, parse_seq, replay_frames, seq_frame,
     split_topic_epoch, unix_now,
@@ -82,7 +84,8 @@ impl EventBatch {
             .iter()
             .map(|e| match e {
                 KvEvent::BlockStored { block_hashes, .. }
-                | KvEvent::BlockRemoved { block_hashes, .. } => 1 + block_hashes.len(),
+                | KvEvent::BlockRemoved { block_hashes, .. }
+                | KvEvent::BlockMoved { block_hashes, .. } => 1 + block_hashes.len(),
                 KvEvent::AllBlocksCleared => 1,
             })
             .sum()
@@ -128,6 +131,20 @@ pub enum KvEvent {
         /// are never set on a removal).
         place: BlockPlace,
     },
+    /// Blocks the engine moved between tiers, content and hash unchanged: TensorRT-LLM's
+    /// `updated` event with a `cache_level` change (offloaded from GPU to host memory when
+    /// evicted from the GPU, or loaded back for a hit). They leave `from_medium` and are held
+    /// in `to_medium`.
+    BlockMoved {
+        /// Engine hashes of the moved blocks.
+        block_hashes: Vec<u64>,
+        /// The tier they left.
+        from_medium: Option<String>,
+        /// The tier that holds them now.
+        to_medium: Option<String>,
+        /// Their group (tier fields unset: the media say it).
+        place: BlockPlace,
+    },
     /// The engine dropped its whole prefix cache (e.g. `reset_prefix_cache`).
     AllBlocksCleared,
 }
@@ -150,6 +167,10 @@ pub struct BlockPlace {
     pub ownership: Option<String>,
     /// `session_id`: the request context that caused a store (informational).
     pub session_id: Option<String>,
+    /// A removal that names no tier because the engine keeps each block in one tier at a
+    /// time (TensorRT-LLM): the blocks leave whichever tier of their group holds them. Never
+    /// on the wire of vLLM or SGLang.
+    pub any_tier: bool,
 }
 
 impl BlockPlace {

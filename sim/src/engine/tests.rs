@@ -489,7 +489,7 @@ fn a_cpu_tier_loads_back_what_the_gpu_evicted() {
         KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => {
             medium.as_deref() == Some("CPU")
         }
-        KvEvent::AllBlocksCleared => false,
+        KvEvent::BlockMoved { .. } | KvEvent::AllBlocksCleared => false,
     };
     r.submit(req(1, toks(0, 16), 1)).unwrap();
     let ev = events(&run(&mut r));

@@ -122,6 +122,7 @@ async fn consume(
                     (stats.untracked_tier_blocks, "untracked_tier"),
                     (stats.lower_tier_orphans, "lower_tier_orphans"),
                     (stats.unplaced_blocks, "unplaced_blocks"),
+                    (stats.unknown_moved_blocks, "unknown_moved_blocks"),
                 ] {
                     if blocks > 0 {
                         picker.metrics.event_problem(kind);

@@ -3,6 +3,7 @@
 
 use rmp::Marker;
 
+use self::trtllm::Decoded;
 use super::{
     BlockPlace, DecodeError, DecodeLimits, EventBatch, ExtraKey, KvEvent, MAX_EXTRA_KEYS_PER_BLOCK,
     MAX_SUPPORTED_DEPTH, Result, TAG_REMOVED, TAG_STORED,
@@ -34,6 +35,8 @@ pub fn decode_event_batch(payload: &[u8], limits: &DecodeLimits) -> Result<Event
     }
     Ok(batch)
 }
+
+mod trtllm;
 
 /// Nesting levels of the known structure (the batch is level 1).
 const DEPTH_BATCH: u32 = 1;
@@ -80,6 +83,10 @@ struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     limits: &'a DecodeLimits,
+    /// The first `attention_dp_rank` a TensorRT-LLM event named (its rank is per event).
+    event_rank: Option<u32>,
+    /// Whether a TensorRT-LLM event was read (its envelope may lack a timestamp).
+    saw_trtllm: bool,
 }
 
 /// Event kinds this decoder knows.
@@ -164,6 +171,8 @@ impl<'a> Reader<'a> {
             buf,
             pos: 0,
             limits,
+            event_rank: None,
+            saw_trtllm: false,
         }
     }
 
@@ -636,6 +645,21 @@ impl<'a> Reader<'a> {
         match self.head("batch")? {
             ValueHead::Array(n) => {
                 self.enter(DEPTH_BATCH, offset)?;
+                if n >= 1
+                    && matches!(
+                        self.peek_byte().map(Marker::from_u8),
+                        Some(Marker::FixMap(_) | Marker::Map16 | Marker::Map32)
+                    )
+                {
+                    // TensorRT-LLM: a bare list of events, no timestamp
+                    let (events, skipped_unknown) = self.trtllm_list(n)?;
+                    return Ok(EventBatch {
+                        ts: super::unix_now(),
+                        events,
+                        data_parallel_rank: self.event_rank,
+                        skipped_unknown,
+                    });
+                }
                 if n < 1 {
                     return Err(DecodeError::MissingField {
                         event: "batch",
@@ -659,7 +683,7 @@ impl<'a> Reader<'a> {
                 Ok(EventBatch {
                     ts,
                     events,
-                    data_parallel_rank,
+                    data_parallel_rank: data_parallel_rank.or(self.event_rank),
                     skipped_unknown,
                 })
             }
@@ -682,18 +706,24 @@ impl<'a> Reader<'a> {
                         _ => self.skip(DEPTH_EVENTS)?,
                     }
                 }
-                let ts = ts.ok_or(DecodeError::MissingField {
-                    event: "batch",
-                    field: "ts",
-                })?;
                 let (events, skipped_unknown) = events.ok_or(DecodeError::MissingField {
                     event: "batch",
                     field: "events",
                 })?;
+                let ts = match ts {
+                    Some(ts) => ts,
+                    None if self.saw_trtllm => super::unix_now(),
+                    None => {
+                        return Err(DecodeError::MissingField {
+                            event: "batch",
+                            field: "ts",
+                        });
+                    }
+                };
                 Ok(EventBatch {
                     ts,
                     events,
-                    data_parallel_rank: dp_rank.or(attn_rank),
+                    data_parallel_rank: dp_rank.or(attn_rank).or(self.event_rank),
                     skipped_unknown,
                 })
             }
@@ -735,20 +765,23 @@ impl<'a> Reader<'a> {
         let mut skipped = 0u32;
         for _ in 0..n {
             match self.event()? {
-                Some(event) => events.push(event),
-                None => skipped = skipped.saturating_add(1),
+                Decoded::Event(event) => events.push(event),
+                Decoded::Ignored => {}
+                Decoded::Unknown => skipped = skipped.saturating_add(1),
             }
         }
         Ok((events, skipped))
     }
 
-    /// Reads one event; `None` for an unknown tag (fully skipped).
-    fn event(&mut self) -> Result<Option<KvEvent>> {
+    /// Reads one event (an unknown tag is fully skipped).
+    fn event(&mut self) -> Result<Decoded> {
         let offset = self.pos;
         match self.head("event")? {
             ValueHead::Array(n) => {
                 self.enter(DEPTH_EVENT, offset)?;
-                self.array_event(n, offset)
+                Ok(self
+                    .array_event(n, offset)?
+                    .map_or(Decoded::Unknown, Decoded::Event))
             }
             ValueHead::Map(n) => {
                 self.enter(DEPTH_EVENT, offset)?;
@@ -859,7 +892,7 @@ impl<'a> Reader<'a> {
         Ok(Some(event))
     }
 
-    fn map_event(&mut self, n: u32, offset: usize) -> Result<Option<KvEvent>> {
+    fn map_event(&mut self, n: u32, offset: usize) -> Result<Decoded> {
         if n == 0 {
             return Err(DecodeError::MissingTag { offset });
         }
@@ -871,13 +904,19 @@ impl<'a> Reader<'a> {
                 self.pos = start;
                 let tag = self.find_type(n, offset)?;
                 self.pos = start;
-                (tag, false)
+                match tag {
+                    Tag::Type(tag) => (tag, false),
+                    Tag::Trtllm => {
+                        self.saw_trtllm = true;
+                        return self.trtllm_event(n);
+                    }
+                }
             }
         };
         let remaining = if first_is_tag { n - 1 } else { n };
         let Some(kind) = Kind::from_tag(tag) else {
             self.skip_n(2 * u64::from(remaining), DEPTH_FIELD)?;
-            return Ok(None);
+            return Ok(Decoded::Unknown);
         };
         let mut f = Fields::default();
         for _ in 0..remaining {
@@ -930,20 +969,36 @@ impl<'a> Reader<'a> {
                 _ => self.skip(DEPTH_FIELD)?,
             }
         }
-        f.build(kind).map(Some)
+        f.build(kind).map(Decoded::Event)
     }
 
-    /// Scans a map's `n` entries for the `"type"` key and returns its value, leaving the
-    /// cursor wherever the scan stopped (the caller rewinds).
-    fn find_type(&mut self, n: u32, offset: usize) -> Result<&'a [u8]> {
+    /// Scans a map's `n` entries for the `"type"` key and returns its value, or recognises a
+    /// TensorRT-LLM event (a `"data"` map and no `"type"`), leaving the cursor wherever the
+    /// scan stopped (the caller rewinds).
+    fn find_type(&mut self, n: u32, offset: usize) -> Result<Tag<'a>> {
+        let mut data = false;
         for _ in 0..n {
-            if self.key(DEPTH_FIELD)? == Some(b"type") {
-                return self.str_bytes("event type");
+            match self.key(DEPTH_FIELD)? {
+                Some(b"type") => return self.str_bytes("event type").map(Tag::Type),
+                Some(b"data") => data = true,
+                _ => {}
             }
             self.skip(DEPTH_FIELD)?;
         }
-        Err(DecodeError::MissingTag { offset })
+        if data {
+            Ok(Tag::Trtllm)
+        } else {
+            Err(DecodeError::MissingTag { offset })
+        }
     }
+}
+
+/// What tags an event map.
+enum Tag<'a> {
+    /// vLLM's and SGLang's `"type"`.
+    Type(&'a [u8]),
+    /// A TensorRT-LLM event: its type sits inside `"data"`.
+    Trtllm,
 }
 
 const NIL: u8 = 0xc0;
