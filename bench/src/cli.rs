@@ -142,6 +142,13 @@ pub struct ClusterArgs {
     /// 25 GB/s = 0.084].
     #[arg(long)]
     pub cpu_load_ms_per_block: Option<f64>,
+    /// GPU slots for LoRA adapters per rank (vLLM's `--max-loras`; a request whose adapter is
+    /// not in one waits for a free slot and its load) [default: none, adapters always loaded].
+    #[arg(long, default_value_t = 0)]
+    pub max_loras: u32,
+    /// Milliseconds to load an adapter into a slot.
+    #[arg(long, default_value_t = 50.0)]
+    pub lora_load_ms: f64,
 }
 
 impl ClusterArgs {
@@ -174,6 +181,13 @@ impl ClusterArgs {
         c.engine.max_num_seqs = self.max_num_seqs.max(1);
         c.engine.max_num_batched_tokens = self.max_batched_tokens.max(1);
         c.engine.cpu_offload_blocks = self.cpu_offload_blocks;
+        anyhow::ensure!(
+            self.lora_load_ms.is_finite() && self.lora_load_ms >= 0.0,
+            "--lora-load-ms must be a number >= 0, got {}",
+            self.lora_load_ms
+        );
+        c.engine.max_loras = self.max_loras;
+        c.engine.lora_load_ms = self.lora_load_ms;
         c.engine.cpu_load_ms_per_block = match self.cpu_load_ms_per_block {
             Some(x) if !(x.is_finite() && x >= 0.0) => {
                 anyhow::bail!("--cpu-load-ms-per-block must be a number >= 0, got {x}")
@@ -330,6 +344,14 @@ pub struct ReplayArgs {
     /// dropped before it sees them): the tier-blind baseline of `--cpu-offload-blocks`.
     #[arg(long)]
     pub tier_blind: bool,
+    /// Offline: each session uses one of this many LoRA adapters (skewed: the first few get
+    /// most sessions) [default: none].
+    #[arg(long, default_value_t = 0)]
+    pub lora_adapters: u32,
+    /// Offline: the picker charges nothing for an adapter that is not loaded (`loraLoadMs`
+    /// and `loraSlotWaitMs` 0): the adapter-blind baseline of `--lora-adapters`.
+    #[arg(long)]
+    pub lora_blind: bool,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -570,6 +592,8 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         repeat: a.repeat.max(1),
         provisional_ttl_ms: a.provisional_ttl_ms,
         tier_blind: a.tier_blind,
+        lora_adapters: a.lora_adapters,
+        lora_blind: a.lora_blind,
     })
 }
 
@@ -971,6 +995,8 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
         step_decode_scale: None,
         cpu_offload_blocks: 0,
         cpu_load_ms_per_block: None,
+        max_loras: 0,
+        lora_load_ms: 50.0,
     }
     .cluster()?;
     let policies = parse_policies(&d.policies).map_err(anyhow::Error::msg)?;

@@ -106,6 +106,10 @@ pub struct BenchOptions {
     pub provisional_ttl_ms: Option<u64>,
     /// Offline: drop the engines' lower-tier KV events before the picker sees them.
     pub tier_blind: bool,
+    /// Offline: each session uses one of this many LoRA adapters (0: none).
+    pub lora_adapters: u32,
+    /// Offline: the picker's adapter terms off (`loraLoadMs`, `loraSlotWaitMs` 0).
+    pub lora_blind: bool,
 }
 
 impl BenchOptions {
@@ -175,6 +179,8 @@ impl Default for BenchOptions {
             chat_tokenizer: None,
             provisional_ttl_ms: None,
             tier_blind: false,
+            lora_adapters: 0,
+            lora_blind: false,
             repeat: 1,
         }
     }

@@ -29,6 +29,7 @@ use kvroute_picker::admission::{Admitted, Gate, Ticket, Turn};
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
+use kvroute_picker::engine_metrics::LoraActivity;
 use kvroute_picker::inflight::InflightGuard;
 use kvroute_picker::kv_events::ingest::IngestKeys;
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
@@ -129,6 +130,10 @@ impl<'a> Sim<'a> {
         let mut mc = ModelConfig::new("sim", MODEL);
         mc.block_size = block;
         mc.dp_size = c.dp_size;
+        if opts.lora_blind {
+            mc.lora_load_ms = 0;
+            mc.lora_slot_wait_ms = 0;
+        }
         let mc = Arc::new(mc);
         let mut engines = Vec::new();
         let mut by_id = FxHashMap::default();
@@ -212,22 +217,33 @@ impl<'a> Sim<'a> {
         });
     }
 
+    /// The LoRA adapter of `issue`'s session (`--lora-adapters`): skewed, so that the first
+    /// adapters carry most sessions, as a few popular fine-tunes do.
+    fn adapter(&self, issue: &Issue) -> Option<String> {
+        let k = self.opts.lora_adapters;
+        (k > 0).then(|| {
+            let u = (mix64(issue.session ^ 0x10ad) >> 11) as f64 / (1u64 << 53) as f64;
+            format!("lora-{}", ((f64::from(k) * u * u) as u32).min(k - 1))
+        })
+    }
+
     fn session(&self, issue: &Issue) -> Option<String> {
         self.opts
             .session_header
             .then(|| format!("s{}", issue.session))
     }
 
-    /// The request as the service would plan it: no tenant or client salt, no adapter.
+    /// The request as the service would plan it: no tenant or client salt.
     fn plan(
         &self,
         issue: &Issue,
         tokens: &[u32],
         session: Option<&str>,
     ) -> Result<RequestPlan, String> {
+        let lora = self.adapter(issue);
         RequestPlan::new(PlanInput {
             config: &self.model_config,
-            lora: None,
+            lora: lora.as_deref(),
             tokens,
             token_kind: TokenKind::Tokens,
             char_chunk_tokens: self.model_config.block_size,
@@ -359,6 +375,7 @@ impl<'a> Sim<'a> {
             !plan.keys.is_empty(),
         );
         let endpoint = d.endpoint;
+        let lora = self.adapter(issue);
         let eng = &mut self.engines[e];
         let submitted = eng.rank.submit_at(
             Request {
@@ -366,7 +383,7 @@ impl<'a> Sim<'a> {
                 token_ids: tokens,
                 max_tokens: issue.output_len,
                 cache_salt: None,
-                lora: None,
+                lora,
             },
             t,
         );
@@ -484,6 +501,12 @@ impl<'a> Sim<'a> {
         let mut samples = Vec::with_capacity(self.engines.len());
         for eng in &mut self.engines {
             let s = eng.rank.stats();
+            // what vLLM's `lora_requests_info` would say
+            let l = eng.rank.lora_state();
+            let csv = |v: &[Arc<str>]| v.iter().map(|n| &**n).collect::<Vec<_>>().join(",");
+            let lora = l
+                .max_loras
+                .map(|m| LoraActivity::new(&csv(&l.running), &csv(&l.waiting), Some(m)));
             samples.push((
                 eng.id,
                 EndpointLoad {
@@ -492,7 +515,7 @@ impl<'a> Sim<'a> {
                     kv_usage: s.kv_usage,
                     kv_capacity_blocks: Some(u64::from(s.num_blocks)),
                     sampled_at_ms: t as u64,
-                    lora: None,
+                    lora,
                 },
             ));
             if record {
@@ -675,6 +698,12 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             error_samples: errors,
             picker: None,
             engine_prefill_tokens: prefill_tokens,
+            lora: (sim.opts.lora_adapters > 0).then(|| {
+                sim.engines.iter().fold((0, 0, 0), |(q, r, l), e| {
+                    let s = e.rank.stats();
+                    (q + s.lora_requests, r + s.lora_resident, l + s.lora_loads)
+                })
+            }),
             admission: sim
                 .pool
                 .router()

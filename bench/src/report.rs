@@ -155,6 +155,18 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 r.summary.policy, a.held, a.timeouts, a.wait_ms_p50, a.wait_ms_p99, a.wait_ms_max
             );
         }
+        if let Some((requests, resident, loads)) = d.lora {
+            let _ = writeln!(
+                out,
+                "{}: LoRA adapter already loaded for {:.1}% of {requests} requests ({loads} loads)",
+                r.summary.policy,
+                if requests > 0 {
+                    resident as f64 * 100.0 / requests as f64
+                } else {
+                    0.0
+                },
+            );
+        }
         if !d.engine_prefill_tokens.is_empty() {
             let per: Vec<String> = d
                 .engine_prefill_tokens

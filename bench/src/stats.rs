@@ -68,6 +68,9 @@ pub struct RunDetail {
     pub engine_prefill_tokens: Vec<f64>,
     /// The turns session admission held (offline runs with admission on).
     pub admission: Option<AdmissionFigures>,
+    /// LoRA adapters (offline runs with `--lora-adapters`): requests naming one, of those
+    /// the ones whose adapter was already in a GPU slot, and adapter loads.
+    pub lora: Option<(u64, u64, u64)>,
 }
 
 /// What session admission held: how many first turns and how long (their TTFTs include it).

@@ -134,10 +134,16 @@ pub struct LoraActivity {
     pub waiting: u8,
     /// The engine's `max_loras`: adapters it can hold in its GPU slots at once.
     pub max_lora: Option<u32>,
+    /// Slots holding an adapter, busy or idle (SGLang's `lora_pool_slots_used`).
+    pub slots_used: Option<u32>,
+    /// Whether the engine names its adapters (vLLM does; SGLang reports only how full its
+    /// adapter pool is, so `runs` is always false there).
+    names_known: bool,
 }
 
 impl LoraActivity {
-    fn new(running: &str, waiting: &str, max_lora: Option<u32>) -> Self {
+    /// From `lora_requests_info`'s labels: comma-separated adapter names and `max_lora`.
+    pub fn new(running: &str, waiting: &str, max_lora: Option<u32>) -> Self {
         fn names(s: &str) -> BTreeSet<&str> {
             s.split(',')
                 .map(str::trim)
@@ -155,7 +161,24 @@ impl LoraActivity {
             running: kept.len() as u8,
             waiting: names(waiting).len().min(255) as u8,
             max_lora,
+            slots_used: None,
+            names_known: true,
         }
+    }
+
+    /// SGLang's adapter pool: `used` of `total` slots hold an adapter, which ones unknown.
+    fn pool(used: Option<f64>, total: f64) -> Self {
+        let count = |v: f64| v.clamp(0.0, f64::from(u32::MAX)) as u32;
+        Self {
+            max_lora: Some(count(total)),
+            slots_used: used.map(count),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the engine names its adapters (so `runs` can answer).
+    pub fn names_known(&self) -> bool {
+        self.names_known
     }
 
     /// Whether adapter `name` has running requests, so is loaded.
@@ -166,14 +189,18 @@ impl LoraActivity {
     }
 
     /// Whether every GPU adapter slot holds an adapter with running requests: a request for
-    /// another one waits until a slot frees.
+    /// another one waits until a slot frees. Unknown (false) when the engine does not name
+    /// its adapters: a full pool may hold idle ones it can evict.
     pub fn slots_full(&self) -> bool {
-        self.max_lora
-            .is_some_and(|m| u32::from(self.running) >= m.max(1))
+        self.names_known
+            && self
+                .max_lora
+                .is_some_and(|m| u32::from(self.running) >= m.max(1))
     }
 }
 
-fn lora_hash(name: &str) -> u64 {
+/// The hash an adapter name is known by in [`LoraActivity`] and the picker's routing record.
+pub fn lora_hash(name: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(name.as_bytes())
 }
 
@@ -403,9 +430,18 @@ pub fn parse_engine_metrics(
         };
         groups.add(&scheme, field, &labels, value, line_no)?;
     }
-    let lora: BTreeMap<Option<u32>, LoraActivity> =
+    let mut lora: BTreeMap<Option<u32>, LoraActivity> =
         groups.lora.iter().map(|(r, (_, a))| (*r, *a)).collect();
-    let mut metrics = build(engine, &groups.fold())?;
+    let folded = groups.fold();
+    // SGLang's adapter pool, per rank
+    for ((field, rank), total) in &folded {
+        if *field == Field::LoraSlotsTotal {
+            let used = folded.get(&(Field::LoraSlotsUsed, *rank)).copied();
+            lora.entry(*rank)
+                .or_insert_with(|| LoraActivity::pool(used, *total));
+        }
+    }
+    let mut metrics = build(engine, &folded)?;
     // a rank's own series, else the server's (vLLM's gauge carries no rank label)
     let global = lora.get(&None).copied();
     for (rank, sample) in &mut metrics.ranks {
@@ -703,6 +739,9 @@ enum Field {
     /// vLLM's `lora_requests_info`: labels `running_lora_adapters`, `waiting_lora_adapters`,
     /// `max_lora`; the value is the time it was written (the newest series counts).
     LoraInfo,
+    /// SGLang's `lora_pool_slots_used` and `lora_pool_slots_total`.
+    LoraSlotsUsed,
+    LoraSlotsTotal,
     /// `_sum` and `_count` of the latency histograms (see [`PerfCounters`]).
     PrefillTimeSum,
     PrefillTimeCount,
@@ -809,6 +848,8 @@ impl Scheme {
             },
             EngineKind::Sglang => match name {
                 "sglang:num_queue_reqs" => Waiting,
+                "sglang:lora_pool_slots_used" => LoraSlotsUsed,
+                "sglang:lora_pool_slots_total" => LoraSlotsTotal,
                 "sglang:num_running_reqs" => Running,
                 "sglang:token_usage" => KvUsage,
                 "sglang:max_total_num_tokens" => CapacityTokens,

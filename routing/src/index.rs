@@ -806,6 +806,12 @@ struct EndpointEntry {
     /// Precise mode: blocks of requests routed here whose `BlockStored` has not arrived yet,
     /// with the time (ms) their provisional credit ends; earliest first.
     provisional: LinkedHashMap<BlockKey, u64, FxBuildHasher>,
+    /// Precise mode: engine hashes the engine holds in more than one physical block, with the
+    /// number of extra copies. vLLM registers a block a request recomputed while an equal
+    /// one was still cached (two requests on one new prefix in a step, or one that waited)
+    /// and reports the eviction of each copy: the block leaves the index with its last one.
+    /// At most the block budget of hashes is tracked.
+    copies: HashMap<u64, u32, FxBuildHasher>,
 }
 
 impl EndpointEntry {
@@ -931,6 +937,7 @@ impl KvIndex {
             approx: LinkedHashMap::default(),
             residency: Residency::default(),
             provisional: LinkedHashMap::default(),
+            copies: HashMap::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -1069,11 +1076,19 @@ impl KvIndex {
             }
             let p = match entry.by_engine_hash.get(engine_hash) {
                 Some(old) if chains.block(old).key == key => {
+                    // another physical copy of a block it holds
+                    if entry.copies.len() < entry.max_blocks
+                        || entry.copies.contains_key(&engine_hash)
+                    {
+                        let n = entry.copies.entry(engine_hash).or_insert(0);
+                        *n = n.saturating_add(1);
+                    }
                     prev = Some(old);
                     continue;
                 }
                 Some(old) => {
                     // The engine reused a hash for different content: move the holder.
+                    entry.copies.remove(&engine_hash);
                     chains.release(old, slot);
                     if prev == Some(old) {
                         prev = None; // that block may be gone now
@@ -1108,6 +1123,27 @@ impl KvIndex {
             .and_then(Option::as_mut)
         else {
             return 0;
+        };
+        // an evicted copy of a block held twice leaves the other
+        let kept: Vec<u64>;
+        let engine_hashes = if entry.copies.is_empty() {
+            engine_hashes
+        } else {
+            kept = engine_hashes
+                .iter()
+                .copied()
+                .filter(|eh| match entry.copies.get_mut(eh) {
+                    Some(n) => {
+                        *n -= 1;
+                        if *n == 0 {
+                            entry.copies.remove(eh);
+                        }
+                        false
+                    }
+                    None => true,
+                })
+                .collect();
+            &kept
         };
         let mut n = 0;
         // In batches: load the batch's table slots first, so that their cache misses overlap.
@@ -1153,6 +1189,7 @@ impl KvIndex {
         entry.approx.shrink_to_fit();
         self.provisional -= entry.provisional.len();
         entry.provisional = LinkedHashMap::default();
+        entry.copies = HashMap::default();
         n
     }
 

@@ -4,7 +4,7 @@ use hashbrown::HashMap;
 use serde::Serialize;
 
 use crate::endpoint::{EndpointId, EngineKind};
-use crate::engine_metrics::LoadSample;
+use crate::engine_metrics::{LoadSample, MAX_ACTIVE_LORAS};
 
 /// What an engine's `/metrics` said about one endpoint (rank), normalized across engines.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -47,11 +47,41 @@ impl EndpointLoad {
     }
 }
 
-/// Latest sample per endpoint. Bounded by the endpoint set: the service removes entries of
-/// endpoints that leave it.
+/// The adapters this picker sent to an endpoint, most recent first (distinct, at most
+/// [`MAX_ACTIVE_LORAS`]): vLLM keeps the least recently used idle adapter in a GPU slot until
+/// another needs it, and its metrics name only adapters with running requests, so the
+/// adapters an engine holds idle are the ones last routed there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecentAdapters {
+    hashes: [u64; MAX_ACTIVE_LORAS],
+    len: u8,
+}
+
+impl RecentAdapters {
+    /// Adapter `hash` was just routed here.
+    pub fn record(&mut self, hash: u64) {
+        let len = usize::from(self.len);
+        let at = self.hashes[..len]
+            .iter()
+            .position(|&h| h == hash)
+            .unwrap_or(len.min(MAX_ACTIVE_LORAS - 1));
+        self.hashes.copy_within(0..at, 1);
+        self.hashes[0] = hash;
+        self.len = self.len.max((at + 1) as u8);
+    }
+
+    /// Whether `hash` is among the `slots` adapters last routed here.
+    pub fn holds(&self, hash: u64, slots: usize) -> bool {
+        self.hashes[..usize::from(self.len).min(slots)].contains(&hash)
+    }
+}
+
+/// Latest sample per endpoint, and the adapters routed to it. Bounded by the endpoint set:
+/// the service removes entries of endpoints that leave it.
 #[derive(Debug, Clone, Default)]
 pub struct LoadTable {
     samples: HashMap<EndpointId, EndpointLoad>,
+    adapters: HashMap<EndpointId, RecentAdapters>,
 }
 
 impl LoadTable {
@@ -65,6 +95,17 @@ impl LoadTable {
 
     pub fn remove(&mut self, id: &EndpointId) {
         self.samples.remove(id);
+        self.adapters.remove(id);
+    }
+
+    /// A request for adapter `hash` ([`crate::engine_metrics::lora_hash`]) was routed to `id`.
+    pub fn record_adapter(&mut self, id: EndpointId, hash: u64) {
+        self.adapters.entry(id).or_default().record(hash);
+    }
+
+    /// The adapters routed to `id`, most recent first.
+    pub fn recent_adapters(&self, id: &EndpointId) -> Option<&RecentAdapters> {
+        self.adapters.get(id)
     }
 
     pub fn get(&self, id: &EndpointId) -> Option<&EndpointLoad> {
@@ -102,6 +143,30 @@ mod tests {
     use super::*;
     use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
     use std::net::{IpAddr, Ipv4Addr};
+
+    #[test]
+    fn recent_adapters_keep_the_last_distinct_ones_first() {
+        let mut r = RecentAdapters::default();
+        for h in [1, 2, 3, 2] {
+            r.record(h);
+        }
+        // most recent first: 2, 3, 1
+        assert!(r.holds(2, 1) && !r.holds(3, 1));
+        assert!(r.holds(3, 2) && !r.holds(1, 2));
+        assert!(r.holds(1, 3));
+        for h in 10..10 + MAX_ACTIVE_LORAS as u64 {
+            r.record(h);
+        }
+        // bounded: the oldest fell out
+        assert!(!r.holds(1, usize::MAX) && !r.holds(2, usize::MAX));
+        assert!(r.holds(10, MAX_ACTIVE_LORAS));
+        let mut t = LoadTable::new();
+        let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 0);
+        t.record_adapter(id, 7);
+        assert!(t.recent_adapters(&id).is_some_and(|r| r.holds(7, 1)));
+        t.remove(&id);
+        assert!(t.recent_adapters(&id).is_none(), "gone with the endpoint");
+    }
 
     #[test]
     fn scrapes_normalize_and_age() {

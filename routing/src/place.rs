@@ -105,6 +105,8 @@ pub struct Placement {
     /// calibration is on and the in-flight cap did not move the request: its first token is
     /// measured against it.
     pub ttft_basis: Option<TtftBasis>,
+    /// The hash of the request's LoRA adapter ([`crate::engine_metrics::lora_hash`]).
+    pub lora: Option<u64>,
 }
 
 /// See the module documentation.
@@ -295,6 +297,7 @@ impl Pool {
             prompt_tokens: req.prompt_tokens,
             decision,
             ttft_basis,
+            lora: req.lora.map(crate::engine_metrics::lora_hash),
         })
     }
 
@@ -404,12 +407,16 @@ impl Pool {
         Some(expiry.map_or(deadline, |e| e.min(deadline)))
     }
 
-    /// `placement` is being sent: the turn advances and an approximate index credits its
-    /// endpoint with the prompt's `keys` (a precise one learns only from its engine's events).
+    /// `placement` is being sent: the turn advances, an approximate index credits its
+    /// endpoint with the prompt's `keys` (a precise one provisionally, until its engine's
+    /// events arrive), and its adapter is recorded as routed there.
     pub fn record(&self, placement: &Placement, keys: &[BlockKey], now_ms: u64) {
         self.turn.fetch_add(1, Ordering::AcqRel);
         self.state
             .record_routed(&placement.decision.endpoint, keys, now_ms);
+        if let Some(hash) = placement.lora {
+            self.state.record_adapter(placement.decision.endpoint, hash);
+        }
     }
 
     /// `endpoint` answered `placement`'s request at `now_ms`: its session, if it has one, is

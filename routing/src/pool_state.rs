@@ -451,6 +451,12 @@ impl PoolState {
         }
     }
 
+    /// A request for adapter `hash` was routed to `endpoint` (see
+    /// [`crate::load::RecentAdapters`]).
+    pub fn record_adapter(&self, endpoint: EndpointId, hash: u64) {
+        self.inner.write().loads.record_adapter(endpoint, hash);
+    }
+
     /// Approximate entries past their TTL go; returns how many.
     pub fn expire(&self, now_ms: u64) -> usize {
         self.inner.write().index.expire(now_ms)

@@ -14,10 +14,10 @@ use crate::block_keys::BlockKey;
 use crate::calibration::Calibration;
 use crate::config::{FailureMode, RoutingConfig};
 use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
-use crate::engine_metrics::LoraActivity;
+use crate::engine_metrics::{LoraActivity, lora_hash};
 use crate::index::{Credit, KvIndex, TierBlocks};
 use crate::inflight::InflightTracker;
-use crate::load::LoadTable;
+use crate::load::{LoadTable, RecentAdapters};
 use crate::policy::{self, Candidate, Features, Policy, RequestFacts};
 use crate::session::SessionTable;
 
@@ -478,8 +478,18 @@ fn features(
                     offloaded,
                     offload_load_ms: offload.load_ms(&offloaded, block_size),
                     offload_credit_blocks: offload.credit_blocks(&offloaded),
-                    lora_resident: req.lora.and_then(|name| Some(load.lora?.runs(name))),
-                    lora_penalty_ms: lora_penalty_ms(req, load.lora.as_ref()),
+                    lora_resident: req.lora.and_then(|name| {
+                        Some(lora_resident(
+                            name,
+                            &load.lora?,
+                            ctx.loads.recent_adapters(&e.id),
+                        ))
+                    }),
+                    lora_penalty_ms: lora_penalty_ms(
+                        req,
+                        load.lora.as_ref(),
+                        ctx.loads.recent_adapters(&e.id),
+                    ),
                     waiting: load.waiting,
                     running: load.running,
                     kv_usage: load.kv_usage,
@@ -513,15 +523,29 @@ fn features(
     cands
 }
 
+/// Whether adapter `name` is loaded on an endpoint with `activity`: it runs there, or it is
+/// among the `max_lora` adapters this picker last routed there (an engine keeps an idle
+/// adapter in its slot until another needs the slot; vLLM's metric names only running ones,
+/// SGLang's none).
+fn lora_resident(name: &str, a: &LoraActivity, recent: Option<&RecentAdapters>) -> bool {
+    let slots = a.max_lora.map_or(1, |m| m.max(1) as usize);
+    a.runs(name) || recent.is_some_and(|r| r.holds(lora_hash(name), slots))
+}
+
 /// What the request's adapter costs on an endpoint with `activity` (vLLM's
-/// `lora_requests_info`): nothing when it is running there (loaded) or when the engine does
-/// not report adapters; its load time (`loraLoadMs`) otherwise; and the wait for a slot
-/// (`loraSlotWaitMs`) when every one of the engine's `max_lora` slots holds a busy adapter.
-fn lora_penalty_ms(req: &RouteRequest<'_>, activity: Option<&LoraActivity>) -> f64 {
+/// `lora_requests_info`, SGLang's adapter pool): nothing when it is loaded there
+/// ([`lora_resident`]) or when the engine does not report adapters; its load time
+/// (`loraLoadMs`) otherwise; and the wait for a slot (`loraSlotWaitMs`) when every one of the
+/// engine's `max_lora` slots holds a busy adapter.
+fn lora_penalty_ms(
+    req: &RouteRequest<'_>,
+    activity: Option<&LoraActivity>,
+    recent: Option<&RecentAdapters>,
+) -> f64 {
     let (Some(name), Some(a)) = (req.lora, activity) else {
         return 0.0;
     };
-    if a.runs(name) {
+    if lora_resident(name, a, recent) {
         return 0.0;
     }
     let mc = req.model_config;
@@ -763,6 +787,42 @@ mod tests {
                 .iter()
                 .all(|c| c.features.lora_penalty_ms == 0.0 && c.features.lora_resident.is_none())
         );
+        // an adapter this picker last sent to 2 is held there idle (vLLM names only running
+        // ones): no load; once another adapter took 2's one slot, the load again
+        w.loads.record_adapter(ids[1], lora_hash("sql"));
+        let d = decide(&w, Some("sql"), &not_3);
+        assert_eq!(d.endpoint, ids[1]);
+        assert_eq!(f(&d, 1), Some((Some(true), 0.0)));
+        w.loads.record_adapter(ids[1], lora_hash("chat"));
+        assert_eq!(
+            f(&decide(&w, Some("sql"), &not_3), 1),
+            Some((Some(false), 50.0))
+        );
+    }
+
+    /// SGLang reports how full its adapter pool is, not which adapters: the picker's own
+    /// record says which ones it holds, and a full pool is not taken for a busy one.
+    #[test]
+    fn an_sglang_adapter_pool_is_read_with_the_routing_record() {
+        use crate::endpoint::EngineKind as Kind;
+        use crate::engine_metrics::{ParseLimits, parse_engine_metrics};
+        let text = "sglang:num_queue_reqs 0\nsglang:num_running_reqs 1\nsglang:token_usage 0.1\n\
+                    sglang:lora_pool_slots_used 2\nsglang:lora_pool_slots_total 2\n";
+        let lora = parse_engine_metrics(text, Kind::Sglang, &ParseLimits::default())
+            .expect("metrics")
+            .aggregate()
+            .lora
+            .expect("pool gauges");
+        assert_eq!((lora.max_lora, lora.slots_used), (Some(2), Some(2)));
+        assert!(!lora.names_known() && !lora.slots_full());
+        let mut recent = RecentAdapters::default();
+        assert!(!lora_resident("sql", &lora, Some(&recent)));
+        recent.record(lora_hash("sql"));
+        recent.record(lora_hash("chat"));
+        assert!(lora_resident("sql", &lora, Some(&recent)), "two slots");
+        recent.record(lora_hash("code"));
+        assert!(!lora_resident("sql", &lora, Some(&recent)), "pushed out");
+        assert!(lora_resident("chat", &lora, Some(&recent)));
     }
 
     #[test]

@@ -55,14 +55,15 @@ fn op() -> impl Strategy<Value = Op> {
 
 #[derive(Debug, Default)]
 struct ModelEndpoint {
-    precise: HashMap<u64, u64>,
+    /// engine hash → (key, extra physical copies the engine reported)
+    precise: HashMap<u64, (u64, u32)>,
     /// approximate LRU, least recently used first: (key, touched)
     lru: Vec<(u64, u64)>,
 }
 
 impl ModelEndpoint {
     fn holds(&self, key: u64) -> bool {
-        self.precise.values().any(|&k| k == key) || self.lru.iter().any(|&(k, _)| k == key)
+        self.precise.values().any(|&(k, _)| k == key) || self.lru.iter().any(|&(k, _)| k == key)
     }
     fn len(&self) -> usize {
         self.precise.len() + self.lru.len()
@@ -131,7 +132,18 @@ proptest! {
                     let out = ix.store(slot, &blocks).expect("store");
                     let e = model.endpoints.get_mut(&n).expect("tracked");
                     for (eh, k) in blocks {
-                        e.precise.insert(eh, k);
+                        let tracked = e.precise.values().filter(|&&(_, c)| c > 0).count();
+                        match e.precise.get_mut(&eh) {
+                            // a second copy of a held block (counted up to the budget)
+                            Some((key, copies)) if *key == k => {
+                                if tracked < MAX_BLOCKS || *copies > 0 {
+                                    *copies += 1;
+                                }
+                            }
+                            _ => {
+                                e.precise.insert(eh, (k, 0));
+                            }
+                        }
                     }
                     if e.precise.len() > MAX_BLOCKS {
                         e.precise.clear();
@@ -145,7 +157,14 @@ proptest! {
                     let mut expect = 0;
                     if let Some(e) = model.endpoints.get_mut(&n) {
                         for h in hashes {
-                            expect += usize::from(e.precise.remove(&h).is_some());
+                            match e.precise.get_mut(&h) {
+                                Some((_, copies)) if *copies > 0 => *copies -= 1,
+                                Some(_) => {
+                                    e.precise.remove(&h);
+                                    expect += 1;
+                                }
+                                None => {}
+                            }
                         }
                     }
                     prop_assert_eq!(removed, expect);
@@ -203,7 +222,7 @@ proptest! {
             let mut distinct: Vec<u64> = model
                 .endpoints
                 .values()
-                .flat_map(|e| e.precise.values().copied().chain(e.lru.iter().map(|&(k, _)| k)))
+                .flat_map(|e| e.precise.values().map(|&(k, _)| k).chain(e.lru.iter().map(|&(k, _)| k)))
                 .collect();
             distinct.sort_unstable();
             distinct.dedup();

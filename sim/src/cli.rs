@@ -86,6 +86,12 @@ struct Args {
     /// Milliseconds to load one block back from the CPU tier.
     #[arg(long, default_value_t = 0.0)]
     cpu_load_ms_per_block: f64,
+    /// GPU slots for LoRA adapters (vLLM's `--max-loras`); 0: adapters are always loaded.
+    #[arg(long, default_value_t = 0)]
+    max_loras: u32,
+    /// Milliseconds to load an adapter into a slot.
+    #[arg(long, default_value_t = 50.0)]
+    lora_load_ms: f64,
     /// Run this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -191,6 +197,8 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
             hash_seed: 0,
             cpu_offload_blocks: a.cpu_offload_blocks,
             cpu_load_ms_per_block: a.cpu_load_ms_per_block,
+            max_loras: a.max_loras,
+            lora_load_ms: a.lora_load_ms,
         },
         speedup: a.speedup,
         seed,

@@ -691,6 +691,7 @@ pub async fn replay(
             picker,
             engine_prefill_tokens: per_rank_prefill,
             admission: None,
+            lora: None,
         },
     })
 }

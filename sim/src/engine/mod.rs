@@ -146,6 +146,13 @@ pub struct EngineConfig {
     pub cpu_offload_blocks: u32,
     /// Milliseconds to load one block back from the CPU tier.
     pub cpu_load_ms_per_block: f64,
+    /// GPU slots for LoRA adapters (vLLM's `max_loras`; 0: every adapter is always loaded).
+    /// A request whose adapter is not in a slot takes the least recently used slot whose
+    /// adapter has no running request and waits `lora_load_ms` for the weights; when every
+    /// slot's adapter is running, it is skipped until one frees (as vLLM's scheduler does).
+    pub max_loras: u32,
+    /// Milliseconds to load an adapter into a slot.
+    pub lora_load_ms: f64,
 }
 
 impl Default for EngineConfig {
@@ -161,6 +168,8 @@ impl Default for EngineConfig {
             hash_seed: 0,
             cpu_offload_blocks: 0,
             cpu_load_ms_per_block: 0.0,
+            max_loras: 0,
+            lora_load_ms: 0.0,
         }
     }
 }
@@ -212,6 +221,19 @@ pub enum SubmitError {
         max_tokens: u32,
         max_model_len: u64,
     },
+}
+
+/// The LoRA adapters a rank has in use (vLLM's `lora_requests_info`, SGLang's pool gauges).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LoraState {
+    /// Adapters of running requests, sorted.
+    pub running: Vec<Arc<str>>,
+    /// Adapters of waiting requests, sorted.
+    pub waiting: Vec<Arc<str>>,
+    /// GPU slots (`None`: no slot model, adapters are always loaded).
+    pub max_loras: Option<u32>,
+    /// Slots holding an adapter.
+    pub slots_used: u32,
 }
 
 /// A request that completed in a step.
@@ -277,6 +299,12 @@ pub struct EngineStats {
     pub finished_requests: u64,
     pub aborted_requests: u64,
     pub steps: u64,
+    /// Requests naming an adapter, counted when first scheduled.
+    pub lora_requests: u64,
+    /// Of those, the ones whose adapter was already in a slot.
+    pub lora_resident: u64,
+    /// Adapter loads into a slot.
+    pub lora_loads: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -328,6 +356,8 @@ pub struct Rank {
     lora_ids: FxHashMap<Arc<str>, i64>,
     /// The CPU offload tier's blocks, least recently used first.
     cpu: hashlink::LinkedHashMap<u64, ()>,
+    /// Adapters in GPU slots, least recently used first (with `max_loras > 0`).
+    lora_slots: hashlink::LinkedHashMap<Arc<str>, ()>,
 }
 
 impl Rank {
@@ -354,6 +384,7 @@ impl Rank {
             stats,
             lora_ids: FxHashMap::default(),
             cpu: hashlink::LinkedHashMap::new(),
+            lora_slots: hashlink::LinkedHashMap::new(),
         }
     }
 
@@ -717,13 +748,26 @@ impl Rank {
         if preempted_any {
             return scheduled;
         }
+        let mut at = 0;
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(&id) = self.waiting.front() else {
+            let Some(&id) = self.waiting.get(at) else {
                 break;
             };
             let Some(mut req) = self.requests.remove(&id) else {
-                self.waiting.pop_front();
+                self.waiting.remove(at);
                 continue;
+            };
+            // its adapter needs a slot: skip it while every slot's adapter is running
+            let lora = match req.lora_name.clone() {
+                Some(name) if self.config.max_loras > 0 => match self.lora_slot(&name) {
+                    Some(load) => Some((name, load)),
+                    None => {
+                        self.requests.insert(id, req);
+                        at += 1;
+                        continue;
+                    }
+                },
+                _ => None,
             };
             let hits = if req.num_computed == 0 {
                 self.lookup_prefix(&req)
@@ -745,17 +789,26 @@ impl Rank {
             } else {
                 (req.num_tokens() - computed).min(budget)
             };
+            // an adapter being loaded: the request computes once its weights are in
+            let lora_wait = lora.as_ref().map_or(0.0, |(_, load)| *load);
+            let n = if lora_wait > 0.0 { 0 } else { n };
             req.num_computed = computed;
             if !self.allocate(&mut req, n, &hits, &mut out.kv_events) {
                 req.num_computed = 0;
                 self.requests.insert(id, req);
                 break;
             }
+            if let Some((name, load)) = &lora {
+                self.take_lora_slot(name, !req.scheduled_once, *load == 0.0);
+            }
             out.loaded_blocks += loaded;
             self.stats.offload_hit_tokens += u64::from(loaded * self.config.block_size);
             if loaded > 0 {
                 req.ready_ms =
                     self.now_ms + f64::from(loaded) * self.config.cpu_load_ms_per_block.max(0.0);
+            }
+            if lora_wait > 0.0 {
+                req.ready_ms = req.ready_ms.max(self.now_ms + lora_wait);
             }
             if !req.scheduled_once {
                 req.scheduled_once = true;
@@ -766,7 +819,7 @@ impl Rank {
                 }
             }
             self.requests.insert(id, req);
-            self.waiting.pop_front();
+            self.waiting.remove(at);
             self.running.push(id);
             if n > 0 {
                 scheduled.push((id, n));
@@ -774,6 +827,72 @@ impl Rank {
             }
         }
         scheduled
+    }
+
+    /// Whether adapter `name` can run now: `Some(0.0)` when it is in a slot, `Some(load
+    /// time)` when a slot is free or holds an adapter with no running request, `None` when
+    /// every slot's adapter is running.
+    fn lora_slot(&self, name: &Arc<str>) -> Option<f64> {
+        if self.lora_slots.contains_key(name) {
+            return Some(0.0);
+        }
+        let free = self.lora_slots.len() < self.config.max_loras as usize
+            || self.lora_slots.keys().any(|held| !self.lora_running(held));
+        free.then_some(self.config.lora_load_ms.max(0.0))
+    }
+
+    /// Whether a running request uses adapter `name`.
+    fn lora_running(&self, name: &Arc<str>) -> bool {
+        self.running.iter().any(|id| {
+            self.requests
+                .get(id)
+                .and_then(|r| r.lora_name.as_ref())
+                .is_some_and(|n| n == name)
+        })
+    }
+
+    /// Puts adapter `name` in a slot (evicting the least recently used idle one when all are
+    /// taken) or marks it used; counts a `first` scheduling (`resident`: its adapter was in a
+    /// slot).
+    fn take_lora_slot(&mut self, name: &Arc<str>, first: bool, resident: bool) {
+        if self.lora_slots.contains_key(name) {
+            self.lora_slots.to_back(name);
+        } else {
+            if self.lora_slots.len() >= self.config.max_loras as usize {
+                let idle = self
+                    .lora_slots
+                    .keys()
+                    .find(|held| !self.lora_running(held))
+                    .cloned();
+                if let Some(idle) = idle {
+                    self.lora_slots.remove(&idle);
+                }
+            }
+            self.lora_slots.insert(name.clone(), ());
+            self.stats.lora_loads += 1;
+        }
+        if first {
+            self.stats.lora_requests += 1;
+            self.stats.lora_resident += u64::from(resident);
+        }
+    }
+
+    /// The adapters in use, as the engines' LoRA metrics report them.
+    pub fn lora_state(&self) -> LoraState {
+        let names = |ids: &mut dyn Iterator<Item = &RequestId>| {
+            let mut v: Vec<Arc<str>> = ids
+                .filter_map(|id| self.requests.get(id)?.lora_name.clone())
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        LoraState {
+            running: names(&mut self.running.iter()),
+            waiting: names(&mut self.waiting.iter()),
+            max_loras: (self.config.max_loras > 0).then_some(self.config.max_loras),
+            slots_used: self.lora_slots.len() as u32,
+        }
     }
 
     /// Longest run of cached leading blocks, never covering the last token.

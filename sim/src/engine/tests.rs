@@ -528,3 +528,97 @@ fn a_cpu_tier_loads_back_what_the_gpu_evicted() {
     let (cpu, _): (Vec<KvEvent>, Vec<KvEvent>) = ev.into_iter().partition(is_cpu);
     assert_eq!(removed_hashes(&cpu), stored_hashes(&cpu)[..2]);
 }
+
+#[test]
+fn adapters_take_gpu_slots_and_wait_for_a_busy_one() {
+    let mut r = Rank::new(EngineConfig {
+        max_loras: 1,
+        lora_load_ms: 20.0,
+        ..cfg(64)
+    });
+    let with = |id, lora: &str| Request {
+        lora: Some(lora.into()),
+        ..req(id, toks(100 * id as u32, 8), 4)
+    };
+    // `sql` takes the one slot; `chat` cannot run while `sql` does
+    r.submit(with(1, "sql")).unwrap();
+    r.submit(with(2, "chat")).unwrap();
+    let first = r.next_step().unwrap();
+    assert!(first.tokens.is_empty(), "the adapter is still loading");
+    let state = r.lora_state();
+    assert_eq!(state.running, vec![Arc::<str>::from("sql")]);
+    assert_eq!(state.waiting, vec![Arc::<str>::from("chat")]);
+    assert_eq!((state.max_loras, state.slots_used), (Some(1), 1));
+    let done = finished(&run(&mut r));
+    let at = |id| done.iter().find(|f| f.id == id).unwrap();
+    // `sql` waited for its weights; `chat` started only after `sql` finished and then
+    // waited for its own
+    assert!(at(1).first_token_ms >= 20.0);
+    assert!(at(2).first_token_ms >= at(1).finish_ms + 20.0);
+    // `chat` now holds the slot: a second `chat` finds it, a second `sql` loads again
+    r.submit(with(3, "chat")).unwrap();
+    run(&mut r);
+    r.submit(with(4, "sql")).unwrap();
+    run(&mut r);
+    let s = r.stats();
+    assert_eq!((s.lora_requests, s.lora_resident, s.lora_loads), (4, 1, 3));
+}
+
+#[test]
+fn without_a_slot_model_adapters_never_wait() {
+    let mut r = Rank::new(cfg(64));
+    r.submit(Request {
+        lora: Some("sql".into()),
+        ..req(1, toks(0, 8), 2)
+    })
+    .unwrap();
+    let done = finished(&run(&mut r));
+    assert!(done[0].first_token_ms < 20.0);
+    assert_eq!(r.lora_state().max_loras, None);
+    assert_eq!(r.stats().lora_requests, 0);
+}
+
+/// A request waiting for its adapter computes its prompt later, after another request may have
+/// cached the same blocks: the engine then holds (and reports) two copies of them, and the
+/// eviction of one must not take the block out of the picker's view.
+#[test]
+fn adapter_waits_keep_the_event_stream_complete() {
+    let mut r = Rank::new(EngineConfig {
+        max_loras: 1,
+        lora_load_ms: 5.0,
+        ..cfg(24)
+    });
+    let mut index = KvIndex::default();
+    let slot = index
+        .add_endpoint(
+            EndpointId::new(std::net::Ipv4Addr::LOCALHOST.into(), 8000, 0),
+            IndexMode::Precise,
+            1000,
+        )
+        .unwrap();
+    let keys = IngestKeys {
+        hasher: BlockHasher::new(4),
+        model: "m",
+    };
+    for id in 0..40u64 {
+        let mut p = toks(0, 8);
+        p.extend(toks(100 * (id as u32 % 7 + 1), 10));
+        r.submit(Request {
+            lora: Some(format!("a{}", id % 3)),
+            ..req(id, p, 3)
+        })
+        .unwrap();
+        if id % 4 == 3 {
+            for o in run(&mut r) {
+                let batch = EventBatch {
+                    ts: 0.0,
+                    events: o.kv_events,
+                    data_parallel_rank: Some(0),
+                    skipped_unknown: 0,
+                };
+                let s = apply_batch(&mut index, slot, keys, &batch);
+                assert!(!s.needs_resync(), "request {id}: {s:?}");
+            }
+        }
+    }
+}

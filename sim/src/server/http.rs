@@ -779,6 +779,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
                 RankMetrics {
                     rank: r.rank,
                     stats: g.engine.stats(),
+                    lora: g.engine.lora_state(),
                     ttft: g.ttft.clone(),
                     e2e: g.e2e.clone(),
                 }
@@ -786,6 +787,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
             .collect();
     let text = Exposition {
         flavor: s.rt.cfg.flavor,
+        now_unix_s: kvroute_routing::kv_events::unix_now(),
         model: &s.rt.cfg.model,
         prefix_caching: s.rt.cfg.engine.enable_prefix_caching,
         dp_size: s.rt.cfg.dp_size,

@@ -6,10 +6,13 @@
 
 use std::fmt::Write as _;
 
-use crate::engine::EngineStats;
+use crate::engine::{EngineStats, LoraState};
 
 /// Reads one number out of a rank's stats.
 type Stat = fn(&EngineStats) -> f64;
+
+/// Reads one number out of a rank's adapter state.
+type LoraStat = fn(&LoraState) -> f64;
 
 /// vLLM's TTFT buckets (seconds).
 const TTFT_BUCKETS: &[f64] = &[
@@ -73,6 +76,7 @@ pub enum Flavor {
 pub(crate) struct RankMetrics {
     pub rank: u32,
     pub stats: EngineStats,
+    pub lora: LoraState,
     pub ttft: Histogram,
     pub e2e: Histogram,
 }
@@ -80,6 +84,8 @@ pub(crate) struct RankMetrics {
 /// Everything `/metrics` shows.
 pub(crate) struct Exposition<'a> {
     pub flavor: Flavor,
+    /// Wall-clock seconds, the value of vLLM's time-valued info gauges.
+    pub now_unix_s: f64,
     pub model: &'a str,
     pub prefix_caching: bool,
     pub dp_size: u32,
@@ -220,6 +226,33 @@ impl Exposition<'_> {
             |r| &r.e2e,
             &labels,
         );
+        // vLLM's is server-wide (no engine label) and valued with the time it was written
+        if let Some(max) = self.ranks.iter().find_map(|r| r.lora.max_loras) {
+            let join = |pick: fn(&LoraState) -> &Vec<std::sync::Arc<str>>| {
+                let mut names: Vec<&str> = self
+                    .ranks
+                    .iter()
+                    .flat_map(|r| pick(&r.lora).iter().map(|n| &**n))
+                    .collect();
+                names.sort_unstable();
+                names.dedup();
+                esc(&names.join(","))
+            };
+            f.header(
+                "vllm:lora_requests_info",
+                "gauge",
+                "Running stats on lora requests.",
+            );
+            f.sample(
+                "vllm:lora_requests_info",
+                &format!(
+                    "max_lora=\"{max}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"",
+                    join(|l| &l.running),
+                    join(|l| &l.waiting)
+                ),
+                self.now_unix_s,
+            );
+        }
         out
     }
 
@@ -311,6 +344,31 @@ impl Exposition<'_> {
             |r| &r.e2e,
             &labels,
         );
+        if self.ranks.iter().any(|r| r.lora.max_loras.is_some()) {
+            let pool: [(&str, &str, LoraStat); 3] = [
+                (
+                    "sglang:lora_pool_slots_used",
+                    "Number of LoRA adapter slots currently occupied in GPU memory.",
+                    |l| f64::from(l.slots_used),
+                ),
+                (
+                    "sglang:lora_pool_slots_total",
+                    "Total number of LoRA adapter slots available (max_loras_per_batch).",
+                    |l| f64::from(l.max_loras.unwrap_or(0)),
+                ),
+                (
+                    "sglang:lora_pool_utilization",
+                    "LoRA pool utilization ratio (used/total). 1.0 means pool is full.",
+                    |l| f64::from(l.slots_used) / f64::from(l.max_loras.unwrap_or(1).max(1)),
+                ),
+            ];
+            for (name, help, get) in pool {
+                f.header(name, "gauge", help);
+                for r in self.ranks {
+                    f.sample(name, &labels(r), get(&r.lora));
+                }
+            }
+        }
         out
     }
 
@@ -375,6 +433,16 @@ mod tests {
                         prefix_cache_hits: 40,
                         ..EngineStats::default()
                     },
+                    lora: LoraState {
+                        running: vec!["sql".into()],
+                        waiting: if rank == 1 {
+                            vec!["chat".into()]
+                        } else {
+                            vec![]
+                        },
+                        max_loras: Some(4),
+                        slots_used: 1 + rank,
+                    },
                     ttft,
                     e2e: Histogram::e2e(),
                 }
@@ -391,6 +459,7 @@ mod tests {
         ] {
             let text = Exposition {
                 flavor,
+                now_unix_s: 1.7e9,
                 model: "m\"x",
                 prefix_caching: true,
                 dp_size: 2,
@@ -414,6 +483,18 @@ mod tests {
                     (Some(16), Some(1000))
                 );
                 assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"1\",model_name=\"m\\\"x\",le=\"0.04\"} 1.0"), "{text}");
+                // one server-wide series: the union of the ranks' adapters
+                let lora = s1.lora.expect("lora_requests_info");
+                assert!(lora.runs("sql") && !lora.runs("chat"), "{text}");
+                assert_eq!((lora.waiting, lora.max_lora), (1, Some(4)));
+            } else {
+                let lora = s1.lora.expect("lora pool gauges");
+                assert_eq!(
+                    (lora.max_lora, lora.slots_used),
+                    (Some(4), Some(2)),
+                    "{text}"
+                );
+                assert!(!lora.names_known());
             }
         }
     }
