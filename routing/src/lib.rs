@@ -26,6 +26,7 @@ pub mod chat_mapping;
 pub mod config;
 pub mod endpoint;
 pub mod engine_metrics;
+pub mod flow;
 pub mod index;
 pub mod inflight;
 pub mod kv_events;
