@@ -301,6 +301,9 @@ pub struct RoutingConfig {
     /// Session admission: hold a new session's first turn while the pool's KV cache is
     /// taken by the live context of the sessions already in it.
     pub admission: AdmissionSettings,
+    /// When an endpoint counts as saturated, for the pool-saturation gauge
+    /// (`kvroute_picker_pool_saturation`) an autoscaler scales on.
+    pub saturation: SaturationSettings,
     /// Model rewrites and traffic splits: requests naming a model go to other models or LoRA
     /// adapters the pool serves, by weight (at most 64 rules, model names unique).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -370,6 +373,45 @@ pub struct AdmissionSettings {
     pub overcommit: f64,
 }
 
+/// An endpoint's saturation is the larger of its waiting requests over `queueDepth` and its
+/// KV-cache usage over `kvCacheUsage` (1 = at a threshold); an endpoint whose metrics are
+/// stale or missing counts as 1. A model config's pool saturation is the mean over its
+/// endpoints: at 1 or more, on average every endpoint is at a threshold (scale out).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct SaturationSettings {
+    /// Waiting requests (the engine's own queue) at which an endpoint is saturated.
+    /// Default 5.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub queue_depth: u32,
+    /// KV-cache usage (0-1) at which an endpoint is saturated. Default 0.8.
+    #[schemars(range(min = 0.01, max = 1.0))]
+    pub kv_cache_usage: f64,
+}
+
+impl Default for SaturationSettings {
+    fn default() -> Self {
+        Self {
+            queue_depth: 5,
+            kv_cache_usage: 0.8,
+        }
+    }
+}
+
+impl SaturationSettings {
+    /// The saturation of an endpoint with `load` (`None`, or `stale`: 1).
+    pub fn of(&self, load: Option<&crate::load::EndpointLoad>, stale: bool) -> f64 {
+        match load {
+            Some(l) if !stale => {
+                let queue = l.waiting.max(0.0) / f64::from(self.queue_depth.max(1));
+                let kv = l.kv_usage.clamp(0.0, 1.0) / self.kv_cache_usage.clamp(0.01, 1.0);
+                queue.max(kv)
+            }
+            _ => 1.0,
+        }
+    }
+}
+
 impl Default for AdmissionSettings {
     fn default() -> Self {
         Self {
@@ -395,6 +437,7 @@ impl Default for RoutingConfig {
             cost_model: CostModelCalibration::default(),
             cache_aware: CacheAwareSettings::default(),
             admission: AdmissionSettings::default(),
+            saturation: SaturationSettings::default(),
             model_rewrites: Vec::new(),
         }
     }
@@ -500,6 +543,18 @@ impl RoutingConfig {
         }
         if self.admission.max_queue == 0 {
             return Err("routing.admission.maxQueue must be >= 1".into());
+        }
+        if !(1..=100_000).contains(&self.saturation.queue_depth) {
+            return Err(format!(
+                "routing.saturation.queueDepth must be in [1, 100000], got {}",
+                self.saturation.queue_depth
+            ));
+        }
+        let u = self.saturation.kv_cache_usage;
+        if !(0.01..=1.0).contains(&u) {
+            return Err(format!(
+                "routing.saturation.kvCacheUsage must be in [0.01, 1], got {u}"
+            ));
         }
         if self.model_rewrites.len() > 64 {
             return Err(format!(
@@ -664,6 +719,35 @@ mod tests {
             ..RoutingConfig::default()
         };
         assert!(c.validate().expect_err("hdr").contains("sessionHeader"));
+        let mut c = RoutingConfig::default();
+        c.saturation.kv_cache_usage = 0.0;
+        assert!(
+            c.validate()
+                .expect_err("usage")
+                .contains("routing.saturation.kvCacheUsage")
+        );
+        let mut c = RoutingConfig::default();
+        c.saturation.queue_depth = 0;
+        assert!(
+            c.validate()
+                .expect_err("depth")
+                .contains("routing.saturation.queueDepth")
+        );
+    }
+
+    #[test]
+    fn saturation_is_the_larger_of_queue_and_kv_usage_and_stale_counts_full() {
+        use crate::load::EndpointLoad;
+        let s = SaturationSettings::default();
+        let load = |waiting, kv_usage| EndpointLoad {
+            waiting,
+            kv_usage,
+            ..EndpointLoad::default()
+        };
+        assert_eq!(s.of(Some(&load(0.0, 0.4)), false), 0.5);
+        assert_eq!(s.of(Some(&load(10.0, 0.4)), false), 2.0);
+        assert_eq!(s.of(Some(&load(0.0, 0.0)), true), 1.0);
+        assert_eq!(s.of(None, false), 1.0);
     }
 
     #[test]

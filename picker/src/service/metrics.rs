@@ -28,6 +28,11 @@ pub struct EjectionLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelConfigLabels {
+    pub model_config: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: String,
 }
@@ -83,6 +88,8 @@ pub struct Metrics {
     pub outlier_ejected: Family<EndpointLabels, Gauge>,
     pub working_set_tokens: Family<EndpointLabels, Gauge>,
     pub session_reuse_horizon_seconds: FloatGauge,
+    /// Per model config, the mean of its endpoints' saturation (`routing.saturation`).
+    pub pool_saturation: Family<ModelConfigLabels, FloatGauge>,
     /// Session admission: turns by how they went on to placement (`admission::Admitted`).
     pub admission: Family<KindLabels, Counter>,
     pub admission_wait_seconds: Histogram,
@@ -239,6 +246,12 @@ impl Metrics {
             "How long a session's context is taken to stay wanted: the 90th percentile of the gaps between a session's turns",
             session_reuse_horizon_seconds.clone(),
         );
+        let pool_saturation = Family::<ModelConfigLabels, FloatGauge>::default();
+        registry.register(
+            "pool_saturation",
+            "Per model config, the mean over its endpoints of max(waiting requests / routing.saturation.queueDepth, KV-cache usage / routing.saturation.kvCacheUsage), a stale endpoint counting 1: at 1 or more, on average every endpoint is at a threshold (what an autoscaler scales on)",
+            pool_saturation.clone(),
+        );
         let admission = Family::<KindLabels, Counter>::default();
         registry.register(
             "admission",
@@ -322,6 +335,7 @@ impl Metrics {
             outlier_ejected,
             working_set_tokens,
             session_reuse_horizon_seconds,
+            pool_saturation,
             admission,
             admission_wait_seconds,
             admission_waiting,

@@ -190,6 +190,8 @@ pub async fn run_scraper(
 ) {
     let limits = ParseLimits::default();
     let mut backoff = ScrapeBackoff::default();
+    // model configs with a pool-saturation series
+    let mut saturated_configs: Vec<String> = Vec::new();
     let interval_ms = u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX);
     let mut ticker = tokio::time::interval(settings.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -292,6 +294,25 @@ pub async fn run_scraper(
         let snap = picker.pool.state().endpoints();
         let stale = outcome.stale;
         picker.metrics.stale_endpoints.set(stale as i64);
+        // the pool-saturation gauge: one series per model config that has endpoints
+        let saturation = picker.pool.state().saturation(&picker.routing().saturation);
+        let now_configs: Vec<String> = saturation.iter().map(|(c, _)| c.clone()).collect();
+        for model_config in saturated_configs.drain(..) {
+            if !now_configs.contains(&model_config) {
+                picker
+                    .metrics
+                    .pool_saturation
+                    .remove(&crate::service::metrics::ModelConfigLabels { model_config });
+            }
+        }
+        for (model_config, value) in saturation {
+            picker
+                .metrics
+                .pool_saturation
+                .get_or_create(&crate::service::metrics::ModelConfigLabels { model_config })
+                .set(value);
+        }
+        saturated_configs = now_configs;
         picker
             .metrics
             .index_blocks
