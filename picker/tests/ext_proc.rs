@@ -934,12 +934,19 @@ async fn rejections_become_immediate_responses() {
                 "service_unavailable",
                 "no_endpoint",
             ),
+            (
+                PickRejection::ShedBecause("queue_expired", "waited the ttl".into()),
+                429,
+                "rate_limit_error",
+                "queue_expired",
+            ),
         ];
         for (rejection, status, kind, code) in cases {
             let message = match &rejection {
                 PickRejection::BadRequest(m)
                 | PickRejection::UnknownModel(m)
                 | PickRejection::Shed(m)
+                | PickRejection::ShedBecause(_, m)
                 | PickRejection::NoEndpoint(m) => m.clone(),
             };
             let (addr, picker) =
@@ -971,6 +978,9 @@ async fn rejections_become_immediate_responses() {
                 headers.contains_key("retry-after"),
                 status == 429 || status == 503
             );
+            if status == 429 || status == 503 {
+                assert_eq!(headers["x-kvroute-reason"], code.as_bytes());
+            }
             // The stream ends cleanly after an immediate response.
             assert!(matches!(envoy.end().await, Ok(None)));
             assert!(

@@ -302,8 +302,12 @@ pub struct RoutingConfig {
     /// taken by the live context of the sessions already in it.
     pub admission: AdmissionSettings,
     /// When an endpoint counts as saturated, for the pool-saturation gauge
-    /// (`kvroute_picker_pool_saturation`) an autoscaler scales on.
+    /// (`kvroute_picker_pool_saturation`) an autoscaler scales on, and for flow control.
     pub saturation: SaturationSettings,
+    /// Flow control: while every endpoint of a model config is saturated, requests wait in a
+    /// queue by priority band, fair between flows, instead of piling into the engines' own
+    /// queues.
+    pub flow_control: FlowControlSettings,
     /// Model rewrites and traffic splits: requests naming a model go to other models or LoRA
     /// adapters the pool serves, by weight (at most 64 rules, model names unique).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -412,6 +416,176 @@ impl SaturationSettings {
     }
 }
 
+/// One named objective: requests naming it in the objective header get its priority.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Objective {
+    /// The name clients send (e.g. llm-d's `InferenceObjective` name).
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Its priority band: higher is served first; under overload the lowest are shed first.
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: i32,
+}
+
+/// How flow control orders requests between flows of one band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum FlowFairness {
+    /// The flow served the fewest tokens (prompt + expected output) goes next.
+    #[default]
+    LeastAttainedService,
+    /// One request from each flow in turn.
+    RoundRobin,
+}
+
+/// Flow control (`routing.flowControl`). While a model config has an endpoint with headroom
+/// (below both `routing.saturation` thresholds, counting the requests this picker sent that
+/// have not had their first token, with fresh metrics) and nothing of it waits, requests go
+/// straight on. Otherwise they wait in the model config's queue: the highest priority band
+/// first, fair between flows inside a band, in arrival order inside a flow, and are placed
+/// (the routing decision is made then, on the current index and loads) as headroom appears.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct FlowControlSettings {
+    /// Queue requests while the pool is saturated. Default false.
+    pub enabled: bool,
+    /// Requests waiting per model config; past it a newcomer pushes out the newest request of
+    /// a lower band, or is refused (429 `queue_full`). Default 10000.
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max_queued: u32,
+    /// Request bytes waiting per model config (their bodies are held). Default 1 GiB.
+    #[schemars(range(min = 1024))]
+    pub max_queued_bytes: u64,
+    /// Longest a request waits; then it is answered 429 `queue_expired`, e.g. `60s`.
+    /// Default `60s`.
+    #[serde(with = "duration_str")]
+    #[schemars(with = "String", regex(pattern = r"^[1-9][0-9]*(ms|s|m)$"))]
+    pub ttl: Duration,
+    /// Between the flows of a band. Default `LeastAttainedService`.
+    pub fairness: FlowFairness,
+    /// Header carrying a priority as an integer (-1000 to 1000). Default `x-kvroute-priority`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub priority_header: String,
+    /// Header naming an objective of `objectives`. Default `x-llm-d-inference-objective`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub objective_header: String,
+    /// Header naming the request's flow when tenancy does not (the tenant is the flow when
+    /// it is on). Default `x-llm-d-inference-fairness-id`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub fairness_header: String,
+    /// Priority of a request that names none (or an objective not listed). Default 0.
+    #[schemars(range(min = -1000, max = 1000))]
+    pub default_priority: i32,
+    /// Named objectives and their priorities (at most 64, names unique).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schemars(
+        length(max = 64),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
+    pub objectives: Vec<Objective>,
+}
+
+impl Default for FlowControlSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_queued: 10_000,
+            max_queued_bytes: 1 << 30,
+            ttl: Duration::from_secs(60),
+            fairness: FlowFairness::default(),
+            priority_header: "x-kvroute-priority".into(),
+            objective_header: "x-llm-d-inference-objective".into(),
+            fairness_header: "x-llm-d-inference-fairness-id".into(),
+            default_priority: 0,
+            objectives: Vec::new(),
+        }
+    }
+}
+
+impl FlowControlSettings {
+    /// A request's priority from its headers' values: an integer priority header, else a
+    /// listed objective's, else the default (an unparsable or out-of-range value counts as
+    /// absent).
+    pub fn priority(&self, priority: Option<&str>, objective: Option<&str>) -> i32 {
+        priority
+            .and_then(|p| p.trim().parse::<i32>().ok())
+            .filter(|p| (-1000..=1000).contains(p))
+            .or_else(|| {
+                let name = objective?;
+                self.objectives
+                    .iter()
+                    .find(|o| o.name == name)
+                    .map(|o| o.priority)
+            })
+            .unwrap_or(self.default_priority)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let f = "routing.flowControl";
+        if !(1..=1_000_000).contains(&self.max_queued) {
+            return Err(format!(
+                "{f}.maxQueued must be in [1, 1000000], got {}",
+                self.max_queued
+            ));
+        }
+        if self.max_queued_bytes < 1024 {
+            return Err(format!(
+                "{f}.maxQueuedBytes must be at least 1024, got {}",
+                self.max_queued_bytes
+            ));
+        }
+        if self.ttl.is_zero() {
+            return Err(format!("{f}.ttl must be positive"));
+        }
+        for (name, h) in [
+            ("priorityHeader", &self.priority_header),
+            ("objectiveHeader", &self.objective_header),
+            ("fairnessHeader", &self.fairness_header),
+        ] {
+            let ok = !h.is_empty()
+                && h.len() <= 256
+                && h.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !ok {
+                return Err(format!(
+                    "{f}.{name} must be 1-256 letters, digits, '-' or '_', got {h:?}"
+                ));
+            }
+        }
+        if !(-1000..=1000).contains(&self.default_priority) {
+            return Err(format!(
+                "{f}.defaultPriority must be in [-1000, 1000], got {}",
+                self.default_priority
+            ));
+        }
+        if self.objectives.len() > 64 {
+            return Err(format!(
+                "{f}.objectives has {} entries, more than 64",
+                self.objectives.len()
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, o) in self.objectives.iter().enumerate() {
+            if o.name.is_empty() || o.name.len() > 253 {
+                return Err(format!("{f}.objectives[{i}].name must be 1-253 characters"));
+            }
+            if !seen.insert(o.name.as_str()) {
+                return Err(format!(
+                    "{f}.objectives[{i}].name {:?} is listed twice",
+                    o.name
+                ));
+            }
+            if !(-1000..=1000).contains(&o.priority) {
+                return Err(format!(
+                    "{f}.objectives[{i}].priority must be in [-1000, 1000], got {}",
+                    o.priority
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for AdmissionSettings {
     fn default() -> Self {
         Self {
@@ -438,6 +612,7 @@ impl Default for RoutingConfig {
             cache_aware: CacheAwareSettings::default(),
             admission: AdmissionSettings::default(),
             saturation: SaturationSettings::default(),
+            flow_control: FlowControlSettings::default(),
             model_rewrites: Vec::new(),
         }
     }
@@ -556,6 +731,7 @@ impl RoutingConfig {
                 "routing.saturation.kvCacheUsage must be in [0.01, 1], got {u}"
             ));
         }
+        self.flow_control.validate()?;
         if self.model_rewrites.len() > 64 {
             return Err(format!(
                 "routing.modelRewrites has {} rules, more than 64",
@@ -732,6 +908,71 @@ mod tests {
             c.validate()
                 .expect_err("depth")
                 .contains("routing.saturation.queueDepth")
+        );
+    }
+
+    #[test]
+    fn flow_control_priority_and_validation() {
+        let mut fc = FlowControlSettings {
+            objectives: vec![
+                Objective {
+                    name: "critical".into(),
+                    priority: 10,
+                },
+                Objective {
+                    name: "batch".into(),
+                    priority: -5,
+                },
+            ],
+            ..FlowControlSettings::default()
+        };
+        assert_eq!(
+            fc.priority(Some("3"), Some("critical")),
+            3,
+            "the number wins"
+        );
+        assert_eq!(fc.priority(None, Some("batch")), -5);
+        assert_eq!(
+            fc.priority(Some("9999"), Some("critical")),
+            10,
+            "out of range"
+        );
+        assert_eq!(fc.priority(Some("x"), Some("nope")), 0, "the default");
+        let mut c = RoutingConfig {
+            flow_control: fc.clone(),
+            ..RoutingConfig::default()
+        };
+        assert!(c.validate().is_ok());
+        fc.objectives.push(Objective {
+            name: "batch".into(),
+            priority: 1,
+        });
+        c.flow_control = fc;
+        assert!(
+            c.validate()
+                .expect_err("dup")
+                .contains("routing.flowControl.objectives[2].name")
+        );
+        let mut c = RoutingConfig::default();
+        c.flow_control.max_queued = 0;
+        assert!(
+            c.validate()
+                .expect_err("zero")
+                .contains("routing.flowControl.maxQueued")
+        );
+        let mut c = RoutingConfig::default();
+        c.flow_control.priority_header = "x priority".into();
+        assert!(
+            c.validate()
+                .expect_err("hdr")
+                .contains("routing.flowControl.priorityHeader")
+        );
+        let mut c = RoutingConfig::default();
+        c.flow_control.ttl = Duration::ZERO;
+        assert!(
+            c.validate()
+                .expect_err("ttl")
+                .contains("routing.flowControl.ttl")
         );
     }
 

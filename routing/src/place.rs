@@ -160,6 +160,32 @@ impl Pool {
         &self.inflight
     }
 
+    /// Requests model config `model_config` can take before its endpoints are saturated
+    /// (`routing.saturation`): per ready endpoint below the KV-cache usage threshold,
+    /// `queueDepth` minus its waiting requests (the engine's count, or this picker's requests
+    /// still without a first token, whichever is larger). A stale, draining or never-scraped
+    /// endpoint offers none.
+    pub fn free_slots(&self, model_config: &str, s: &crate::config::SaturationSettings) -> u64 {
+        let pool = self.state.read();
+        pool.endpoints
+            .endpoints()
+            .iter()
+            .filter(|e| {
+                e.state == crate::endpoint::EndpointState::Ready
+                    && &*e.model_config.name == model_config
+            })
+            .filter_map(|e| {
+                let load = pool.loads().get(&e.id)?;
+                if load.kv_usage >= s.kv_cache_usage {
+                    return None;
+                }
+                let waiting =
+                    (load.waiting.max(0.0) as u64).max(self.inflight.get(&e.id).pending_requests);
+                Some(u64::from(s.queue_depth).saturating_sub(waiting))
+            })
+            .sum()
+    }
+
     /// The cost model's per-endpoint calibration.
     pub fn calibration(&self) -> &RwLock<Calibration> {
         &self.calibration

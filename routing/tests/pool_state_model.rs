@@ -158,6 +158,9 @@ struct Ref {
     configured: Option<u64>,
     /// Precise blocks held: engine hash → (document, block).
     stored: BTreeMap<u64, (u8, u8)>,
+    /// Extra physical copies the engine reported of a held block (at most the budget's
+    /// worth of hashes): each removal takes one before the block goes.
+    copies: BTreeMap<u64, u32>,
     /// Approximate blocks, least recently used first: ((document, block), touched at).
     lru: Vec<((u8, u8), u64)>,
 }
@@ -173,6 +176,7 @@ impl Ref {
 
     fn clear(&mut self) {
         self.stored.clear();
+        self.copies.clear();
         self.lru.clear();
     }
 }
@@ -208,6 +212,7 @@ impl Model {
         let m = self.members.get_mut(&n).expect("a member");
         if m.stored.len() > budget {
             m.stored.clear();
+            m.copies.clear();
         }
         while m.lru.len() > budget {
             m.lru.remove(0);
@@ -245,6 +250,7 @@ impl Model {
                         precise: m.precise,
                         configured: None,
                         stored: BTreeMap::new(),
+                        copies: BTreeMap::new(),
                         lru: Vec::new(),
                     }
                 }
@@ -292,7 +298,12 @@ impl Model {
                         continue; // an orphan: its parent is not known here
                     }
                     for i in from..to {
-                        m.stored.insert(engine_hash(doc, i), (doc, i));
+                        let h = engine_hash(doc, i);
+                        if m.stored.insert(h, (doc, i)).is_some()
+                            && (m.copies.len() < budget || m.copies.contains_key(&h))
+                        {
+                            *m.copies.entry(h).or_insert(0) += 1;
+                        }
                     }
                     if m.stored.len() > budget {
                         m.clear();
@@ -300,7 +311,18 @@ impl Model {
                     }
                 }
                 Ev::Remove { doc, block } => {
-                    m.stored.remove(&engine_hash(doc, block));
+                    let h = engine_hash(doc, block);
+                    match m.copies.get_mut(&h) {
+                        Some(n) => {
+                            *n -= 1;
+                            if *n == 0 {
+                                m.copies.remove(&h);
+                            }
+                        }
+                        None => {
+                            m.stored.remove(&h);
+                        }
+                    }
                 }
                 Ev::ClearAll => m.clear(),
             }

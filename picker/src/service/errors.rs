@@ -82,6 +82,14 @@ impl ApiError {
         }
     }
 
+    /// A 429 with its own code (flow control's reasons).
+    pub fn shed_because(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            ..Self::shed(message)
+        }
+    }
+
     pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
         Self {
             retry_after: Some(1),
@@ -141,6 +149,11 @@ impl IntoResponse for ApiError {
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+            // what a client or gateway can act on without reading the body
+            resp.headers_mut().insert(
+                header::HeaderName::from_static("x-kvroute-reason"),
+                HeaderValue::from_static(self.code),
+            );
         }
         resp
     }

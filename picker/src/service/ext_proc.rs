@@ -146,6 +146,9 @@ pub enum PickRejection {
     UnknownModel(String),
     /// 429: dropped to protect the pool (sheddable request under load).
     Shed(String),
+    /// 429 with a reason code (flow control: `queue_full`, `queue_expired`, `displaced`,
+    /// `too_large`).
+    ShedBecause(&'static str, String),
     /// 503: no eligible endpoint (none ready, or none in the proxy's subset).
     NoEndpoint(String),
 }
@@ -1309,6 +1312,7 @@ impl Refusal {
         let mut set_headers = vec![set_header("content-type", "application/json")];
         if self.retry_after {
             set_headers.push(set_header("retry-after", "1"));
+            set_headers.push(set_header("x-kvroute-reason", self.code));
         }
         ProcessingResponse {
             response: Some(processing_response::Response::ImmediateResponse(
@@ -1346,6 +1350,13 @@ impl From<PickRejection> for Refusal {
                 status: 429,
                 kind: "rate_limit_error",
                 code: "overloaded",
+                message,
+                retry_after: true,
+            },
+            PickRejection::ShedBecause(code, message) => Self {
+                status: 429,
+                kind: "rate_limit_error",
+                code,
                 message,
                 retry_after: true,
             },

@@ -175,6 +175,9 @@ impl GatewayPicker {
 fn rejection(e: ApiError) -> PickRejection {
     match e.status {
         StatusCode::NOT_FOUND => PickRejection::UnknownModel(e.message),
+        StatusCode::TOO_MANY_REQUESTS if e.code != "overloaded" => {
+            PickRejection::ShedBecause(e.code, e.message)
+        }
         StatusCode::TOO_MANY_REQUESTS => PickRejection::Shed(e.message),
         StatusCode::SERVICE_UNAVAILABLE => PickRejection::NoEndpoint(e.message),
         _ => PickRejection::BadRequest(e.message),

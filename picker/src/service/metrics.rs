@@ -90,6 +90,15 @@ pub struct Metrics {
     pub session_reuse_horizon_seconds: FloatGauge,
     /// Per model config, the mean of its endpoints' saturation (`routing.saturation`).
     pub pool_saturation: Family<ModelConfigLabels, FloatGauge>,
+    /// Flow control: requests waiting per model config.
+    pub flow_queued: Family<ModelConfigLabels, Gauge>,
+    /// Model configs with a `flow_queued` series.
+    flow_queued_configs: parking_lot::Mutex<Vec<String>>,
+    /// Flow control: requests released from the queue, and how long they waited.
+    pub flow_dispatched: Counter,
+    pub flow_wait_seconds: Histogram,
+    /// Flow control: requests answered without being served, by reason.
+    pub flow_shed: Family<KindLabels, Counter>,
     /// Session admission: turns by how they went on to placement (`admission::Admitted`).
     pub admission: Family<KindLabels, Counter>,
     pub admission_wait_seconds: Histogram,
@@ -252,6 +261,30 @@ impl Metrics {
             "Per model config, the mean over its endpoints of max(waiting requests / routing.saturation.queueDepth, KV-cache usage / routing.saturation.kvCacheUsage), a stale endpoint counting 1: at 1 or more, on average every endpoint is at a threshold (what an autoscaler scales on)",
             pool_saturation.clone(),
         );
+        let flow_queued = Family::<ModelConfigLabels, Gauge>::default();
+        registry.register(
+            "flow_queued",
+            "Flow control (routing.flowControl): requests waiting per model config",
+            flow_queued.clone(),
+        );
+        let flow_dispatched = Counter::default();
+        registry.register(
+            "flow_dispatched",
+            "Flow control: requests released from the queue to be placed",
+            flow_dispatched.clone(),
+        );
+        let flow_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 22));
+        registry.register(
+            "flow_wait_seconds",
+            "Flow control: how long released requests waited",
+            flow_wait_seconds.clone(),
+        );
+        let flow_shed = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "flow_shed",
+            "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place)",
+            flow_shed.clone(),
+        );
         let admission = Family::<KindLabels, Counter>::default();
         registry.register(
             "admission",
@@ -336,6 +369,11 @@ impl Metrics {
             working_set_tokens,
             session_reuse_horizon_seconds,
             pool_saturation,
+            flow_queued,
+            flow_queued_configs: parking_lot::Mutex::new(Vec::new()),
+            flow_dispatched,
+            flow_wait_seconds,
+            flow_shed,
             admission,
             admission_wait_seconds,
             admission_waiting,
@@ -345,6 +383,32 @@ impl Metrics {
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,
             cost_model_observations,
+        }
+    }
+
+    pub fn flow_shed(&self, reason: &str) {
+        self.flow_shed
+            .get_or_create(&KindLabels {
+                kind: reason.into(),
+            })
+            .inc();
+    }
+
+    /// The flow queue lengths now: model configs no longer waiting lose their series.
+    pub fn set_flow_queued(&self, queued: &[(String, usize)]) {
+        let mut known = self.flow_queued_configs.lock();
+        for model_config in known.drain(..) {
+            if !queued.iter().any(|(c, _)| *c == model_config) {
+                self.flow_queued.remove(&ModelConfigLabels { model_config });
+            }
+        }
+        for (model_config, n) in queued {
+            self.flow_queued
+                .get_or_create(&ModelConfigLabels {
+                    model_config: model_config.clone(),
+                })
+                .set(*n as i64);
+            known.push(model_config.clone());
         }
     }
 

@@ -6,6 +6,7 @@ pub mod diagnostics;
 pub mod errors;
 pub mod ext_proc;
 pub mod feeds;
+pub mod flow;
 pub mod gateway;
 pub mod http;
 pub mod kube_source;
@@ -330,6 +331,7 @@ pub async fn start(
             }
         }
     });
+    tasks.spawn(flow::run_dispatcher(picker.clone(), cancel.clone()));
     tasks.spawn(feeds::scraper::run_scraper(
         picker.clone(),
         config.scrape.clone(),

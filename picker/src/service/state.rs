@@ -196,6 +196,8 @@ pub struct PickerState {
     admission_changed: tokio::sync::Notify,
     /// Recent Responses and the endpoints storing them.
     pub responses: Responses,
+    /// Flow control's queues (`routing.flowControl`).
+    pub flow: super::flow::FlowControl,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -236,6 +238,7 @@ impl PickerState {
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
             admission_changed: tokio::sync::Notify::new(),
             responses: Responses::default(),
+            flow: super::flow::FlowControl::default(),
         })
     }
 
@@ -577,6 +580,10 @@ impl PickerState {
             allow: (tenancy.spec.isolation == Isolation::DedicatedEndpoints)
                 .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
         };
+        if purpose == Purpose::Forward {
+            self.pass_flow_control(&config.name, headers, tenant.as_deref(), &plan, req)
+                .await?;
+        }
         let route_request = plan.route_request(&config, scope, explain);
         let (admission, admission_ticket) = match purpose {
             Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
@@ -722,6 +729,112 @@ impl PickerState {
             },
         );
         false
+    }
+}
+
+/// The output a request asks for at most (`max_tokens`, `max_completion_tokens` or
+/// `max_output_tokens`; 0 when it names none): read only for a request that must wait.
+fn expected_output_tokens(raw: &[u8]) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Max {
+        max_tokens: Option<u64>,
+        max_completion_tokens: Option<u64>,
+        max_output_tokens: Option<u64>,
+    }
+    serde_json::from_slice::<Max>(raw)
+        .ok()
+        .and_then(|m| {
+            m.max_completion_tokens
+                .or(m.max_tokens)
+                .or(m.max_output_tokens)
+        })
+        .unwrap_or(0)
+        .min(1 << 24)
+}
+
+impl PickerState {
+    /// Flow control: go on while model config `config` has headroom and nothing of it waits;
+    /// else wait in its queue until the dispatcher releases the request, or answer 429.
+    async fn pass_flow_control(
+        &self,
+        config: &str,
+        headers: &HeaderMap,
+        tenant: Option<&str>,
+        plan: &RequestPlan,
+        req: &ParsedRequest,
+    ) -> Result<(), ApiError> {
+        let routing = self.routing.load();
+        let fc = &routing.flow_control;
+        if !fc.enabled {
+            return Ok(());
+        }
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        if self.flow.is_empty_for(config) && self.pool.free_slots(config, &routing.saturation) > 0 {
+            return Ok(());
+        }
+        let band = fc.priority(header(&fc.priority_header), header(&fc.objective_header));
+        let flow = tenant
+            .or_else(|| header(&fc.fairness_header))
+            .map_or(0, |f| xxhash_rust::xxh3::xxh3_64(f.as_bytes()));
+        let arrival = super::flow::Arrival {
+            band,
+            flow,
+            tokens: u64::from(plan.prompt_tokens) + expected_output_tokens(&req.raw),
+            bytes: req.raw.len() as u64,
+            now_ms: self.now_ms(),
+        };
+        let (ticket, displaced) = self
+            .flow
+            .enqueue(config, super::flow::queue_settings(fc), &arrival)
+            .map_err(|why| {
+                let (code, message) = match why {
+                    kvroute_routing::flow::Refused::TooLarge => (
+                        "too_large",
+                        "the request is larger than flow control's queue (routing.flowControl.maxQueuedBytes)",
+                    ),
+                    _ => (
+                        "queue_full",
+                        "the pool is saturated and flow control's queue is full of requests of this priority or higher",
+                    ),
+                };
+                self.metrics.flow_shed(code);
+                ApiError::shed_because(code, message)
+            })?;
+        for _ in 0..displaced {
+            self.metrics.flow_shed("displaced");
+        }
+        /// Leaves the line when the wait ends any way but an answer (the client left).
+        struct InLine<'a> {
+            flow: &'a super::flow::FlowControl,
+            id: u64,
+        }
+        impl Drop for InLine<'_> {
+            fn drop(&mut self) {
+                self.flow.cancel(self.id);
+            }
+        }
+        let _line = InLine {
+            flow: &self.flow,
+            id: ticket.id,
+        };
+        match ticket.rx.await {
+            Ok(super::flow::Outcome::Dispatched) => {
+                self.flow.placed(config);
+                Ok(())
+            }
+            Ok(super::flow::Outcome::Expired) => Err(ApiError::shed_because(
+                "queue_expired",
+                "the request waited flow control's ttl (routing.flowControl.ttl) for the pool to have headroom",
+            )),
+            Ok(super::flow::Outcome::Displaced) => Err(ApiError::shed_because(
+                "displaced",
+                "a request of a higher priority took this one's place in flow control's full queue",
+            )),
+            Err(_) => Err(ApiError::unavailable(
+                "shutting_down",
+                "the picker is shutting down",
+            )),
+        }
     }
 
     /// Session admission (`routing.admission`) for a request about to be placed: returns at

@@ -1,0 +1,252 @@
+//! Flow control (`routing.flowControl`) in the service, against a fake engine whose reported
+//! queue decides whether the pool has headroom.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde_json::json;
+use support::*;
+
+fn yaml(port: u16, flow: &str) -> String {
+    format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {port}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+routing:
+  flowControl: {{enabled: true, {flow}}}
+"#
+    )
+}
+
+/// Waits until the picker's metrics have the line `line`.
+async fn metric(picker: &kvroute_picker::service::Running, line: &str) {
+    let c = client();
+    let url = format!("http://{}/metrics", picker.addrs.metrics);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = kvroute_testkit::get_text(&c, url.clone()).await;
+        if text.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no `{line}` in {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A completion with priority header `priority`; returns its status and `x-kvroute-reason`.
+async fn complete(http: std::net::SocketAddr, priority: Option<i32>) -> (u16, Option<String>) {
+    let mut r = client()
+        .post(format!("http://{http}/v1/completions"))
+        .json(&json!({"model": "llama", "prompt": "hello", "max_tokens": 4}));
+    if let Some(p) = priority {
+        r = r.header("x-kvroute-priority", p.to_string());
+    }
+    let resp = r.send().await.unwrap();
+    let reason = resp
+        .headers()
+        .get("x-kvroute-reason")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    (resp.status().as_u16(), reason)
+}
+
+#[tokio::test]
+async fn saturated_requests_wait_and_leave_by_priority() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    let http = picker.addrs.http;
+    // with headroom (once scraped) a request goes straight on, not through the queue
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.125"#,
+    )
+    .await;
+    assert_eq!(complete(http, None).await.0, 200);
+    // the engine's queue at 10 of the default depth 5: saturated
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let served = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (name, priority) in [("low", -1), ("high", 5)] {
+        let served = served.clone();
+        tasks.push(tokio::spawn(async move {
+            let (status, _) = complete(http, Some(priority)).await;
+            served.lock().push((name, status));
+        }));
+        // the low one is queued first
+        metric(
+            &picker,
+            &format!(
+                r#"kvroute_picker_flow_queued{{model_config="llama"}} {}"#,
+                tasks.len()
+            ),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        served.lock().is_empty(),
+        "nothing is placed while saturated"
+    );
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    // one slot of headroom (4 waiting of 5): the dispatcher releases one request at a time
+    engine.state.waiting.store(4, Ordering::SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*served.lock(), vec![("high", 200), ("low", 200)]);
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 2);
+    metric(&picker, "kvroute_picker_flow_dispatched_total 2").await;
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_request_that_waits_its_ttl_is_answered_429() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 200ms")).await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let (status, reason) = complete(picker.addrs.http, None).await;
+    assert_eq!((status, reason.as_deref()), (429, Some("queue_expired")));
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_shed_total{kind="queue_expired"} 1"#,
+    )
+    .await;
+    // nothing is left waiting
+    metric(&picker, r#"kvroute_picker_flow_dispatched_total 0"#).await;
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s, maxQueued: 1")).await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let low = tokio::spawn(async move { complete(http, Some(-1)).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    // the same band finds the queue full
+    let (status, reason) = complete(http, Some(-1)).await;
+    assert_eq!((status, reason.as_deref()), (429, Some("queue_full")));
+    // a higher band pushes the low one out and waits
+    let high = tokio::spawn(async move { complete(http, Some(3)).await });
+    let (status, reason) = low.await.unwrap();
+    assert_eq!((status, reason.as_deref()), (429, Some("displaced")));
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    assert_eq!(high.await.unwrap().0, 200);
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_is_taken_out_of_line() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let waiting = tokio::spawn(async move { complete(http, None).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    waiting.abort();
+    let _ = waiting.await;
+    // the queue empties (its series goes) and the engine never sees the request
+    let c = client();
+    let url = format!("http://{}/metrics", picker.addrs.metrics);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = kvroute_testkit::get_text(&c, url.clone()).await;
+        if !text.contains("kvroute_picker_flow_queued{") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before);
+    picker.shutdown().await;
+}
+
+/// The ext_proc listener queues the same way: the gateway's stream stays open until the
+/// request is dispatched, and a request that waits its TTL gets an immediate 429.
+#[tokio::test]
+async fn the_gateway_stream_waits_for_dispatch() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let body = br#"{"model":"llama","prompt":"hello"}"#;
+    let waiting = {
+        let ext = ext.clone();
+        tokio::spawn(async move { gateway::request(&ext, "/v1/completions", &[], body).await })
+    };
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "answered while saturated");
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    let answer = waiting.await.unwrap();
+    assert_eq!(answer.destination(), engine.addr.to_string());
+    picker.shutdown().await;
+
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 100ms")).await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let answer = gateway::request(&ext, "/v1/completions", &[], body).await;
+    assert_eq!(answer.refused(), 429);
+    picker.shutdown().await;
+}
