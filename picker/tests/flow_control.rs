@@ -250,3 +250,60 @@ async fn the_gateway_stream_waits_for_dispatch() {
     assert_eq!(answer.refused(), 429);
     picker.shutdown().await;
 }
+
+/// The settings apply live: a picker started with flow control off lets a saturated pool's
+/// request through; after the file is edited, the next one waits; turned off again, the queue
+/// is released.
+#[tokio::test]
+async fn flow_control_settings_apply_without_restart() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("kvroute-flow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("picker.yaml");
+    let write = |flow: &str| {
+        let yaml = loopback_listen(&format!(
+            r#"
+modelConfigs:
+  - {{name: llama, model: llama, port: {}}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+routing:
+  flowControl: {{{flow}}}
+"#,
+            engine.addr.port()
+        ));
+        let tmp = dir.join("picker.yaml.tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    };
+    write("enabled: false");
+    let picker = start_picker_file(path.clone()).await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    assert_eq!(complete(http, None).await.0, 200, "off: straight on");
+    write("enabled: true, ttl: 30s");
+    let state = picker.state.clone();
+    eventually(Duration::from_secs(5), || {
+        state.routing().flow_control.enabled
+    })
+    .await;
+    let waiting = tokio::spawn(async move { complete(http, None).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "on: it waits");
+    // turned off again, the queue is released
+    write("enabled: false");
+    assert_eq!(waiting.await.unwrap().0, 200);
+    picker.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

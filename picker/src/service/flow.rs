@@ -231,8 +231,14 @@ pub async fn run_dispatcher(picker: Arc<PickerState>, cancel: CancellationToken)
         let routing = picker.routing();
         let settings = queue_settings(&routing.flow_control);
         let now = picker.now_ms();
+        // turned off (a live edit), what waits goes on
+        let enabled = routing.flow_control.enabled;
         let (released, expired) = picker.flow.round(now, settings, |config| {
-            picker.pool.free_slots(config, &routing.saturation)
+            if enabled {
+                picker.pool.free_slots(config, &routing.saturation)
+            } else {
+                u64::MAX
+            }
         });
         for wait in released {
             picker.metrics.flow_dispatched.inc();
