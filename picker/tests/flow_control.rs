@@ -307,3 +307,35 @@ routing:
     picker.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A TTFT objective the cost model predicts no endpoint can meet is answered at once.
+#[tokio::test]
+async fn an_unattainable_ttft_objective_is_answered_at_once() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.125"#,
+    )
+    .await;
+    let send = |slo: &'static str| {
+        client()
+            .post(format!("http://{}/v1/completions", picker.addrs.http))
+            .header("x-slo-ttft-ms", slo)
+            .json(&json!({"model": "llama", "prompt": "hello"}))
+            .send()
+    };
+    // even an idle engine needs more than a millisecond for a prefill step
+    let resp = send("1").await.unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["x-kvroute-reason"], "slo_unattainable");
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    assert_eq!(send("60000").await.unwrap().status(), 200);
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 1);
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_shed_total{kind="slo_unattainable"} 1"#,
+    )
+    .await;
+    picker.shutdown().await;
+}

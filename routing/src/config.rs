@@ -426,6 +426,11 @@ pub struct Objective {
     /// Its priority band: higher is served first; under overload the lowest are shed first.
     #[schemars(range(min = -1000, max = 1000))]
     pub priority: i32,
+    /// Its time-to-first-token objective in ms, for requests that send none in
+    /// `ttftSloHeader`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3_600_000))]
+    pub ttft_slo_ms: Option<u32>,
 }
 
 /// How flow control orders requests between flows of one band.
@@ -473,6 +478,11 @@ pub struct FlowControlSettings {
     /// it is on). Default `x-llm-d-inference-fairness-id`.
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub fairness_header: String,
+    /// Header carrying a request's time-to-first-token objective in ms: while flow control is
+    /// on, a request whose objective the cost model predicts no endpoint can meet is answered
+    /// 429 `slo_unattainable` at once instead of timing out late. Default `x-slo-ttft-ms`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub ttft_slo_header: String,
     /// Priority of a request that names none (or an objective not listed). Default 0.
     #[schemars(range(min = -1000, max = 1000))]
     pub default_priority: i32,
@@ -496,6 +506,7 @@ impl Default for FlowControlSettings {
             priority_header: "x-kvroute-priority".into(),
             objective_header: "x-llm-d-inference-objective".into(),
             fairness_header: "x-llm-d-inference-fairness-id".into(),
+            ttft_slo_header: "x-slo-ttft-ms".into(),
             default_priority: 0,
             objectives: Vec::new(),
         }
@@ -520,6 +531,18 @@ impl FlowControlSettings {
             .unwrap_or(self.default_priority)
     }
 
+    /// A request's time-to-first-token objective (ms): the header's (a positive integer up to
+    /// an hour), else its objective's, else none.
+    pub fn ttft_slo_ms(&self, header: Option<&str>, objective: Option<&str>) -> Option<u32> {
+        header
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|v| (1..=3_600_000).contains(v))
+            .or_else(|| {
+                let name = objective?;
+                self.objectives.iter().find(|o| o.name == name)?.ttft_slo_ms
+            })
+    }
+
     fn validate(&self) -> Result<(), String> {
         let f = "routing.flowControl";
         if !(1..=1_000_000).contains(&self.max_queued) {
@@ -541,6 +564,7 @@ impl FlowControlSettings {
             ("priorityHeader", &self.priority_header),
             ("objectiveHeader", &self.objective_header),
             ("fairnessHeader", &self.fairness_header),
+            ("ttftSloHeader", &self.ttft_slo_header),
         ] {
             let ok = !h.is_empty()
                 && h.len() <= 256
@@ -579,6 +603,11 @@ impl FlowControlSettings {
                 return Err(format!(
                     "{f}.objectives[{i}].priority must be in [-1000, 1000], got {}",
                     o.priority
+                ));
+            }
+            if o.ttft_slo_ms.is_some_and(|v| !(1..=3_600_000).contains(&v)) {
+                return Err(format!(
+                    "{f}.objectives[{i}].ttftSloMs must be in [1, 3600000]"
                 ));
             }
         }
@@ -918,10 +947,12 @@ mod tests {
                 Objective {
                     name: "critical".into(),
                     priority: 10,
+                    ttft_slo_ms: Some(500),
                 },
                 Objective {
                     name: "batch".into(),
                     priority: -5,
+                    ttft_slo_ms: None,
                 },
             ],
             ..FlowControlSettings::default()
@@ -943,9 +974,13 @@ mod tests {
             ..RoutingConfig::default()
         };
         assert!(c.validate().is_ok());
+        assert_eq!(fc.ttft_slo_ms(Some("200"), Some("critical")), Some(200));
+        assert_eq!(fc.ttft_slo_ms(None, Some("critical")), Some(500));
+        assert_eq!(fc.ttft_slo_ms(Some("0"), Some("batch")), None);
         fc.objectives.push(Objective {
             name: "batch".into(),
             priority: 1,
+            ttft_slo_ms: None,
         });
         c.flow_control = fc;
         assert!(

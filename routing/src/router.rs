@@ -85,6 +85,9 @@ pub struct Decision {
     pub score: Option<f64>,
     /// Per-candidate explanation, when asked for.
     pub candidates: Vec<CandidateExplain>,
+    /// The least time to first token the cost model predicts on any candidate (ms): what a
+    /// request's TTFT objective is held against.
+    pub best_ttft_ms: f64,
 }
 
 impl Decision {
@@ -268,6 +271,10 @@ impl Router {
         } else {
             Vec::new()
         };
+        let best_ttft_ms = cands
+            .iter()
+            .map(|c| policy::estimated_ttft_ms(&self.config.cost_model, &c.features))
+            .fold(f64::INFINITY, f64::min);
         Ok(Decision {
             endpoint: winner.endpoint,
             fallbacks: ranked.fallbacks,
@@ -280,6 +287,7 @@ impl Router {
             failed_open,
             score: ranked.scores.get(ranked.chosen).copied(),
             candidates,
+            best_ttft_ms,
         })
     }
 

@@ -282,7 +282,7 @@ impl Metrics {
         let flow_shed = Family::<KindLabels, Counter>::default();
         registry.register(
             "flow_shed",
-            "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place)",
+            "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place), slo_unattainable (no endpoint is predicted to meet its TTFT objective)",
             flow_shed.clone(),
         );
         let admission = Family::<KindLabels, Counter>::default();

@@ -638,6 +638,24 @@ impl PickerState {
                 PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
             }
         })?;
+        if purpose == Purpose::Forward && routing.flow_control.enabled {
+            // a TTFT objective no endpoint is predicted to meet is answered now, not late
+            let fc = &routing.flow_control;
+            let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+            let slo = fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header));
+            let best = placement.decision.best_ttft_ms;
+            if let Some(slo) = slo
+                && best > f64::from(slo)
+            {
+                self.metrics.flow_shed("slo_unattainable");
+                return Err(ApiError::shed_because(
+                    "slo_unattainable",
+                    format!(
+                        "no endpoint is predicted to give the first token within the {slo} ms objective (the best: {best:.0} ms)"
+                    ),
+                ));
+            }
+        }
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
