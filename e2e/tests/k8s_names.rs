@@ -186,6 +186,11 @@ spec:
     let routing = serde_json::to_value(&llama.spec.routing).unwrap();
     assert_eq!(routing["costModel"]["recomputeWeight"], 4.0, "{routing}");
     assert_eq!(routing["admission"]["enabled"], true, "{routing}");
+    assert_eq!(routing["flowControl"]["enabled"], true, "{routing}");
+    assert_eq!(
+        routing["flowControl"]["objectives"][0]["name"], "interactive",
+        "{routing}"
+    );
     assert_eq!(routing["strategy"], "Weighted", "{routing}");
     assert!(explained.contains("costModel"), "{explained}");
     // ...and left the Gateway API pool of the same name as it was
