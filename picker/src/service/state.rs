@@ -821,21 +821,36 @@ impl PickerState {
         for _ in 0..displaced {
             self.metrics.flow_shed("displaced");
         }
-        /// Leaves the line when the wait ends any way but an answer (the client left).
+        /// Leaves the line when the wait ends any way but an answer (the client left); a
+        /// request released just as its client left gives its dispatch back.
         struct InLine<'a> {
             flow: &'a super::flow::FlowControl,
             id: u64,
+            config: &'a str,
+            rx: tokio::sync::oneshot::Receiver<super::flow::Outcome>,
+            answered: bool,
         }
         impl Drop for InLine<'_> {
             fn drop(&mut self) {
-                self.flow.cancel(self.id);
+                if self.answered {
+                    return;
+                }
+                match self.rx.try_recv() {
+                    Ok(super::flow::Outcome::Dispatched) => self.flow.placed(self.config),
+                    _ => self.flow.cancel(self.id),
+                }
             }
         }
-        let _line = InLine {
+        let mut line = InLine {
             flow: &self.flow,
             id: ticket.id,
+            config,
+            rx: ticket.rx,
+            answered: false,
         };
-        match ticket.rx.await {
+        let outcome = (&mut line.rx).await;
+        line.answered = true;
+        match outcome {
             Ok(super::flow::Outcome::Dispatched) => {
                 self.flow.placed(config);
                 Ok(())
