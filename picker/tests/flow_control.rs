@@ -30,20 +30,21 @@ routing:
 
 /// Waits until the picker's metrics have the line `line`.
 async fn metric(picker: &kvroute_picker::service::Running, line: &str) {
-    let c = client();
-    let url = format!("http://{}/metrics", picker.addrs.metrics);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let text = kvroute_testkit::get_text(&c, url.clone()).await;
-        if text.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no `{line}` in {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_metric(picker.addrs.metrics, |l| l == line).await;
+}
+
+/// A fake engine reporting a queue of 10 (saturated at the default depth 5) and a picker with
+/// flow control on (`flow`: more settings) that has seen it so.
+async fn saturated(flow: &str) -> (FakeEngine, kvroute_picker::service::Running) {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    let picker = start_picker(&yaml(engine.addr.port(), flow)).await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+    )
+    .await;
+    (engine, picker)
 }
 
 /// A completion with priority header `priority`; returns its status and `x-kvroute-reason`.
@@ -119,14 +120,7 @@ async fn saturated_requests_wait_and_leave_by_priority() {
 
 #[tokio::test]
 async fn a_request_that_waits_its_ttl_is_answered_429() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 200ms")).await;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
-    )
-    .await;
+    let (_engine, picker) = saturated("ttl: 200ms").await;
     let started = std::time::Instant::now();
     let (status, reason) = complete(picker.addrs.http, None).await;
     assert_eq!((status, reason.as_deref()), (429, Some("queue_expired")));
@@ -143,15 +137,8 @@ async fn a_request_that_waits_its_ttl_is_answered_429() {
 
 #[tokio::test]
 async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s, maxQueued: 1")).await;
+    let (engine, picker) = saturated("ttl: 30s, maxQueued: 1").await;
     let http = picker.addrs.http;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
-    )
-    .await;
     let low = tokio::spawn(async move { complete(http, Some(-1)).await });
     metric(
         &picker,
@@ -172,15 +159,8 @@ async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
 
 #[tokio::test]
 async fn a_client_that_leaves_is_taken_out_of_line() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    let (engine, picker) = saturated("ttl: 30s").await;
     let http = picker.addrs.http;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
-    )
-    .await;
     let waiting = tokio::spawn(async move { complete(http, None).await });
     metric(
         &picker,
@@ -212,14 +192,7 @@ async fn a_client_that_leaves_is_taken_out_of_line() {
 /// request is dispatched, and a request that waits its TTL gets an immediate 429.
 #[tokio::test]
 async fn the_gateway_stream_waits_for_dispatch() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
-    )
-    .await;
+    let (engine, picker) = saturated("ttl: 30s").await;
     let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
     let body = br#"{"model":"llama","prompt":"hello"}"#;
     let waiting = {

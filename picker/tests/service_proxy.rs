@@ -596,23 +596,8 @@ async fn models_health_and_metrics() {
     );
     // pool saturation: max(0 waiting / 5, 0.1 KV usage / 0.8); with 10 waiting, 2
     let saturation = |want: &'static str| {
-        let c = c.clone();
-        let url = format!("http://{}/metrics", picker.addrs.metrics);
-        async move {
-            let line = format!("kvroute_picker_pool_saturation{{model_config=\"llama\"}} {want}");
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-            loop {
-                let text = kvroute_testkit::get_text(&c, url.clone()).await;
-                if text.lines().any(|l| l == line) {
-                    return;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "no `{line}` in {text}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        let line = format!("kvroute_picker_pool_saturation{{model_config=\"llama\"}} {want}");
+        until_metric(picker.addrs.metrics, move |l| l == line)
     };
     saturation("0.125").await;
     engine.state.waiting.store(10, Ordering::SeqCst);

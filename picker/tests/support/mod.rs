@@ -348,3 +348,22 @@ pub fn client() -> reqwest::Client {
 pub async fn metrics_text(addr: SocketAddr) -> String {
     kvroute_testkit::get_text(&client(), format!("http://{addr}/metrics")).await
 }
+
+/// Waits until the exposition at `metrics` (the picker's metrics listener) satisfies `check`
+/// for one of its lines; panics with the exposition after 5 s.
+pub async fn until_metric(metrics: std::net::SocketAddr, check: impl Fn(&str) -> bool) {
+    let c = client();
+    let url = format!("http://{metrics}/metrics");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = kvroute_testkit::get_text(&c, url.clone()).await;
+        if text.lines().any(&check) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not found in {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

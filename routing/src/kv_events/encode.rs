@@ -385,7 +385,12 @@ impl Writer {
         let len = u32::try_from(count).unwrap_or(u32::MAX);
         self.array_len(len);
         let mut id = 0u64;
-        let mut head = |w: &mut Self, place: &BlockPlace| {
+        // an event's fields up to `data`, then the data map's header with `fields` entries of
+        // which `type` is written; false once `len` events are written
+        let mut begin = |w: &mut Self, place: &BlockPlace, fields: u32, kind: &str| {
+            if id >= u64::from(len) {
+                return false;
+            }
             w.map_len(3 + u32::from(place.group_idx.is_some()) + u32::from(rank.is_some()));
             w.str("event_id");
             w.uint(id);
@@ -403,8 +408,11 @@ impl Writer {
                 w.uint(u64::from(r));
             }
             w.str("data");
+            w.map_len(fields);
+            w.str("type");
+            w.str(kind);
+            true
         };
-        let mut written = 0usize;
         for event in events {
             match event {
                 KvEvent::BlockStored {
@@ -417,14 +425,9 @@ impl Writer {
                     place,
                     ..
                 } => {
-                    if written >= len as usize {
+                    if !begin(self, place, 3, "stored") {
                         break;
                     }
-                    written += 1;
-                    head(self, place);
-                    self.map_len(3);
-                    self.str("type");
-                    self.str("stored");
                     self.str("parent_hash");
                     self.opt_uint(*parent_block_hash);
                     self.str("blocks");
@@ -464,14 +467,9 @@ impl Writer {
                     place,
                     ..
                 } => {
-                    if written >= len as usize {
+                    if !begin(self, place, 2, "removed") {
                         break;
                     }
-                    written += 1;
-                    head(self, place);
-                    self.map_len(2);
-                    self.str("type");
-                    self.str("removed");
                     self.str("block_hashes");
                     self.list(block_hashes, |w, h| w.uint(h));
                 }
@@ -482,14 +480,9 @@ impl Writer {
                     place,
                 } => {
                     for &h in block_hashes {
-                        if written >= len as usize {
+                        if !begin(self, place, 4, "updated") {
                             break;
                         }
-                        written += 1;
-                        head(self, place);
-                        self.map_len(4);
-                        self.str("type");
-                        self.str("updated");
                         self.str("block_hash");
                         self.uint(h);
                         self.str("cache_level");

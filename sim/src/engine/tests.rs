@@ -27,6 +27,24 @@ fn req(id: RequestId, tokens: Vec<u32>, max_tokens: u32) -> Request {
     }
 }
 
+/// A precise index with one endpoint, keyed as the engines of these tests (block size 4,
+/// model `m`).
+fn precise_index() -> (KvIndex, kvroute_routing::index::Slot, IngestKeys<'static>) {
+    let mut index = KvIndex::default();
+    let slot = index
+        .add_endpoint(
+            EndpointId::new(std::net::Ipv4Addr::LOCALHOST.into(), 8000, 0),
+            IndexMode::Precise,
+            1000,
+        )
+        .unwrap();
+    let keys = IngestKeys {
+        hasher: BlockHasher::new(4),
+        model: "m",
+    };
+    (index, slot, keys)
+}
+
 fn toks(start: u32, n: u32) -> Vec<u32> {
     (start..start + n).collect()
 }
@@ -427,18 +445,7 @@ fn deterministic_for_a_seed_and_opaque_across_seeds() {
 #[test]
 fn events_rekeyed_by_the_picker_match_request_keys() {
     let mut r = Rank::new(cfg(12));
-    let mut index = KvIndex::default();
-    let slot = index
-        .add_endpoint(
-            EndpointId::new(std::net::Ipv4Addr::LOCALHOST.into(), 8000, 0),
-            IndexMode::Precise,
-            1000,
-        )
-        .unwrap();
-    let keys = IngestKeys {
-        hasher: BlockHasher::new(4),
-        model: "m",
-    };
+    let (mut index, slot, keys) = precise_index();
     let matched = |index: &KvIndex, prompt: &[u32]| {
         let k = BlockHasher::new(4).keys(ChainRoot::new("m", None, None), prompt);
         let mut out = Vec::new();
@@ -588,18 +595,7 @@ fn adapter_waits_keep_the_event_stream_complete() {
         lora_load_ms: 5.0,
         ..cfg(24)
     });
-    let mut index = KvIndex::default();
-    let slot = index
-        .add_endpoint(
-            EndpointId::new(std::net::Ipv4Addr::LOCALHOST.into(), 8000, 0),
-            IndexMode::Precise,
-            1000,
-        )
-        .unwrap();
-    let keys = IngestKeys {
-        hasher: BlockHasher::new(4),
-        model: "m",
-    };
+    let (mut index, slot, keys) = precise_index();
     for id in 0..40u64 {
         let mut p = toks(0, 8);
         p.extend(toks(100 * (id as u32 % 7 + 1), 10));
