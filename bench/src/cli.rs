@@ -352,6 +352,21 @@ pub struct ReplayArgs {
     /// and `loraSlotWaitMs` 0): the adapter-blind baseline of `--lora-adapters`.
     #[arg(long)]
     pub lora_blind: bool,
+    /// Offline: flow control on (`routing.flowControl`), its queue fed by the bands and
+    /// tenants below; per-class TTFT in the report.
+    #[arg(long)]
+    pub flow_control: bool,
+    /// Offline: this percentage of sessions is critical (priority 1), the rest sheddable
+    /// (priority -1) [default: 0, one band].
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub critical_percent: u8,
+    /// Offline: two tenants, the heavy one with ten sessions for each of the light one's.
+    #[arg(long)]
+    pub two_tenants: bool,
+    /// `routing.saturation.queueDepth`: waiting requests at which an engine counts as
+    /// saturated (flow control's dispatch) [default: the picker's, 5].
+    #[arg(long)]
+    pub queue_depth: Option<u32>,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -574,7 +589,17 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
     );
     Ok(BenchOptions {
         cluster,
-        routing: RoutingConfig::default(),
+        routing: {
+            let mut r = RoutingConfig::default();
+            if let Some(d) = a.queue_depth {
+                anyhow::ensure!(
+                    (1..=100_000).contains(&d),
+                    "--queue-depth must be in [1, 100000], got {d}"
+                );
+                r.saturation.queue_depth = d;
+            }
+            r
+        },
         scrape_ms: a.scrape_ms,
         slo: Slo {
             ttft_ms: a.slo_ttft_ms,
@@ -594,6 +619,9 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         tier_blind: a.tier_blind,
         lora_adapters: a.lora_adapters,
         lora_blind: a.lora_blind,
+        flow_control: a.flow_control,
+        critical_percent: a.critical_percent,
+        two_tenants: a.two_tenants,
     })
 }
 

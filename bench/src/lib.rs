@@ -110,6 +110,14 @@ pub struct BenchOptions {
     pub lora_adapters: u32,
     /// Offline: the picker's adapter terms off (`loraLoadMs`, `loraSlotWaitMs` 0).
     pub lora_blind: bool,
+    /// Offline: flow control on (`routing.flowControl` with these bands and tenants).
+    pub flow_control: bool,
+    /// Offline: this percentage of sessions is in the critical band (priority 1), the rest
+    /// sheddable (priority -1); 0: one band.
+    pub critical_percent: u8,
+    /// Offline: two tenants (fairness flows), the heavy one sending ten sessions for each of
+    /// the light one's.
+    pub two_tenants: bool,
 }
 
 impl BenchOptions {
@@ -181,6 +189,9 @@ impl Default for BenchOptions {
             tier_blind: false,
             lora_adapters: 0,
             lora_blind: false,
+            flow_control: false,
+            critical_percent: 0,
+            two_tenants: false,
             repeat: 1,
         }
     }

@@ -30,6 +30,7 @@ use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
 use kvroute_picker::engine_metrics::LoraActivity;
+use kvroute_picker::flow::{Fairness, FlowQueue, FlowSettings, Order, Waiting};
 use kvroute_picker::inflight::InflightGuard;
 use kvroute_picker::kv_events::ingest::IngestKeys;
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
@@ -74,6 +75,8 @@ struct Engine {
 struct InFlight {
     guard: InflightGuard,
     engine: usize,
+    /// Its request class ([`Sim::class`]).
+    class: usize,
     /// When the driver released it (earlier than `sent_ms` when admission held it).
     release_ms: f64,
     /// When it was sent, and what the cost model estimated its TTFT on (calibration learns
@@ -113,6 +116,13 @@ struct Sim<'a> {
     /// How long each held turn waited (ms), and how it left the queue.
     held_waits: Vec<f64>,
     held_timeouts: usize,
+    /// Flow control's queue (`--flow-control`) and the requests waiting in it.
+    flow: Option<FlowQueue>,
+    flow_waiting: FxHashMap<u64, Issue>,
+    /// Requests pushed out of the full queue, answered at the next round.
+    flow_shed: Vec<Issue>,
+    /// The class of each record, in record order ([`Sim::class`]).
+    record_class: Vec<usize>,
 }
 
 impl<'a> Sim<'a> {
@@ -195,6 +205,18 @@ impl<'a> Sim<'a> {
             admission_check: None,
             held_waits: Vec::new(),
             held_timeouts: 0,
+            flow: opts.flow_control.then(|| {
+                FlowQueue::new(FlowSettings {
+                    max_requests: 10_000,
+                    max_bytes: u64::MAX,
+                    ttl_ms: 60_000,
+                    fairness: Fairness::LeastAttainedService,
+                    order: Order::Fcfs,
+                })
+            }),
+            flow_waiting: FxHashMap::default(),
+            flow_shed: Vec::new(),
+            record_class: Vec::new(),
         })
     }
 
@@ -203,7 +225,89 @@ impl<'a> Sim<'a> {
         self.queue.push(Reverse((key(t), self.seq, e)));
     }
 
+    /// The request class of `session`: its band (`--critical-percent`) and tenant
+    /// (`--two-tenants`), as an index into [`CLASSES`].
+    fn class(&self, session: u64) -> usize {
+        let u = mix64(session ^ 0xf10e) % 100;
+        let band = usize::from(
+            self.opts.critical_percent > 0 && u < u64::from(self.opts.critical_percent),
+        ) + usize::from(self.opts.critical_percent > 0);
+        let tenant = if self.opts.two_tenants {
+            1 + usize::from(session.is_multiple_of(11))
+        } else {
+            0
+        };
+        band * 3 + tenant
+    }
+
+    /// Flow control: whether `issue` waits in the queue (the pool has no headroom, or others
+    /// wait already).
+    fn flow_holds(&mut self, issue: &Issue, t: f64) -> bool {
+        let Some(q) = self.flow.as_ref() else {
+            return false;
+        };
+        let saturation = self.pool.router().config().saturation;
+        if q.is_empty() && self.pool.free_slots(&self.model_config.name, &saturation) > 0 {
+            return false;
+        }
+        let class = self.class(issue.session);
+        let band = match class / 3 {
+            1 => -1,
+            2 => 1,
+            _ => 0,
+        };
+        let w = Waiting {
+            id: issue.id,
+            band,
+            flow: (class % 3) as u64,
+            tokens: u64::from(issue.input_len) + u64::from(issue.output_len),
+            bytes: 0,
+            arrival_ms: t as u64,
+            deadline_ms: None,
+        };
+        let Some(q) = self.flow.as_mut() else {
+            return false;
+        };
+        match q.push(w) {
+            Ok(pushed) => {
+                for w in pushed.shed {
+                    if let Some(i) = self.flow_waiting.remove(&w.id) {
+                        self.flow_shed.push(i);
+                    }
+                }
+                self.flow_waiting.insert(issue.id, issue.clone());
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Flow control's round at `t`: the requests released to be sent, and those answered
+    /// without service (expired or pushed out).
+    fn flow_round(&mut self, t: f64) -> (Vec<Issue>, Vec<Issue>) {
+        let mut gone: Vec<Issue> = std::mem::take(&mut self.flow_shed);
+        let Some(q) = self.flow.as_mut() else {
+            return (Vec::new(), gone);
+        };
+        for w in q.expire(t as u64) {
+            gone.extend(self.flow_waiting.remove(&w.id));
+        }
+        let saturation = self.pool.router().config().saturation;
+        let mut room = self.pool.free_slots(&self.model_config.name, &saturation);
+        let mut send = Vec::new();
+        while room > 0 {
+            let Some(q) = self.flow.as_mut() else { break };
+            let Some(w) = q.pop() else { break };
+            if let Some(i) = self.flow_waiting.remove(&w.id) {
+                send.push(i);
+                room -= 1;
+            }
+        }
+        (send, gone)
+    }
+
     fn fail(&mut self, issue: &Issue, t: f64, error: String) {
+        self.record_class.push(self.class(issue.session));
         self.records.push(RequestRecord {
             release_ms: issue.release_ms,
             prompt_tokens: issue.input_len,
@@ -260,6 +364,9 @@ impl<'a> Sim<'a> {
     /// (as the service's gate holds it), else sent. Returns `false` when it failed (and must
     /// be completed in the driver right away).
     fn dispatch(&mut self, issue: &Issue, t: f64) -> bool {
+        if self.flow_holds(issue, t) {
+            return true;
+        }
         if self.admission_holds(issue, t) {
             return true;
         }
@@ -399,6 +506,7 @@ impl<'a> Sim<'a> {
             InFlight {
                 guard,
                 engine: e,
+                class: self.class(issue.session),
                 release_ms: issue.release_ms,
                 sent_ms: t,
                 basis: placement.ttft_basis,
@@ -477,6 +585,7 @@ impl<'a> Sim<'a> {
             let tpot = (f.output_tokens > 1)
                 .then(|| (f.finish_ms - f.first_token_ms) / f64::from(f.output_tokens - 1));
             // from its release: a turn admission held waited that long too
+            self.record_class.push(fl.class);
             self.records.push(RequestRecord {
                 release_ms: fl.release_ms,
                 prompt_tokens: f.prompt_tokens,
@@ -603,8 +712,24 @@ pub fn run(
                     }
                 }
             }
+            let (released, gone) = sim.flow_round(t);
+            for issue in gone {
+                sim.fail(
+                    &issue,
+                    t,
+                    "flow control: answered 429 without service".into(),
+                );
+                completed += 1;
+                driver.complete(issue.id, t, &mut issues);
+            }
+            for issue in &released {
+                if !sim.send(issue, t, None) {
+                    completed += 1;
+                    driver.complete(issue.id, t, &mut issues);
+                }
+            }
             let admitted = sim.admit_waiting(t);
-            if admitted.is_empty() {
+            if admitted.is_empty() && released.is_empty() && issues.is_empty() {
                 break;
             }
             for (issue, ticket) in admitted {
@@ -698,6 +823,7 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             error_samples: errors,
             picker: None,
             engine_prefill_tokens: prefill_tokens,
+            classes: class_figures(&sim),
             lora: (sim.opts.lora_adapters > 0).then(|| {
                 sim.engines.iter().fold((0, 0, 0), |(q, r, l), e| {
                     let s = e.rank.stats();
@@ -713,6 +839,44 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
                 .then(|| AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts)),
         },
     }
+}
+
+/// Per request class (band and tenant), when the run has more than one: requests, answered
+/// without service, TTFT p50 and p90 of the served ones.
+fn class_figures(sim: &Sim<'_>) -> Vec<(String, usize, usize, f64, f64)> {
+    if sim.opts.critical_percent == 0 && !sim.opts.two_tenants {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for class in 0..9 {
+        let records: Vec<&RequestRecord> = sim
+            .records
+            .iter()
+            .zip(&sim.record_class)
+            .filter(|(_, c)| **c == class)
+            .map(|(r, _)| r)
+            .collect();
+        if records.is_empty() {
+            continue;
+        }
+        let mut ttfts: Vec<f64> = records.iter().filter_map(|r| r.ttft_ms).collect();
+        ttfts.sort_by(f64::total_cmp);
+        let band = ["", "sheddable", "critical"][class / 3];
+        let tenant = ["", "heavy tenant", "light tenant"][class % 3];
+        let name = [band, tenant]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ");
+        out.push((
+            name,
+            records.len(),
+            records.iter().filter(|r| r.error.is_some()).count(),
+            stats::percentile(&ttfts, 50.0),
+            stats::percentile(&ttfts, 90.0),
+        ));
+    }
+    out
 }
 
 /// Merge runs of consecutive `BlockRemoved` events into one. The engine model reports each

@@ -155,6 +155,13 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 r.summary.policy, a.held, a.timeouts, a.wait_ms_p50, a.wait_ms_p99, a.wait_ms_max
             );
         }
+        for (class, requests, shed, p50, p90) in &d.classes {
+            let _ = writeln!(
+                out,
+                "{}: {class}: {requests} requests, {shed} answered without service, TTFT p50 {p50:.0} / p90 {p90:.0} ms",
+                r.summary.policy
+            );
+        }
         if let Some((requests, resident, loads)) = d.lora {
             let _ = writeln!(
                 out,

@@ -71,6 +71,9 @@ pub struct RunDetail {
     /// LoRA adapters (offline runs with `--lora-adapters`): requests naming one, of those
     /// the ones whose adapter was already in a GPU slot, and adapter loads.
     pub lora: Option<(u64, u64, u64)>,
+    /// Per request class (offline runs with bands or tenants): its name, requests, the ones
+    /// answered without being served, and the served ones' TTFT p50 and p90 (ms).
+    pub classes: Vec<(String, usize, usize, f64, f64)>,
 }
 
 /// What session admission held: how many first turns and how long (their TTFTs include it).

@@ -4,9 +4,9 @@
 //! the same module names.
 
 pub use kvroute_routing::{
-    admission, block_keys, calibration, chat_mapping, config, endpoint, engine_metrics, index,
-    inflight, kv_events, load, outlier, place, plan, policy, pool, pool_state, request, router,
-    session, tokenize,
+    admission, block_keys, calibration, chat_mapping, config, endpoint, engine_metrics, flow,
+    index, inflight, kv_events, load, outlier, place, plan, policy, pool, pool_state, request,
+    router, session, tokenize,
 };
 
 pub mod cli;

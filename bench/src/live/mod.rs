@@ -692,6 +692,7 @@ pub async fn replay(
             engine_prefill_tokens: per_rank_prefill,
             admission: None,
             lora: None,
+            classes: Vec::new(),
         },
     })
 }
