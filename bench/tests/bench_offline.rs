@@ -191,7 +191,7 @@ fn flow_control_serves_the_critical_band_first_under_overload() {
     assert_eq!(crit_plain.1, crit_flow.1);
     assert_eq!(
         crit_flow.1 + shed.1,
-        usize::try_from(flow.summary.requests).unwrap()
+        usize::try_from(flow.summary.requests).expect("fits")
     );
     // the critical band waits less with flow control, and less than the sheddable one
     assert!(
