@@ -247,9 +247,7 @@ routing:
 "#,
             engine.addr.port()
         ));
-        let tmp = dir.join("picker.yaml.tmp");
-        std::fs::write(&tmp, yaml).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
+        write_atomically(&path, &yaml);
     };
     write("enabled: false");
     let picker = start_picker_file(path.clone()).await;

@@ -402,10 +402,7 @@ scrape: {{interval: 50ms}}
             a.addr.port(),
             b.addr.port()
         ));
-        // write-then-rename so the watcher never sees a half-written file
-        let tmp = dir.join("picker.yaml.tmp");
-        std::fs::write(&tmp, yaml).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
+        write_atomically(&path, &yaml);
     };
     write("CostModel");
     let picker = start_picker_file(path.clone()).await;

@@ -367,3 +367,11 @@ pub async fn until_metric(metrics: std::net::SocketAddr, check: impl Fn(&str) ->
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Replaces the file at `path` with `contents` through a rename, so a watcher never reads it
+/// half-written.
+pub fn write_atomically(path: &std::path::Path, contents: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, contents).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
