@@ -278,7 +278,12 @@ impl<'a> Sim<'a> {
                 self.flow_waiting.insert(issue.id, issue.clone());
                 true
             }
-            Err(_) => false,
+            // refused (the queue is full of its band or higher): answered at the next round,
+            // as the service answers it 429
+            Err(_) => {
+                self.flow_shed.push(issue.clone());
+                true
+            }
         }
     }
 

@@ -86,8 +86,8 @@ pub struct Decision {
     /// Per-candidate explanation, when asked for.
     pub candidates: Vec<CandidateExplain>,
     /// The least time to first token the cost model predicts on any candidate (ms): what a
-    /// request's TTFT objective is held against.
-    pub best_ttft_ms: f64,
+    /// request's TTFT objective is held against. Computed only while flow control is on.
+    pub best_ttft_ms: Option<f64>,
 }
 
 impl Decision {
@@ -271,10 +271,12 @@ impl Router {
         } else {
             Vec::new()
         };
-        let best_ttft_ms = cands
-            .iter()
-            .map(|c| policy::estimated_ttft_ms(&self.config.cost_model, &c.features))
-            .fold(f64::INFINITY, f64::min);
+        let best_ttft_ms = self.config.flow_control.enabled.then(|| {
+            cands
+                .iter()
+                .map(|c| policy::estimated_ttft_ms(&self.config.cost_model, &c.features))
+                .fold(f64::INFINITY, f64::min)
+        });
         Ok(Decision {
             endpoint: winner.endpoint,
             fallbacks: ranked.fallbacks,

@@ -643,8 +643,7 @@ impl PickerState {
             let fc = &routing.flow_control;
             let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
             let slo = fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header));
-            let best = placement.decision.best_ttft_ms;
-            if let Some(slo) = slo
+            if let (Some(slo), Some(best)) = (slo, placement.decision.best_ttft_ms)
                 && best > f64::from(slo)
             {
                 self.metrics.flow_shed("slo_unattainable");
