@@ -153,6 +153,16 @@ expect extras 'name: kvroute-picker$'
 expect extras 'image: "ghcr\.io/kvroute/kvroute:dev"'
 expect extras '--picker-image=registry\.local/picker:1$'
 
+render keda --set-json 'autoscaling.scaledObjects=[{"name":"llama-servers","namespace":"serving","deployment":"llama-vllm","modelConfig":"llama","prometheusAddress":"http://prometheus.monitoring:9090","maxReplicas":16}]'
+expect keda '^kind: ScaledObject$'
+expect keda 'namespace: serving$'
+expect keda 'maxReplicaCount: 16$'
+expect keda 'minReplicaCount: 1$'
+expect keda 'metricType: Value$'
+expect keda 'query: "max\(kvroute_picker_pool_saturation\{model_config=\\"llama\\", namespace=\\"serving\\"\}\)"$'
+expect keda 'threshold: "0\.8"$'
+refute default '^kind: ScaledObject$'
+
 # bad values: the schema, or the chart's relational checks, reject them
 reject unknown-key 'additional propert|not allowed' --set operator.replicaz=2
 reject unknown-top-level-key 'additional propert|not allowed' --set watchNamespace=team-a
@@ -164,6 +174,8 @@ reject bad-namespace 'pattern|does not match|anyOf' --set operator.watchNamespac
 reject resource-key 'additional propert|not allowed' --set operator.resources.requests.gpu=1
 reject replicas-without-election 'leaderElection' --set operator.leaderElection.enabled=false
 reject lease-grace 'leaseGrace' --set operator.leaderElection.leaseGrace=20
+reject keda-missing-field 'required|missing' --set-json 'autoscaling.scaledObjects=[{"name":"a","namespace":"b","deployment":"c","modelConfig":"d"}]'
+reject keda-min-above-max 'minReplicas' --set-json 'autoscaling.scaledObjects=[{"name":"a","namespace":"b","deployment":"c","modelConfig":"d","prometheusAddress":"http://p:9090","minReplicas":9,"maxReplicas":2}]'
 
 if [ "$failures" -ne 0 ]; then
     echo "helm-check: $failures failure(s)" >&2

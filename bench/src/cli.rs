@@ -352,21 +352,38 @@ pub struct ReplayArgs {
     /// and `loraSlotWaitMs` 0): the adapter-blind baseline of `--lora-adapters`.
     #[arg(long)]
     pub lora_blind: bool,
-    /// Offline: flow control on (`routing.flowControl`), its queue fed by the bands and
-    /// tenants below; per-class TTFT in the report.
+    /// Flow control on (`routing.flowControl`), its queue fed by the bands and tenants below;
+    /// per-class TTFT in the report. Live mode sends each request's band and tenant in the
+    /// picker's default headers (`x-kvroute-priority`, `x-llm-d-inference-fairness-id`).
     #[arg(long)]
     pub flow_control: bool,
-    /// Offline: this percentage of sessions is critical (priority 1), the rest sheddable
-    /// (priority -1) [default: 0, one band].
+    /// With `--flow-control`: place requests wherever the policy chooses
+    /// (`routing.flowControl.placement: Anywhere`), not only on engines with room.
+    #[arg(long)]
+    pub flow_anywhere: bool,
+    /// This percentage of sessions is critical (priority 1), the rest sheddable (priority -1)
+    /// [default: 0, one band].
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
     pub critical_percent: u8,
-    /// Offline: two tenants, the heavy one with ten sessions for each of the light one's.
+    /// Two tenants, the heavy one with ten sessions for each of the light one's.
     #[arg(long)]
     pub two_tenants: bool,
     /// `routing.saturation.queueDepth`: waiting requests at which an engine counts as
     /// saturated (flow control's dispatch) [default: the picker's, 5].
     #[arg(long)]
     pub queue_depth: Option<u32>,
+    /// `routing.saturation.kvCacheUsage`: KV-cache usage at which an engine counts as
+    /// saturated [default: the picker's, 0.8].
+    #[arg(long)]
+    pub kv_cache_usage: Option<f64>,
+    /// `routing.saturation.sheddableQueueDepth`: waiting requests at which an engine has no
+    /// room for sheddable requests [default: `--queue-depth`].
+    #[arg(long)]
+    pub sheddable_queue_depth: Option<u32>,
+    /// `routing.saturation.sheddableKvCacheUsage`: KV-cache usage at which an engine has no
+    /// room for sheddable requests [default: the picker's `kvCacheUsage`, 0.8].
+    #[arg(long)]
+    pub sheddable_kv_cache_usage: Option<f64>,
     /// Live mode with `--backend vllm`: replay sessions as chat conversations through
     /// `/v1/chat/completions`, each turn carrying the engine's earlier replies as text (the
     /// picker and the engine tokenize them again).
@@ -597,6 +614,17 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
                     "--queue-depth must be in [1, 100000], got {d}"
                 );
                 r.saturation.queue_depth = d;
+            }
+            if let Some(u) = a.kv_cache_usage {
+                r.saturation.kv_cache_usage = u;
+            }
+            r.saturation.sheddable_queue_depth = a.sheddable_queue_depth;
+            r.saturation.sheddable_kv_cache_usage = a.sheddable_kv_cache_usage;
+            r.validate()
+                .map_err(|e| anyhow::anyhow!("the routing flags: {e}"))?;
+            r.flow_control.enabled = a.flow_control;
+            if a.flow_anywhere {
+                r.flow_control.placement = kvroute_picker::config::FlowPlacement::Anywhere;
             }
             r
         },

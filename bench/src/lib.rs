@@ -10,6 +10,7 @@
 //! The binary `kvroute-bench` is a thin wrapper over [`cli`].
 
 pub mod ceiling;
+pub mod classes;
 pub mod cli;
 pub mod driver;
 pub mod live;
@@ -110,12 +111,12 @@ pub struct BenchOptions {
     pub lora_adapters: u32,
     /// Offline: the picker's adapter terms off (`loraLoadMs`, `loraSlotWaitMs` 0).
     pub lora_blind: bool,
-    /// Offline: flow control on (`routing.flowControl` with these bands and tenants).
+    /// Flow control on (`routing.flowControl` with these bands and tenants).
     pub flow_control: bool,
-    /// Offline: this percentage of sessions is in the critical band (priority 1), the rest
+    /// This percentage of sessions is in the critical band (priority 1), the rest
     /// sheddable (priority -1); 0: one band.
     pub critical_percent: u8,
-    /// Offline: two tenants (fairness flows), the heavy one sending ten sessions for each of
+    /// Two tenants (fairness flows), the heavy one sending ten sessions for each of
     /// the light one's.
     pub two_tenants: bool,
 }

@@ -28,6 +28,7 @@ use anyhow::Context as _;
 use kvroute_picker::admission::{Admitted, Gate, Ticket, Turn};
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
+use kvroute_picker::config::FlowPlacement;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
 use kvroute_picker::engine_metrics::LoraActivity;
 use kvroute_picker::flow::{Fairness, FlowQueue, FlowSettings, Order, Waiting};
@@ -45,6 +46,7 @@ use kvroute_sim::engine::{Rank, Request, StepOutcome};
 use rustc_hash::FxHashMap;
 
 use super::ceiling::Ceilings;
+use super::classes;
 use super::driver::{Driver, Issue};
 use super::stats::{self, AdmissionFigures, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
@@ -225,19 +227,9 @@ impl<'a> Sim<'a> {
         self.queue.push(Reverse((key(t), self.seq, e)));
     }
 
-    /// The request class of `session`: its band (`--critical-percent`) and tenant
-    /// (`--two-tenants`), as an index into [`CLASSES`].
+    /// The request class of `session` ([`classes::of`]).
     fn class(&self, session: u64) -> usize {
-        let u = mix64(session ^ 0xf10e) % 100;
-        let band = usize::from(
-            self.opts.critical_percent > 0 && u < u64::from(self.opts.critical_percent),
-        ) + usize::from(self.opts.critical_percent > 0);
-        let tenant = if self.opts.two_tenants {
-            1 + usize::from(session.is_multiple_of(11))
-        } else {
-            0
-        };
-        band * 3 + tenant
+        classes::of(self.opts, session)
     }
 
     /// Flow control: whether `issue` waits in the queue (the pool has no headroom, or others
@@ -246,20 +238,16 @@ impl<'a> Sim<'a> {
         let Some(q) = self.flow.as_ref() else {
             return false;
         };
-        let saturation = self.pool.router().config().saturation;
+        let class = self.class(issue.session);
+        let band = classes::priority(class);
+        let saturation = self.pool.router().config().saturation.for_band(band);
         if q.is_empty() && self.pool.free_slots(&self.model_config.name, &saturation) > 0 {
             return false;
         }
-        let class = self.class(issue.session);
-        let band = match class / 3 {
-            1 => -1,
-            2 => 1,
-            _ => 0,
-        };
         let w = Waiting {
             id: issue.id,
             band,
-            flow: (class % 3) as u64,
+            flow: classes::flow(class),
             tokens: u64::from(issue.input_len) + u64::from(issue.output_len),
             bytes: 0,
             arrival_ms: t as u64,
@@ -299,9 +287,18 @@ impl<'a> Sim<'a> {
         }
         let saturation = self.pool.router().config().saturation;
         let mut room = self.pool.free_slots(&self.model_config.name, &saturation);
+        let mut low_room = self
+            .pool
+            .free_slots(&self.model_config.name, &saturation.for_band(-1));
         let mut send = Vec::new();
         while room > 0 {
             let Some(q) = self.flow.as_mut() else { break };
+            if q.peek().is_some_and(|w| w.band < 0) {
+                if low_room == 0 {
+                    break;
+                }
+                low_room -= 1;
+            }
             let Some(w) = q.pop() else { break };
             if let Some(i) = self.flow_waiting.remove(&w.id) {
                 send.push(i);
@@ -453,8 +450,30 @@ impl<'a> Sim<'a> {
         let started = self.opts.time_decisions.then(Instant::now);
         let plan = self.plan(issue, &tokens, session.as_deref());
         let now = t as u64;
+        // flow control places a request on an endpoint with room for its band, when one has
+        let router = self.pool.router();
+        let routing = router.config();
+        let room: Option<Vec<EndpointId>> = (self.flow.is_some()
+            && routing.flow_control.placement == FlowPlacement::WithRoom)
+            .then(|| {
+                let band = classes::priority(self.class(issue.session));
+                let s = routing.saturation.for_band(band);
+                self.pool
+                    .rooms(&self.model_config.name, &s)
+                    .into_iter()
+                    .map(|(e, _)| e)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|v| !v.is_empty());
+        let allow = |e: &Endpoint| room.as_ref().is_none_or(|r| r.contains(&e.id));
+        let scope = Scope {
+            allow: room
+                .is_some()
+                .then_some(&allow as &(dyn Fn(&Endpoint) -> bool + Sync)),
+            ..Scope::default()
+        };
         let placed = plan.and_then(|plan| {
-            let req = plan.route_request(&self.model_config, Scope::default(), false);
+            let req = plan.route_request(&self.model_config, scope, false);
             let placement = self.pool.place(&req, now).map_err(|e| e.to_string())?;
             // what the service records for a forwarded request
             self.pool.record(&placement, &plan.keys, now);
@@ -828,7 +847,7 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             error_samples: errors,
             picker: None,
             engine_prefill_tokens: prefill_tokens,
-            classes: class_figures(&sim),
+            classes: classes::figures(sim.opts, &sim.records, &sim.record_class),
             lora: (sim.opts.lora_adapters > 0).then(|| {
                 sim.engines.iter().fold((0, 0, 0), |(q, r, l), e| {
                     let s = e.rank.stats();
@@ -844,44 +863,6 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
                 .then(|| AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts)),
         },
     }
-}
-
-/// Per request class (band and tenant), when the run has more than one: requests, answered
-/// without service, TTFT p50 and p90 of the served ones.
-fn class_figures(sim: &Sim<'_>) -> Vec<(String, usize, usize, f64, f64)> {
-    if sim.opts.critical_percent == 0 && !sim.opts.two_tenants {
-        return Vec::new();
-    }
-    let mut out = Vec::new();
-    for class in 0..9 {
-        let records: Vec<&RequestRecord> = sim
-            .records
-            .iter()
-            .zip(&sim.record_class)
-            .filter(|(_, c)| **c == class)
-            .map(|(r, _)| r)
-            .collect();
-        if records.is_empty() {
-            continue;
-        }
-        let mut ttfts: Vec<f64> = records.iter().filter_map(|r| r.ttft_ms).collect();
-        ttfts.sort_by(f64::total_cmp);
-        let band = ["", "sheddable", "critical"][class / 3];
-        let tenant = ["", "heavy tenant", "light tenant"][class % 3];
-        let name = [band, tenant]
-            .into_iter()
-            .filter(|s| !s.is_empty())
-            .collect::<Vec<_>>()
-            .join(", ");
-        out.push((
-            name,
-            records.len(),
-            records.iter().filter(|r| r.error.is_some()).count(),
-            stats::percentile(&ttfts, 50.0),
-            stats::percentile(&ttfts, 90.0),
-        ));
-    }
-    out
 }
 
 /// Merge runs of consecutive `BlockRemoved` events into one. The engine model reports each

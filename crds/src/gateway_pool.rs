@@ -199,6 +199,52 @@ mod tests {
     }
 
     #[test]
+    fn inference_objectives_become_flow_control_objectives_for_the_pools_they_name() {
+        let obj = |name: &str, pool: &str, kind: Option<&str>, priority: Option<i64>| {
+            let mut pool_ref = json!({"name": pool});
+            if let Some(k) = kind {
+                pool_ref["kind"] = json!(k);
+            }
+            let mut spec = json!({"poolRef": pool_ref});
+            if let Some(p) = priority {
+                spec["priority"] = json!(p);
+            }
+            serde_json::from_value::<InferenceObjective>(json!({
+                "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+                "metadata": {"name": name}, "spec": spec
+            }))
+            .expect("objective")
+        };
+        let got = objectives_for(
+            &["llama".into(), "llama-export".into()],
+            &[
+                obj("interactive", "llama", None, Some(10)),
+                obj("batch", "llama-export", Some("InferencePool"), Some(-5)),
+                obj("default", "llama", None, None),
+                obj("huge", "llama", None, Some(50_000)),
+                obj("elsewhere", "qwen", None, Some(3)),
+                obj("other-kind", "llama", Some("Service"), Some(3)),
+            ],
+        );
+        let got: Vec<(&str, i32)> = got.iter().map(|o| (o.name.as_str(), o.priority)).collect();
+        assert_eq!(
+            got,
+            [
+                ("batch", -5),
+                ("default", 0),
+                ("huge", 1000),
+                ("interactive", 10)
+            ],
+            "only this pool's, unset is 0, clamped, in name order"
+        );
+        assert!(
+            objective_crd_yaml()
+                .expect("crd")
+                .contains("inferenceobjectives.inference.networking.x-k8s.io")
+        );
+    }
+
+    #[test]
     fn llm_d_rewrites_become_model_rewrites_for_the_pools_they_name() {
         let rw = |name: &str,
                   created: &str,
@@ -342,6 +388,62 @@ pub struct TargetModel {
 /// The `InferenceModelRewrite` CustomResourceDefinition as YAML (tests install it).
 pub fn model_rewrite_crd_yaml() -> Result<String, serde_yaml_ng::Error> {
     serde_yaml_ng::to_string(&InferenceModelRewrite::crd())
+}
+
+/// The Gateway API Inference Extension's `InferenceObjective`
+/// (`inference.networking.x-k8s.io/v1alpha2`): a named priority for the requests of the
+/// InferencePool in `poolRef` that name it (in `routing.flowControl.objectiveHeader`). kvroute
+/// honours it as an extra `routing.flowControl.objectives` entry of the KVRoutePool serving (or
+/// exporting) that pool ([`objectives_for`]).
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "inference.networking.x-k8s.io",
+    version = "v1alpha2",
+    kind = "InferenceObjective",
+    plural = "inferenceobjectives",
+    namespaced,
+    derive = "PartialEq",
+    doc = "A named priority for the requests of an InferencePool."
+)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceObjectiveSpec {
+    /// Higher is served first; unset is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    pub pool_ref: PoolObjectReference,
+}
+
+/// The `InferenceObjective` CustomResourceDefinition as YAML (tests install it).
+pub fn objective_crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&InferenceObjective::crd())
+}
+
+/// The `routing.flowControl.objectives` the `InferenceObjective`s naming one of `pools` add: one
+/// per resource name, its priority clamped to kvroute's range (-1000 to 1000), in name order;
+/// at most 64.
+pub fn objectives_for(
+    pools: &[String],
+    objectives: &[InferenceObjective],
+) -> Vec<crate::routing::Objective> {
+    let mut out: Vec<crate::routing::Objective> = objectives
+        .iter()
+        .filter(|o| {
+            pools.contains(&o.spec.pool_ref.name)
+                && o.spec.pool_ref.kind.as_deref().unwrap_or("InferencePool") == "InferencePool"
+        })
+        .filter_map(|o| {
+            let name = o.metadata.name.clone()?;
+            Some(crate::routing::Objective {
+                name,
+                priority: o.spec.priority.unwrap_or(0).clamp(-1000, 1000),
+                ttft_slo_ms: None,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.dedup_by(|a, b| a.name == b.name);
+    out.truncate(64);
+    out
 }
 
 /// The `routing.modelRewrites` rules the `InferenceModelRewrite`s naming one of `pools` add,

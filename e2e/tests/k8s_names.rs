@@ -86,14 +86,15 @@ fn install_gateway_crd() {
         // server-side: creating or updating is one idempotent request
         let file = std::env::temp_dir().join(format!("gateway-crd-{}.yaml", std::process::id()));
         let crds = format!(
-            "{}---\n{}",
+            "{}---\n{}---\n{}",
             kvroute_crds::gateway_pool::gateway_crd_yaml().unwrap(),
-            kvroute_crds::gateway_pool::model_rewrite_crd_yaml().unwrap()
+            kvroute_crds::gateway_pool::model_rewrite_crd_yaml().unwrap(),
+            kvroute_crds::gateway_pool::objective_crd_yaml().unwrap()
         );
         std::fs::write(&file, crds).unwrap();
         sh(&format!("kubectl apply --server-side -f {}", file.display()));
         let _ = std::fs::remove_file(&file);
-        sh("kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io crd/inferencemodelrewrites.inference.networking.x-k8s.io");
+        sh("kubectl wait --for condition=established --timeout=60s crd/inferencepools.inference.networking.k8s.io crd/inferencemodelrewrites.inference.networking.x-k8s.io crd/inferenceobjectives.inference.networking.x-k8s.io");
     });
 }
 
@@ -339,6 +340,33 @@ async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
                 .ok()
                 .filter(|o| o.contains(r#""model":"chat""#))
                 .map(|_| ()))
+        },
+    )
+    .await
+    .unwrap();
+
+    // an InferenceObjective for this InferencePool: a priority the picker's flow control
+    // gives requests naming it
+    apply(
+        n,
+        &[
+            "apiVersion: inference.networking.x-k8s.io/v1alpha2",
+            "kind: InferenceObjective",
+            "metadata: {name: interactive}",
+            "spec: {priority: 7, poolRef: {name: llama}}",
+        ]
+        .join("\n"),
+    );
+    wait::until(
+        "the picker to take the InferenceObjective",
+        TIMEOUT,
+        || async {
+            let view = picker.endpoints().await?;
+            let objectives = &view["routing"]["flowControl"]["objectives"];
+            Ok(
+                (objectives == &serde_json::json!([{"name": "interactive", "priority": 7}]))
+                    .then_some(()),
+            )
         },
     )
     .await

@@ -432,7 +432,7 @@ fn picker_rbac(
             },
             {
                 "apiGroups": ["inference.networking.x-k8s.io"],
-                "resources": ["inferencemodelrewrites"],
+                "resources": ["inferencemodelrewrites", "inferenceobjectives"],
                 "verbs": ["get", "list", "watch"],
             },
             {

@@ -288,7 +288,7 @@ fn picker_deployment_and_service() {
     assert_eq!(role["rules"][0]["verbs"], json!(["get", "list", "watch"]));
     assert_eq!(
         role["rules"][1]["resources"],
-        json!(["inferencemodelrewrites"])
+        json!(["inferencemodelrewrites", "inferenceobjectives"])
     );
     assert_eq!(role["rules"][2]["resources"], json!(["endpointslices"]));
     let binding = serde_json::to_value(binding).expect("json");

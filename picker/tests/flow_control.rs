@@ -13,6 +13,11 @@ use serde_json::json;
 use support::*;
 
 fn yaml(port: u16, flow: &str) -> String {
+    yaml_with(port, flow, "{}")
+}
+
+/// With `routing.saturation: saturation`.
+fn yaml_with(port: u16, flow: &str, saturation: &str) -> String {
     format!(
         r#"
 modelConfigs:
@@ -24,6 +29,7 @@ endpoints:
 scrape: {{interval: 50ms, timeout: 200ms}}
 routing:
   flowControl: {{enabled: true, {flow}}}
+  saturation: {saturation}
 "#
     )
 }
@@ -309,4 +315,216 @@ async fn an_unattainable_ttft_objective_is_answered_at_once() {
     )
     .await;
     picker.shutdown().await;
+}
+
+/// A completion carrying TTFT objective `slo` (ms) when given; returns its status and
+/// `x-kvroute-reason`.
+async fn complete_within(http: std::net::SocketAddr, slo: Option<u32>) -> (u16, Option<String>) {
+    let mut r = client()
+        .post(format!("http://{http}/v1/completions"))
+        .json(&json!({"model": "llama", "prompt": "hello", "max_tokens": 4}));
+    if let Some(v) = slo {
+        r = r.header("x-slo-ttft-ms", v.to_string());
+    }
+    let resp = r.send().await.unwrap();
+    let reason = resp
+        .headers()
+        .get("x-kvroute-reason")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    (resp.status().as_u16(), reason)
+}
+
+/// Three requests of one flow wait (the engine's queue at 10 of depth 1); released one at a
+/// time (each holds the single place until it is answered, 300 ms), they leave in `order`.
+async fn leaving_order(order: &str) -> Vec<&'static str> {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(10, Ordering::SeqCst);
+    *engine.state.slow.lock() = Some(("hello".into(), 300));
+    let picker = start_picker(&yaml_with(
+        engine.addr.port(),
+        &format!("ttl: 30s, order: {order}"),
+        "{queueDepth: 1}",
+    ))
+    .await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 10.0"#,
+    )
+    .await;
+    let http = picker.addrs.http;
+    let served = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (name, slo) in [
+        ("none", None),
+        ("late", Some(30_000)),
+        ("soon", Some(10_000)),
+    ] {
+        let served = served.clone();
+        tasks.push(tokio::spawn(async move {
+            let (status, _) = complete_within(http, slo).await;
+            assert_eq!(status, 200, "{name}");
+            served.lock().push(name);
+        }));
+        metric(
+            &picker,
+            &format!(
+                r#"kvroute_picker_flow_queued{{model_config="llama"}} {}"#,
+                tasks.len()
+            ),
+        )
+        .await;
+    }
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    picker.shutdown().await;
+    served.lock().clone()
+}
+
+#[tokio::test]
+async fn requests_with_a_ttft_objective_leave_by_deadline() {
+    assert_eq!(
+        leaving_order("EarliestDeadline").await,
+        ["soon", "late", "none"],
+        "the earliest deadline first, then those without one"
+    );
+    assert_eq!(
+        leaving_order("FirstComeFirstServed").await,
+        ["none", "late", "soon"],
+        "arrival order, objectives or not"
+    );
+}
+
+/// `unattainableSlo: Queue`: a request whose objective no endpoint is predicted to meet (the
+/// engine reports 200 waiting requests: about 4 s of assumed prefill) waits and is placed once
+/// the prediction meets what is left; one that never can is answered 429 near its deadline.
+#[tokio::test]
+async fn an_unattainable_objective_can_wait_instead_of_being_shed() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(200, Ordering::SeqCst);
+    // a deep queue threshold: flow control itself holds nothing
+    let picker = start_picker(&yaml_with(
+        engine.addr.port(),
+        "ttl: 30s, unattainableSlo: Queue",
+        "{queueDepth: 1000}",
+    ))
+    .await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.2"#,
+    )
+    .await;
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    let waiting = tokio::spawn(async move { complete_within(http, Some(3_000)).await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!waiting.is_finished(), "it waits rather than being shed");
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before);
+    // the engine's queue drains: the prediction meets the objective
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    assert_eq!(waiting.await.unwrap(), (200, None));
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 1);
+
+    engine.state.waiting.store(200, Ordering::SeqCst);
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.2"#,
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let (status, reason) = complete_within(http, Some(400)).await;
+    assert_eq!((status, reason.as_deref()), (429, Some("slo_unattainable")));
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "answered when its objective was nearly spent, not at once"
+    );
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 1);
+    picker.shutdown().await;
+}
+
+/// `routing.saturation.sheddableQueueDepth`: with the engine's queue at 3, a sheddable request
+/// (priority -1, room below 2) waits while a priority-0 one (room below 5) goes on; it leaves
+/// when the queue falls below 2.
+#[tokio::test]
+async fn sheddable_requests_leave_room_for_the_other_bands() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    engine.state.waiting.store(3, Ordering::SeqCst);
+    let picker = start_picker(&yaml_with(
+        engine.addr.port(),
+        "ttl: 30s",
+        "{queueDepth: 5, sheddableQueueDepth: 2}",
+    ))
+    .await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.6"#,
+    )
+    .await;
+    let sheddable = tokio::spawn(async move { complete(http, Some(-1)).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    assert_eq!(complete(http, Some(0)).await.0, 200, "the room kept for it");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !sheddable.is_finished(),
+        "no room below sheddableQueueDepth"
+    );
+    engine.state.waiting.store(1, Ordering::SeqCst);
+    assert_eq!(sheddable.await.unwrap().0, 200);
+    picker.shutdown().await;
+}
+
+/// `placement`: with flow control on, a request goes to an endpoint with room (`WithRoom`, the
+/// default) even when the policy (round robin here) would send it to a saturated one;
+/// `Anywhere` leaves the choice to the policy.
+#[tokio::test]
+async fn requests_are_placed_where_the_room_is() {
+    let full = FakeEngine::start("127.0.0.1").await;
+    let free = FakeEngine::start("127.0.0.1").await;
+    // full: 4 waiting, at the sheddable depth of 4 but below the default depth 5
+    full.state.waiting.store(4, Ordering::SeqCst);
+    let yaml = |placement: &str| {
+        format!(
+            r#"
+modelConfigs:
+  - {{name: llama, model: llama, port: {}}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+  - {{address: 127.0.0.1, modelConfig: llama, port: {}}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+routing:
+  strategy: RoundRobin
+  saturation: {{sheddableQueueDepth: 4}}
+  flowControl: {{enabled: true, placement: {placement}}}
+"#,
+            full.addr.port(),
+            free.addr.port()
+        )
+    };
+    for (placement, priority, to_full) in
+        [("WithRoom", -1, 0), ("WithRoom", 0, 3), ("Anywhere", -1, 3)]
+    {
+        let picker = start_picker(&yaml(placement)).await;
+        metric(
+            &picker,
+            r#"kvroute_picker_pool_saturation{model_config="llama"} 0.4625"#,
+        )
+        .await;
+        let before = full.state.requests.load(Ordering::SeqCst);
+        for _ in 0..6 {
+            assert_eq!(complete(picker.addrs.http, Some(priority)).await.0, 200);
+        }
+        assert_eq!(
+            full.state.requests.load(Ordering::SeqCst) - before,
+            to_full,
+            "{placement}, priority {priority}"
+        );
+        picker.shutdown().await;
+    }
 }

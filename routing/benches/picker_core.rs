@@ -231,10 +231,19 @@ fn bench_decision(c: &mut Criterion) {
                     })
                 },
             );
-            // the service's default calibrates; `_pool_static` has calibration off, as `_router`
-            for calibrate in [true, false] {
+            // the service's default calibrates; `_pool_static` has calibration off, as `_router`;
+            // `_pool_flow` has flow control on, with the headroom check a request makes before
+            // it is placed (the pool not saturated: it goes straight on)
+            for (calibrate, flow, suffix) in [
+                (true, false, ""),
+                (false, false, "_static"),
+                (true, true, "_flow"),
+            ] {
                 let mut routing = routing.clone();
                 routing.cost_model.calibrate = calibrate;
+                routing.flow_control.enabled = flow;
+                routing.saturation.queue_depth = 100;
+                let saturation = routing.saturation;
                 let pool = Pool::new(PoolSettings::default(), Router::new(routing));
                 let members = (0..n)
                     .map(|i| PoolMember {
@@ -257,16 +266,15 @@ fn bench_decision(c: &mut Criterion) {
                     .learn_loads((0..n).map(|i| (endpoint(i), load(i))));
                 g.bench_function(
                     BenchmarkId::new(
-                        format!(
-                            "8k_{}_pool{}",
-                            strategy.as_str(),
-                            if calibrate { "" } else { "_static" }
-                        ),
+                        format!("8k_{}_pool{suffix}", strategy.as_str()),
                         format!("{n}ep"),
                     ),
                     |b| {
                         b.iter(|| {
                             let plan = plan();
+                            if flow {
+                                assert!(pool.free_slots("default", &saturation) > 0);
+                            }
                             let req = plan.route_request(&mc, Scope::default(), false);
                             let placed = pool.place(&req, 0).ok();
                             if let Some(p) = &placed {

@@ -391,6 +391,18 @@ pub struct SaturationSettings {
     /// KV-cache usage (0-1) at which an endpoint is saturated. Default 0.8.
     #[schemars(range(min = 0.01, max = 1.0))]
     pub kv_cache_usage: f64,
+    /// Flow control: waiting requests at which an endpoint has no room for requests of
+    /// negative priority (llm-d's sheddable ones), keeping the places up to `queueDepth` for
+    /// the other bands. Default: `queueDepth`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100_000))]
+    pub sheddable_queue_depth: Option<u32>,
+    /// Flow control: KV-cache usage at which an endpoint has no room for requests of negative
+    /// priority, keeping the cache up to `kvCacheUsage` for the other bands. Default:
+    /// `kvCacheUsage`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.01, max = 1.0))]
+    pub sheddable_kv_cache_usage: Option<f64>,
 }
 
 impl Default for SaturationSettings {
@@ -398,11 +410,26 @@ impl Default for SaturationSettings {
         Self {
             queue_depth: 5,
             kv_cache_usage: 0.8,
+            sheddable_queue_depth: None,
+            sheddable_kv_cache_usage: None,
         }
     }
 }
 
 impl SaturationSettings {
+    /// The thresholds flow control dispatches requests of priority `band` under: the
+    /// sheddable ones below zero.
+    pub fn for_band(&self, band: i32) -> Self {
+        if band >= 0 {
+            return *self;
+        }
+        Self {
+            queue_depth: self.sheddable_queue_depth.unwrap_or(self.queue_depth),
+            kv_cache_usage: self.sheddable_kv_cache_usage.unwrap_or(self.kv_cache_usage),
+            ..*self
+        }
+    }
+
     /// The saturation of an endpoint with `load` (`None`, or `stale`: 1).
     pub fn of(&self, load: Option<&crate::load::EndpointLoad>, stale: bool) -> f64 {
         match load {
@@ -433,6 +460,44 @@ pub struct Objective {
     pub ttft_slo_ms: Option<u32>,
 }
 
+/// How flow control orders the requests of one flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum FlowOrder {
+    /// The request whose time-to-first-token objective ends first goes first (its deadline is
+    /// its arrival plus the objective); requests without one follow in arrival order. With no
+    /// objectives this is first come, first served.
+    #[default]
+    EarliestDeadline,
+    /// First come, first served, objectives or not.
+    FirstComeFirstServed,
+}
+
+/// Where flow control lets a request be placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum FlowPlacement {
+    /// On an endpoint with room for the request's band (below the `routing.saturation`
+    /// thresholds that apply to it), when one has; otherwise anywhere. A request released
+    /// because the pool has room goes where the room is, even if its prefix is cached on a
+    /// saturated endpoint.
+    #[default]
+    WithRoom,
+    /// Wherever the routing policy chooses, saturated or not: more cache reuse, and the
+    /// request may wait in that engine's own queue.
+    Anywhere,
+}
+
+/// What flow control does with a request whose time-to-first-token objective the cost model
+/// predicts no endpoint can meet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum UnattainableSlo {
+    /// Answer it 429 `slo_unattainable` at once.
+    #[default]
+    Shed,
+    /// Put it (back) in line and place it again when it is released; answered 429
+    /// `slo_unattainable` once its objective has passed, or `queue_expired` at the ttl.
+    Queue,
+}
+
 /// How flow control orders requests between flows of one band.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub enum FlowFairness {
@@ -447,7 +512,7 @@ pub enum FlowFairness {
 /// (below both `routing.saturation` thresholds, counting the requests this picker sent that
 /// have not had their first token, with fresh metrics) and nothing of it waits, requests go
 /// straight on. Otherwise they wait in the model config's queue: the highest priority band
-/// first, fair between flows inside a band, in arrival order inside a flow, and are placed
+/// first, fair between flows inside a band, by deadline then arrival inside a flow, and are placed
 /// (the routing decision is made then, on the current index and loads) as headroom appears.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -468,6 +533,12 @@ pub struct FlowControlSettings {
     pub ttl: Duration,
     /// Between the flows of a band. Default `LeastAttainedService`.
     pub fairness: FlowFairness,
+    /// Inside a flow. Default `EarliestDeadline`.
+    pub order: FlowOrder,
+    /// Where a request may be placed. Default `WithRoom`.
+    pub placement: FlowPlacement,
+    /// A request whose TTFT objective no endpoint is predicted to meet. Default `Shed`.
+    pub unattainable_slo: UnattainableSlo,
     /// Header carrying a priority as an integer (-1000 to 1000). Default `x-kvroute-priority`.
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub priority_header: String,
@@ -479,8 +550,9 @@ pub struct FlowControlSettings {
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub fairness_header: String,
     /// Header carrying a request's time-to-first-token objective in ms: while flow control is
-    /// on, a request whose objective the cost model predicts no endpoint can meet is answered
-    /// 429 `slo_unattainable` at once instead of timing out late. Default `x-slo-ttft-ms`.
+    /// on, it sets the request's deadline (`order`), and a request whose objective the cost
+    /// model predicts no endpoint can meet is handled per `unattainableSlo` instead of timing
+    /// out late. Default `x-slo-ttft-ms`.
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub ttft_slo_header: String,
     /// Priority of a request that names none (or an objective not listed). Default 0.
@@ -503,6 +575,9 @@ impl Default for FlowControlSettings {
             max_queued_bytes: 1 << 30,
             ttl: Duration::from_secs(60),
             fairness: FlowFairness::default(),
+            order: FlowOrder::default(),
+            placement: FlowPlacement::default(),
+            unattainable_slo: UnattainableSlo::default(),
             priority_header: "x-kvroute-priority".into(),
             objective_header: "x-llm-d-inference-objective".into(),
             fairness_header: "x-llm-d-inference-fairness-id".into(),
@@ -760,6 +835,20 @@ impl RoutingConfig {
                 "routing.saturation.kvCacheUsage must be in [0.01, 1], got {u}"
             ));
         }
+        if let Some(d) = self.saturation.sheddable_queue_depth
+            && !(1..=100_000).contains(&d)
+        {
+            return Err(format!(
+                "routing.saturation.sheddableQueueDepth must be in [1, 100000], got {d}"
+            ));
+        }
+        if let Some(u) = self.saturation.sheddable_kv_cache_usage
+            && !(0.01..=1.0).contains(&u)
+        {
+            return Err(format!(
+                "routing.saturation.sheddableKvCacheUsage must be in [0.01, 1], got {u}"
+            ));
+        }
         self.flow_control.validate()?;
         if self.model_rewrites.len() > 64 {
             return Err(format!(
@@ -932,6 +1021,20 @@ mod tests {
                 .contains("routing.saturation.kvCacheUsage")
         );
         let mut c = RoutingConfig::default();
+        c.saturation.sheddable_kv_cache_usage = Some(1.5);
+        assert!(
+            c.validate()
+                .expect_err("sheddable usage")
+                .contains("routing.saturation.sheddableKvCacheUsage")
+        );
+        c.saturation.sheddable_kv_cache_usage = Some(0.6);
+        c.saturation.sheddable_queue_depth = Some(0);
+        assert!(
+            c.validate()
+                .expect_err("sheddable depth")
+                .contains("routing.saturation.sheddableQueueDepth")
+        );
+        c.saturation.sheddable_queue_depth = None;
         c.saturation.queue_depth = 0;
         assert!(
             c.validate()

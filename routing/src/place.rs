@@ -166,6 +166,15 @@ impl Pool {
     /// still without a first token, whichever is larger). A stale, draining or never-scraped
     /// endpoint offers none.
     pub fn free_slots(&self, model_config: &str, s: &crate::config::SaturationSettings) -> u64 {
+        self.rooms(model_config, s).iter().map(|(_, n)| n).sum()
+    }
+
+    /// The endpoints of `model_config` with room ([`Self::free_slots`]), and how much each has.
+    pub fn rooms(
+        &self,
+        model_config: &str,
+        s: &crate::config::SaturationSettings,
+    ) -> Vec<(EndpointId, u64)> {
         let pool = self.state.read();
         pool.endpoints
             .endpoints()
@@ -181,9 +190,10 @@ impl Pool {
                 }
                 let waiting =
                     (load.waiting.max(0.0) as u64).max(self.inflight.get(&e.id).pending_requests);
-                Some(u64::from(s.queue_depth).saturating_sub(waiting))
+                let room = u64::from(s.queue_depth).saturating_sub(waiting);
+                (room > 0).then_some((e.id, room))
             })
-            .sum()
+            .collect()
     }
 
     /// The cost model's per-endpoint calibration.

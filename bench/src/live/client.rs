@@ -65,8 +65,8 @@ pub struct Send<'a> {
     /// Prompt tokens to record when the engine reports none (the token-id prompt's length).
     pub prompt_tokens: u32,
     pub max_tokens: u32,
-    /// `(header, value)` for the session id.
-    pub session: Option<(&'a str, String)>,
+    /// Headers to send: the session id, the request's band and tenant.
+    pub headers: Vec<(&'a str, String)>,
     /// Simulated release time: latencies count from it, so client lag is not hidden.
     pub release_ms: f64,
     pub timeout: Duration,
@@ -129,7 +129,7 @@ async fn send_inner(
         .post(s.url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .body(body);
-    if let Some((h, v)) = &s.session {
+    for (h, v) in &s.headers {
         req = req.header(*h, v.as_str());
     }
     let resp = req.send().await.map_err(|e| format!("sending: {e}"))?;

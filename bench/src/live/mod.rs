@@ -36,6 +36,7 @@ use serde::Deserialize;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::ceiling::Ceilings;
+use super::classes;
 use super::driver::{Driver, Issue};
 use super::stats::{self, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
@@ -520,12 +521,13 @@ pub async fn replay(
         opts.cluster.engine.block_size,
         opts.cluster.capacity_tokens(),
     );
-    let (tx, mut rx) = mpsc::channel::<(u64, RequestRecord)>(MAX_CLIENT_INFLIGHT);
+    let (tx, mut rx) = mpsc::channel::<(u64, usize, RequestRecord)>(MAX_CLIENT_INFLIGHT);
     let slots = Arc::new(Semaphore::new(MAX_CLIENT_INFLIGHT));
     let session_header: Option<Arc<str>> = opts
         .session_header
         .then(|| Arc::from(opts.routing.session_header.as_str()));
     let mut records: Vec<RequestRecord> = Vec::with_capacity(total.min(1 << 20));
+    let mut record_class: Vec<usize> = Vec::with_capacity(total.min(1 << 20));
     let mut issues: Vec<Issue> = Vec::new();
     let mut errors = 0usize;
     let block_tokens = workload.block_tokens;
@@ -544,7 +546,9 @@ pub async fn replay(
             let tx = tx.clone();
             let http = http.clone();
             let url = urls[(issue.id % urls.len() as u64) as usize].clone();
-            let header = session_header.clone();
+            let class = classes::of(opts, issue.session);
+            let class_headers = classes::headers(opts, class);
+            let session_header = session_header.clone();
             let chats = chats.clone();
             tokio::spawn(async move {
                 let mut prompt = prompt_tokens(&issue.hash_ids, block_tokens, issue.input_len);
@@ -557,6 +561,10 @@ pub async fn replay(
                     c.lock()
                         .next(issue.session, &prompt, issue.output_len, block_tokens)
                 });
+                let mut headers: Vec<(&str, String)> = class_headers;
+                if let Some(h) = session_header.as_deref() {
+                    headers.push((h, format!("s{}", issue.session)));
+                }
                 let input = match &messages {
                     Some(m) => client::Input::Messages(m),
                     None => client::Input::Prompt(&prompt),
@@ -569,9 +577,7 @@ pub async fn replay(
                         input,
                         prompt_tokens: prompt.len() as u32,
                         max_tokens: issue.output_len,
-                        session: header
-                            .as_deref()
-                            .map(|h| (h, format!("s{}", issue.session))),
+                        headers,
                         release_ms: issue.release_ms,
                         timeout: REQUEST_TIMEOUT,
                     },
@@ -582,7 +588,7 @@ pub async fn replay(
                     c.lock().reply(issue.session, reply);
                 }
                 drop(permit);
-                let _ = tx.send((issue.id, rec)).await;
+                let _ = tx.send((issue.id, class, rec)).await;
             });
         }
         if driver.finished() {
@@ -595,11 +601,12 @@ pub async fn replay(
         });
         tokio::select! {
             got = rx.recv() => {
-                let Some((id, rec)) = got else { break };
+                let Some((id, class, rec)) = got else { break };
                 if rec.error.is_some() {
                     errors += 1;
                 }
                 records.push(rec);
+                record_class.push(class);
                 let now = clock.now_ms();
                 driver.complete(id, now, &mut issues);
                 progress(records.len(), total, errors);
@@ -670,6 +677,7 @@ pub async fn replay(
         prefill_util,
         decision_us_p99,
     };
+    let classes = classes::figures(opts, &records, &record_class);
     let (summary, ttfts, errs) = stats::summarize(
         &target.name,
         &records,
@@ -692,7 +700,7 @@ pub async fn replay(
             engine_prefill_tokens: per_rank_prefill,
             admission: None,
             lora: None,
-            classes: Vec::new(),
+            classes,
         },
     })
 }

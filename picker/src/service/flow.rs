@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_routing::config::{FlowControlSettings, FlowFairness};
+use kvroute_routing::config::{FlowControlSettings, FlowFairness, FlowOrder};
 use kvroute_routing::flow::{Fairness, FlowQueue, FlowSettings, Order, Refused, Waiting};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -66,7 +66,10 @@ pub fn queue_settings(fc: &FlowControlSettings) -> FlowSettings {
             FlowFairness::LeastAttainedService => Fairness::LeastAttainedService,
             FlowFairness::RoundRobin => Fairness::RoundRobin,
         },
-        order: Order::Fcfs,
+        order: match fc.order {
+            FlowOrder::EarliestDeadline => Order::EarliestDeadline,
+            FlowOrder::FirstComeFirstServed => Order::Fcfs,
+        },
     }
 }
 
@@ -77,6 +80,8 @@ pub struct Arrival {
     pub tokens: u64,
     pub bytes: u64,
     pub now_ms: u64,
+    /// Its arrival plus its TTFT objective (`Order::EarliestDeadline`).
+    pub deadline_ms: Option<u64>,
 }
 
 /// What [`FlowControl::enqueue`] hands the waiting request.
@@ -121,7 +126,7 @@ impl FlowControl {
             tokens: a.tokens,
             bytes: a.bytes,
             arrival_ms: a.now_ms,
-            deadline_ms: None,
+            deadline_ms: a.deadline_ms,
         })?;
         let displaced = pushed.shed.len();
         for w in pushed.shed {
@@ -173,13 +178,15 @@ impl FlowControl {
     }
 
     /// One dispatcher round at `now_ms`: expire, then release as many requests of each model
-    /// config as `free(config)` allows (less those dispatched and not yet placed). Returns
-    /// the waits of the released requests and the number expired.
+    /// config as `free(config)` allows (less those dispatched and not yet placed): its first
+    /// figure is the room for every band, its second the room for negative bands (of the
+    /// same places, so a release counts against both). Returns the waits of the released
+    /// requests and the number expired.
     pub fn round(
         &self,
         now_ms: u64,
         settings: FlowSettings,
-        mut free: impl FnMut(&str) -> u64,
+        mut free: impl FnMut(&str) -> (u64, u64),
     ) -> (Vec<Duration>, usize) {
         let mut inner = self.inner.lock();
         let Inner {
@@ -202,8 +209,17 @@ impl FlowControl {
                 continue;
             }
             let transit = in_transit.entry(config.clone()).or_default();
-            let mut room = free(config).saturating_sub(*transit);
+            let (all, sheddable) = free(config);
+            let mut room = all.saturating_sub(*transit);
+            let mut sheddable_room = sheddable.saturating_sub(*transit);
             while room > 0 {
+                if q.peek().is_some_and(|w| w.band < 0) {
+                    // lower bands are all that is left
+                    if sheddable_room == 0 {
+                        break;
+                    }
+                    sheddable_room -= 1;
+                }
                 let Some(w) = q.pop() else { break };
                 let Some(e) = waiting.remove(&w.id) else {
                     continue;
@@ -235,9 +251,16 @@ pub async fn run_dispatcher(picker: Arc<PickerState>, cancel: CancellationToken)
         let enabled = routing.flow_control.enabled;
         let (released, expired) = picker.flow.round(now, settings, |config| {
             if enabled {
-                picker.pool.free_slots(config, &routing.saturation)
+                let s = &routing.saturation;
+                let all = picker.pool.free_slots(config, s);
+                let sheddable = if s.for_band(-1) == *s {
+                    all
+                } else {
+                    picker.pool.free_slots(config, &s.for_band(-1))
+                };
+                (all, sheddable)
             } else {
-                u64::MAX
+                (u64::MAX, u64::MAX)
             }
         });
         for wait in released {

@@ -20,7 +20,9 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use kvroute_crds::contract;
-use kvroute_crds::gateway_pool::{InferenceModelRewrite, rewrites_for};
+use kvroute_crds::gateway_pool::{
+    InferenceModelRewrite, InferenceObjective, objectives_for, rewrites_for,
+};
 use kvroute_crds::kvroute_pool::{KVRoutePool, KVRoutePoolSpec};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -137,15 +139,8 @@ pub fn declared<'a>(
     }
 }
 
-/// Adds to `spec.routing.modelRewrites` the rules of the `InferenceModelRewrite`s naming a
-/// Gateway API InferencePool this pool serves (`inferencePoolRef`) or exports; the pool's own
-/// rules come first and win for the same model, and rules naming targets the pool does not
-/// serve are left out (logged).
-pub fn add_gateway_rewrites(
-    spec: &mut KVRoutePoolSpec,
-    pool: &str,
-    rewrites: &Store<DynamicObject>,
-) {
+/// The Gateway API InferencePools this pool serves (`inferencePoolRef`) or exports.
+fn gateway_pools(spec: &KVRoutePoolSpec, pool: &str) -> Vec<String> {
     let mut pools: Vec<String> = spec
         .inference_pool_ref
         .iter()
@@ -158,14 +153,32 @@ pub fn add_gateway_rewrites(
                 .map(|mc| contract::gateway_pool_name(pool, &mc.name)),
         );
     }
-    if pools.is_empty() {
-        return;
-    }
-    let parsed: Vec<InferenceModelRewrite> = rewrites
+    pools
+}
+
+/// The objects of `store` that parse as `T` (others are skipped).
+fn parsed<T: serde::de::DeserializeOwned>(store: &Store<DynamicObject>) -> Vec<T> {
+    store
         .state()
         .iter()
         .filter_map(|d| serde_json::from_value(serde_json::to_value(d.as_ref()).ok()?).ok())
-        .collect();
+        .collect()
+}
+
+/// Adds to `spec.routing.modelRewrites` the rules of the `InferenceModelRewrite`s naming a
+/// Gateway API InferencePool this pool serves (`inferencePoolRef`) or exports; the pool's own
+/// rules come first and win for the same model, and rules naming targets the pool does not
+/// serve are left out (logged).
+pub fn add_gateway_rewrites(
+    spec: &mut KVRoutePoolSpec,
+    pool: &str,
+    rewrites: &Store<DynamicObject>,
+) {
+    let pools = gateway_pools(spec, pool);
+    if pools.is_empty() {
+        return;
+    }
+    let parsed: Vec<InferenceModelRewrite> = parsed(rewrites);
     let model_configs = spec.model_configs.clone();
     let served = |m: &str| {
         model_configs
@@ -180,6 +193,26 @@ pub fn add_gateway_rewrites(
     for r in rules {
         if own.len() < 64 && !own.iter().any(|o| o.model == r.model) {
             own.push(r);
+        }
+    }
+}
+
+/// Adds to `spec.routing.flowControl.objectives` the `InferenceObjective`s naming a Gateway API
+/// InferencePool this pool serves or exports; the pool's own objectives win for the same name.
+pub fn add_gateway_objectives(
+    spec: &mut KVRoutePoolSpec,
+    pool: &str,
+    objectives: &Store<DynamicObject>,
+) {
+    let pools = gateway_pools(spec, pool);
+    if pools.is_empty() {
+        return;
+    }
+    let parsed: Vec<InferenceObjective> = parsed(objectives);
+    let own = &mut spec.routing.flow_control.objectives;
+    for o in objectives_for(&pools, &parsed) {
+        if own.len() < 64 && !own.iter().any(|x| x.name == o.name) {
+            own.push(o);
         }
     }
 }
@@ -215,7 +248,7 @@ impl KubeSource {
         &self,
         pools: &Store<DynamicObject>,
         slices: &Store<EndpointSlice>,
-        rewrites: &Store<DynamicObject>,
+        gateway: &GatewayStores,
     ) -> Option<DeclaredPool> {
         let o = &self.options;
         let pool = pools.state().into_iter().find(|p| p.name_any() == o.pool)?;
@@ -236,7 +269,8 @@ impl KubeSource {
             }
         };
         let mut spec = spec;
-        add_gateway_rewrites(&mut spec, &o.pool, rewrites);
+        add_gateway_rewrites(&mut spec, &o.pool, &gateway.rewrites);
+        add_gateway_objectives(&mut spec, &o.pool, &gateway.objectives);
         let mut slices: Vec<_> = slices
             .state()
             .into_iter()
@@ -250,6 +284,44 @@ impl KubeSource {
             &o.salt_dir,
             &|p| p.exists(),
         ))
+    }
+}
+
+/// The Gateway API Inference Extension's resources a pool takes settings from.
+struct GatewayStores {
+    rewrites: Store<DynamicObject>,
+    objectives: Store<DynamicObject>,
+}
+
+impl KubeSource {
+    /// A watch of the namespace's resources of `ar` when its CRD is installed (checked once),
+    /// else an empty store and no events.
+    async fn watch_optional(
+        &self,
+        ar: ApiResource,
+    ) -> (
+        Store<DynamicObject>,
+        futures::stream::BoxStream<'static, Result<(), watcher::Error>>,
+    ) {
+        let installed = self
+            .client
+            .list_api_group_resources(&ar.api_version)
+            .await
+            .is_ok_and(|l| l.resources.iter().any(|r| r.name == ar.plural));
+        let writer = reflector::store::Writer::<DynamicObject>::new(ar.clone());
+        let store = writer.as_reader();
+        let events = if installed {
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(self.client.clone(), &self.options.namespace, &ar);
+            watcher(api, watcher::Config::default())
+                .default_backoff()
+                .reflect(writer)
+                .map(|e| e.map(|_| ()))
+                .boxed()
+        } else {
+            stream::empty().boxed()
+        };
+        (store, events)
     }
 }
 
@@ -288,30 +360,21 @@ impl EndpointSource for KubeSource {
             .default_backoff()
             .reflect(slices_writer)
             .map(|e| e.map(|_| ()));
-            // llm-d's InferenceModelRewrites, where that CRD is installed (checked at start)
-            let rewrites_ar = ApiResource::erase::<InferenceModelRewrite>(&());
-            let rewrites_installed = self
-                .client
-                .list_api_group_resources(&rewrites_ar.api_version)
-                .await
-                .is_ok_and(|l| l.resources.iter().any(|r| r.name == rewrites_ar.plural));
-            let rewrites_writer =
-                reflector::store::Writer::<DynamicObject>::new(rewrites_ar.clone());
-            let rewrites = rewrites_writer.as_reader();
-            let rewrite_events = if rewrites_installed {
-                let api: Api<DynamicObject> =
-                    Api::namespaced_with(self.client.clone(), &o.namespace, &rewrites_ar);
-                watcher(api, watcher::Config::default())
-                    .default_backoff()
-                    .reflect(rewrites_writer)
-                    .map(|e| e.map(|_| ()))
-                    .boxed()
-            } else {
-                stream::empty().boxed()
+            // llm-d's InferenceModelRewrites and InferenceObjectives, where their CRDs are
+            // installed (checked at start)
+            let (rewrites, rewrite_events) = self
+                .watch_optional(ApiResource::erase::<InferenceModelRewrite>(&()))
+                .await;
+            let (objectives, objective_events) = self
+                .watch_optional(ApiResource::erase::<InferenceObjective>(&()))
+                .await;
+            let gateway = GatewayStores {
+                rewrites,
+                objectives,
             };
             let mut events = std::pin::pin!(stream::select(
                 stream::select(pool_events, slice_events),
-                rewrite_events
+                stream::select(rewrite_events, objective_events)
             ));
             let mut last: Option<DeclaredPool> = None;
             let mut dirty = false;
@@ -333,7 +396,7 @@ impl EndpointSource for KubeSource {
                     },
                     () = quiet => {
                         dirty = false;
-                        if let Some(view) = self.current(&pools, &slices, &rewrites)
+                        if let Some(view) = self.current(&pools, &slices, &gateway)
                             && last.as_ref() != Some(&view)
                         {
                             tracing::info!(

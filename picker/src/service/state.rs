@@ -25,7 +25,7 @@ use super::tenancy::Tenancy;
 use tracing::Instrument as _;
 
 use crate::admission::{Admitted, Gate, Ticket, Turn};
-use crate::config::RoutingConfig;
+use crate::config::{FlowPlacement, RoutingConfig, UnattainableSlo};
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
@@ -41,6 +41,21 @@ use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
 const BLOCKING_TOKENIZE_BYTES: usize = 32 * 1024;
+
+/// With `routing.flowControl.unattainableSlo: Queue`, how long a request whose objective no
+/// endpoint is predicted to meet waits before it is placed again.
+const SLO_RETRY_MS: u64 = 50;
+
+/// A request about to pass flow control.
+#[derive(Clone, Copy)]
+struct FlowLine<'a> {
+    config: &'a str,
+    tenant: Option<&'a str>,
+    /// Its priority.
+    band: i32,
+    /// Its arrival plus its TTFT objective, when it carries one.
+    deadline_ms: Option<u64>,
+}
 
 /// Headers the picker sets on the request it forwards (name, value).
 pub type UpstreamHeaders = Vec<(&'static str, String)>;
@@ -573,88 +588,133 @@ impl PickerState {
             max_prompt_tokens: self.limits.max_prompt_tokens,
         })
         .map_err(|e| ApiError::bad_request("prompt_too_long", e.to_string()))?;
-        let allow_fn = |e: &Endpoint| tenancy.allows(tenant.as_deref(), e);
-        let scope = Scope {
-            tenant: tenant.as_deref(),
-            subset,
-            allow: (tenancy.spec.isolation == Isolation::DedicatedEndpoints)
-                .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
-        };
-        if purpose == Purpose::Forward {
-            self.pass_flow_control(&config.name, headers, tenant.as_deref(), &plan, req)
-                .await?;
-        }
-        let route_request = plan.route_request(&config, scope, explain);
-        let (admission, admission_ticket) = match purpose {
-            Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
-            Purpose::Forward => self.pass_admission(&route_request).await,
-        };
-        let started = if admission_ticket.is_some() {
-            // the decision's time does not include the wait
-            Instant::now()
-        } else {
-            started
-        };
-        let decide = tracing::info_span!(
-            target: telemetry::TARGET,
-            "decide",
-            model_config = &*config.name,
-            candidates = tracing::field::Empty,
-            endpoint = tracing::field::Empty,
-            rank = tracing::field::Empty,
-            prompt_tokens = plan.prompt_tokens,
-            cached_tokens = tracing::field::Empty,
-            policy = tracing::field::Empty,
-            reason = tracing::field::Empty,
-            failed_open = tracing::field::Empty,
-        );
-        let placed = {
-            let _entered = decide.enter();
-            self.pool.place(&route_request, self.now_ms())
-        };
-        // the attributes are built only for a span that is recorded
-        if let Ok(p) = &placed
-            && !decide.is_disabled()
-        {
-            let d = &p.decision;
-            decide.record("candidates", 1 + d.fallbacks.len());
-            decide.record("endpoint", d.endpoint.host_port().as_str());
-            decide.record("rank", d.endpoint.rank);
-            decide.record("cached_tokens", d.cached_tokens);
-            decide.record("policy", d.policy);
-            decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
-            decide.record("failed_open", d.failed_open);
-        }
-        let placement = placed.map_err(|e| {
-            self.metrics.error(e.kind());
-            match e {
-                PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
-                PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
-                    ApiError::unavailable("no_eligible_endpoint", e.to_string())
-                }
-                PlaceError::Route(e @ RouteError::AllStale(_)) => {
-                    ApiError::unavailable("all_endpoints_stale", e.to_string())
-                }
-                PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
-            }
-        })?;
-        if purpose == Purpose::Forward && routing.flow_control.enabled {
-            // a TTFT objective no endpoint is predicted to meet is answered now, not late
-            let fc = &routing.flow_control;
+        let dedicated = tenancy.spec.isolation == Isolation::DedicatedEndpoints;
+        // a TTFT objective (flow control on): the request's deadline in line, and what is
+        // done when no endpoint is predicted to meet it
+        let fc = &routing.flow_control;
+        let slo = if purpose == Purpose::Forward && fc.enabled {
             let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
-            let slo = fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header));
+            fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header))
+        } else {
+            None
+        };
+        let arrived_ms = self.now_ms();
+        let band = {
+            let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+            fc.priority(header(&fc.priority_header), header(&fc.objective_header))
+        };
+        let mut again = false;
+        let (placement, admission, admission_ticket, started) = loop {
+            if purpose == Purpose::Forward {
+                let line = FlowLine {
+                    config: &config.name,
+                    tenant: tenant.as_deref(),
+                    band,
+                    deadline_ms: slo.map(|v| arrived_ms + u64::from(v)),
+                };
+                self.pass_flow_control(&line, headers, &plan, req).await?;
+            }
+            // flow control places on an endpoint with room for the band, when one has
+            let room: Option<Vec<EndpointId>> = (purpose == Purpose::Forward
+                && fc.enabled
+                && fc.placement == FlowPlacement::WithRoom)
+                .then(|| {
+                    self.pool
+                        .rooms(&config.name, &routing.saturation.for_band(band))
+                        .into_iter()
+                        .map(|(e, _)| e)
+                        .collect::<Vec<_>>()
+                })
+                .filter(|r| !r.is_empty());
+            let allow_fn = |e: &Endpoint| {
+                (!dedicated || tenancy.allows(tenant.as_deref(), e))
+                    && room.as_ref().is_none_or(|r| r.contains(&e.id))
+            };
+            let scope = Scope {
+                tenant: tenant.as_deref(),
+                subset,
+                allow: (dedicated || room.is_some())
+                    .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
+            };
+            let route_request = plan.route_request(&config, scope, explain);
+            let (admission, admission_ticket) = match purpose {
+                Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
+                Purpose::Forward => self.pass_admission(&route_request).await,
+            };
+            let started = if admission_ticket.is_some() || again {
+                // the decision's time does not include the wait
+                Instant::now()
+            } else {
+                started
+            };
+            let decide = tracing::info_span!(
+                target: telemetry::TARGET,
+                "decide",
+                model_config = &*config.name,
+                candidates = tracing::field::Empty,
+                endpoint = tracing::field::Empty,
+                rank = tracing::field::Empty,
+                prompt_tokens = plan.prompt_tokens,
+                cached_tokens = tracing::field::Empty,
+                policy = tracing::field::Empty,
+                reason = tracing::field::Empty,
+                failed_open = tracing::field::Empty,
+            );
+            let placed = {
+                let _entered = decide.enter();
+                self.pool.place(&route_request, self.now_ms())
+            };
+            // the attributes are built only for a span that is recorded
+            if let Ok(p) = &placed
+                && !decide.is_disabled()
+            {
+                let d = &p.decision;
+                decide.record("candidates", 1 + d.fallbacks.len());
+                decide.record("endpoint", d.endpoint.host_port().as_str());
+                decide.record("rank", d.endpoint.rank);
+                decide.record("cached_tokens", d.cached_tokens);
+                decide.record("policy", d.policy);
+                decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
+                decide.record("failed_open", d.failed_open);
+            }
+            let placement = placed.map_err(|e| {
+                self.metrics.error(e.kind());
+                match e {
+                    PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
+                    PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
+                        ApiError::unavailable("no_eligible_endpoint", e.to_string())
+                    }
+                    PlaceError::Route(e @ RouteError::AllStale(_)) => {
+                        ApiError::unavailable("all_endpoints_stale", e.to_string())
+                    }
+                    PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
+                }
+            })?;
+            // a TTFT objective no endpoint is predicted to meet: answered now, not late, or
+            // back in line while the objective can still be met
             if let (Some(slo), Some(best)) = (slo, placement.decision.best_ttft_ms)
                 && best > f64::from(slo)
             {
-                self.metrics.flow_shed("slo_unattainable");
-                return Err(ApiError::shed_because(
-                    "slo_unattainable",
-                    format!(
-                        "no endpoint is predicted to give the first token within the {slo} ms objective (the best: {best:.0} ms)"
-                    ),
-                ));
+                let left = (arrived_ms + u64::from(slo)).saturating_sub(self.now_ms());
+                if best > left as f64 {
+                    if fc.unattainable_slo == UnattainableSlo::Queue && left > SLO_RETRY_MS {
+                        // the prediction is asked again later (through the line, when the
+                        // pool is saturated), not in a busy loop
+                        tokio::time::sleep(Duration::from_millis(SLO_RETRY_MS)).await;
+                        again = true;
+                        continue;
+                    }
+                    self.metrics.flow_shed("slo_unattainable");
+                    return Err(ApiError::shed_because(
+                        "slo_unattainable",
+                        format!(
+                            "no endpoint is predicted to give the first token within the {slo} ms objective ({left} ms of it left; the best: {best:.0} ms)"
+                        ),
+                    ));
+                }
             }
-        }
+            break (placement, admission, admission_ticket, started);
+        };
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -774,22 +834,31 @@ impl PickerState {
     /// else wait in its queue until the dispatcher releases the request, or answer 429.
     async fn pass_flow_control(
         &self,
-        config: &str,
+        line: &FlowLine<'_>,
         headers: &HeaderMap,
-        tenant: Option<&str>,
         plan: &RequestPlan,
         req: &ParsedRequest,
     ) -> Result<(), ApiError> {
+        let FlowLine {
+            config,
+            tenant,
+            band,
+            deadline_ms,
+        } = *line;
         let routing = self.routing.load();
         let fc = &routing.flow_control;
         if !fc.enabled {
             return Ok(());
         }
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        if self.flow.is_empty_for(config) && self.pool.free_slots(config, &routing.saturation) > 0 {
+        if self.flow.is_empty_for(config)
+            && self
+                .pool
+                .free_slots(config, &routing.saturation.for_band(band))
+                > 0
+        {
             return Ok(());
         }
-        let band = fc.priority(header(&fc.priority_header), header(&fc.objective_header));
         let flow = tenant
             .or_else(|| header(&fc.fairness_header))
             .map_or(0, |f| xxhash_rust::xxh3::xxh3_64(f.as_bytes()));
@@ -799,6 +868,7 @@ impl PickerState {
             tokens: u64::from(plan.prompt_tokens) + expected_output_tokens(&req.raw),
             bytes: req.raw.len() as u64,
             now_ms: self.now_ms(),
+            deadline_ms,
         };
         let (ticket, displaced) = self
             .flow
