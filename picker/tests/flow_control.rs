@@ -528,3 +528,85 @@ routing:
         picker.shutdown().await;
     }
 }
+
+/// An endpoint whose metrics went stale has no room: a request waits until they are fresh
+/// again (and the pool-saturation gauge counts it as saturated meanwhile).
+#[tokio::test]
+async fn stale_metrics_count_as_saturated() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&format!(
+        r#"
+modelConfigs:
+  - {{name: llama, model: llama, port: {}}}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+routing:
+  stalenessThreshold: 300ms
+  flowControl: {{enabled: true, ttl: 30s}}
+"#,
+        engine.addr.port()
+    ))
+    .await;
+    let http = picker.addrs.http;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.125"#,
+    )
+    .await;
+    engine.state.metrics_broken.store(true, Ordering::SeqCst);
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 1.0"#,
+    )
+    .await;
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    let waiting = tokio::spawn(async move { complete(http, None).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "no room while the metrics are stale"
+    );
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before);
+    engine.state.metrics_broken.store(false, Ordering::SeqCst);
+    assert_eq!(waiting.await.unwrap().0, 200);
+    assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 1);
+    picker.shutdown().await;
+}
+
+/// A body larger than `maxQueuedBytes` cannot wait: 429 `too_large`, while a small one waits.
+#[tokio::test]
+async fn a_body_larger_than_the_queue_is_refused() {
+    let (engine, picker) = saturated("ttl: 30s, maxQueuedBytes: 1024").await;
+    let http = picker.addrs.http;
+    let resp = client()
+        .post(format!("http://{http}/v1/completions"))
+        .json(&json!({"model": "llama", "prompt": "word ".repeat(400), "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["x-kvroute-reason"], "too_large");
+    assert!(resp.headers().contains_key("retry-after"));
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_large", "{body}");
+    let waiting = tokio::spawn(async move { complete(http, None).await });
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
+    )
+    .await;
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    assert_eq!(waiting.await.unwrap().0, 200);
+    metric(
+        &picker,
+        r#"kvroute_picker_flow_shed_total{kind="too_large"} 1"#,
+    )
+    .await;
+    picker.shutdown().await;
+}
