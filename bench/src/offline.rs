@@ -465,7 +465,7 @@ impl<'a> Sim<'a> {
                     .collect::<Vec<_>>()
             })
             .filter(|v| !v.is_empty());
-        let allow = |e: &Endpoint| room.as_ref().is_none_or(|r| r.contains(&e.id));
+        let allow = |e: &Endpoint| room.as_ref().is_none_or(|r| r.binary_search(&e.id).is_ok());
         let scope = Scope {
             allow: room
                 .is_some()

@@ -123,3 +123,51 @@ async fn direct_replay_spreads_requests_over_the_engines_without_a_router() {
     assert!(s.requests >= 30 && s.requests <= 40, "{}", s.requests);
     assert!(s.decision_us_p99.is_none(), "no router, no decisions");
 }
+
+/// The overload scenario's classes in live mode: each request carries its band and tenant in
+/// the picker's flow-control headers (flow control on), and the report has per-class figures
+/// that add up to the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_replay_reports_bands_and_tenants_through_flow_control() {
+    let w = small_workload();
+    let mut opts = BenchOptions {
+        cluster: small_cluster(),
+        max_requests: Some(40),
+        flow_control: true,
+        critical_percent: 30,
+        two_tenants: true,
+        ..BenchOptions::default()
+    };
+    opts.routing.flow_control.enabled = true;
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    let runs = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        run_policies_with(
+            exe,
+            &w,
+            Mode::Live,
+            &[Strategy::CostModel.into()],
+            &opts,
+            true,
+        ),
+    )
+    .await
+    .expect("finishes in time")
+    .expect("runs");
+    let run = &runs[0];
+    assert_eq!(run.summary.errors, 0, "{:?}", run.detail.error_samples);
+    let classes = &run.detail.classes;
+    assert!(!classes.is_empty());
+    assert_eq!(
+        classes.iter().map(|c| c.1 as u64).sum::<u64>(),
+        run.summary.requests,
+        "{classes:?}"
+    );
+    assert!(
+        classes.iter().all(
+            |c| (c.0.starts_with("critical") || c.0.starts_with("sheddable"))
+                && c.0.ends_with("tenant")
+        ),
+        "{classes:?}"
+    );
+}

@@ -121,6 +121,20 @@ async fn saturated_requests_wait_and_leave_by_priority() {
     assert_eq!(*served.lock(), vec![("high", 200), ("low", 200)]);
     assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 2);
     metric(&picker, "kvroute_picker_flow_dispatched_total 2").await;
+    // the decision latency leaves the wait out (it has its own histogram): the two requests
+    // waited 300 ms and more, their decisions together far less
+    let text = kvroute_testkit::get_text(
+        &client(),
+        format!("http://{}/metrics", picker.addrs.metrics),
+    )
+    .await;
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in\n{text}"))
+    };
+    assert!(sum("kvroute_picker_flow_wait_seconds_sum") >= 0.6, "{text}");
+    assert!(sum("kvroute_picker_decision_seconds_sum") < 0.3, "{text}");
     picker.shutdown().await;
 }
 
@@ -133,7 +147,7 @@ async fn a_request_that_waits_its_ttl_is_answered_429() {
     assert!(started.elapsed() >= Duration::from_millis(200));
     metric(
         &picker,
-        r#"kvroute_picker_flow_shed_total{kind="queue_expired"} 1"#,
+        r#"kvroute_picker_flow_shed_total{kind="queue_expired",band="standard"} 1"#,
     )
     .await;
     // nothing is left waiting
@@ -160,6 +174,14 @@ async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
     assert_eq!((status, reason.as_deref()), (429, Some("displaced")));
     engine.state.waiting.store(0, Ordering::SeqCst);
     assert_eq!(high.await.unwrap().0, 200);
+    // counted by reason and by the band of the request answered
+    for kind in ["queue_full", "displaced"] {
+        metric(
+            &picker,
+            &format!(r#"kvroute_picker_flow_shed_total{{kind="{kind}",band="sheddable"}} 1"#),
+        )
+        .await;
+    }
     picker.shutdown().await;
 }
 
@@ -311,7 +333,7 @@ async fn an_unattainable_ttft_objective_is_answered_at_once() {
     assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 1);
     metric(
         &picker,
-        r#"kvroute_picker_flow_shed_total{kind="slo_unattainable"} 1"#,
+        r#"kvroute_picker_flow_shed_total{kind="slo_unattainable",band="standard"} 1"#,
     )
     .await;
     picker.shutdown().await;
@@ -605,7 +627,7 @@ async fn a_body_larger_than_the_queue_is_refused() {
     assert_eq!(waiting.await.unwrap().0, 200);
     metric(
         &picker,
-        r#"kvroute_picker_flow_shed_total{kind="too_large"} 1"#,
+        r#"kvroute_picker_flow_shed_total{kind="too_large",band="standard"} 1"#,
     )
     .await;
     picker.shutdown().await;

@@ -272,10 +272,25 @@ fn bench_decision(c: &mut Criterion) {
                     |b| {
                         b.iter(|| {
                             let plan = plan();
-                            if flow {
+                            // as the service: the headroom check, then placement among the
+                            // endpoints with room (`placement: WithRoom`)
+                            let room: Option<Vec<EndpointId>> = flow.then(|| {
                                 assert!(pool.free_slots("default", &saturation) > 0);
-                            }
-                            let req = plan.route_request(&mc, Scope::default(), false);
+                                pool.rooms("default", &saturation)
+                                    .into_iter()
+                                    .map(|(e, _)| e)
+                                    .collect()
+                            });
+                            let allow = |e: &Endpoint| {
+                                room.as_ref().is_none_or(|r| r.binary_search(&e.id).is_ok())
+                            };
+                            let scope = Scope {
+                                allow: room
+                                    .is_some()
+                                    .then_some(&allow as &(dyn Fn(&Endpoint) -> bool + Sync)),
+                                ..Scope::default()
+                            };
+                            let req = plan.route_request(&mc, scope, false);
                             let placed = pool.place(&req, 0).ok();
                             if let Some(p) = &placed {
                                 pool.record(p, &plan.keys, 0);

@@ -169,7 +169,8 @@ impl Pool {
         self.rooms(model_config, s).iter().map(|(_, n)| n).sum()
     }
 
-    /// The endpoints of `model_config` with room ([`Self::free_slots`]), and how much each has.
+    /// The endpoints of `model_config` with room ([`Self::free_slots`]), and how much each has,
+    /// in id order (so a caller may binary-search them).
     pub fn rooms(
         &self,
         model_config: &str,

@@ -101,7 +101,7 @@ impl FlowControl {
     }
 
     /// Puts a request of `config` in line; the lower-band requests it pushes out are answered
-    /// [`Outcome::Displaced`].
+    /// [`Outcome::Displaced`] (their bands are returned).
     ///
     /// # Errors
     /// [`Refused`] when it cannot wait.
@@ -110,7 +110,7 @@ impl FlowControl {
         config: &str,
         settings: FlowSettings,
         a: &Arrival,
-    ) -> Result<(Ticket, usize), Refused> {
+    ) -> Result<(Ticket, Vec<i32>), Refused> {
         let mut inner = self.inner.lock();
         inner.next_id += 1;
         let id = inner.next_id;
@@ -128,7 +128,7 @@ impl FlowControl {
             arrival_ms: a.now_ms,
             deadline_ms: a.deadline_ms,
         })?;
-        let displaced = pushed.shed.len();
+        let displaced: Vec<i32> = pushed.shed.iter().map(|w| w.band).collect();
         for w in pushed.shed {
             if let Some(e) = inner.waiting.remove(&w.id) {
                 let _ = e.tx.send(Outcome::Displaced);
@@ -181,13 +181,13 @@ impl FlowControl {
     /// config as `free(config)` allows (less those dispatched and not yet placed): its first
     /// figure is the room for every band, its second the room for negative bands (of the
     /// same places, so a release counts against both). Returns the waits of the released
-    /// requests and the number expired.
+    /// requests and the bands of those expired.
     pub fn round(
         &self,
         now_ms: u64,
         settings: FlowSettings,
         mut free: impl FnMut(&str) -> (u64, u64),
-    ) -> (Vec<Duration>, usize) {
+    ) -> (Vec<Duration>, Vec<i32>) {
         let mut inner = self.inner.lock();
         let Inner {
             queues,
@@ -196,13 +196,13 @@ impl FlowControl {
             ..
         } = &mut *inner;
         let mut released = Vec::new();
-        let mut expired = 0;
+        let mut expired = Vec::new();
         for (config, q) in queues.iter_mut() {
             q.set_settings(settings);
             for w in q.expire(now_ms) {
                 if let Some(e) = waiting.remove(&w.id) {
                     let _ = e.tx.send(Outcome::Expired);
-                    expired += 1;
+                    expired.push(w.band);
                 }
             }
             if q.is_empty() {
@@ -267,8 +267,8 @@ pub async fn run_dispatcher(picker: Arc<PickerState>, cancel: CancellationToken)
             picker.metrics.flow_dispatched.inc();
             picker.metrics.flow_wait_seconds.observe(wait.as_secs_f64());
         }
-        for _ in 0..expired {
-            picker.metrics.flow_shed("queue_expired");
+        for band in expired {
+            picker.metrics.flow_shed("queue_expired", band);
         }
         picker.metrics.set_flow_queued(&picker.flow.queued());
     }

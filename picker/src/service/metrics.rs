@@ -37,6 +37,14 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+/// Flow control's shed requests: why, and the band (`sheddable` below priority 0, `standard`
+/// at 0, `critical` above).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShedLabels {
+    pub kind: String,
+    pub band: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RewriteLabels {
     pub from: String,
@@ -97,8 +105,8 @@ pub struct Metrics {
     /// Flow control: requests released from the queue, and how long they waited.
     pub flow_dispatched: Counter,
     pub flow_wait_seconds: Histogram,
-    /// Flow control: requests answered without being served, by reason.
-    pub flow_shed: Family<KindLabels, Counter>,
+    /// Flow control: requests answered without being served, by reason and band.
+    pub flow_shed: Family<ShedLabels, Counter>,
     /// Session admission: turns by how they went on to placement (`admission::Admitted`).
     pub admission: Family<KindLabels, Counter>,
     pub admission_wait_seconds: Histogram,
@@ -279,10 +287,10 @@ impl Metrics {
             "Flow control: how long released requests waited",
             flow_wait_seconds.clone(),
         );
-        let flow_shed = Family::<KindLabels, Counter>::default();
+        let flow_shed = Family::<ShedLabels, Counter>::default();
         registry.register(
             "flow_shed",
-            "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place), slo_unattainable (no endpoint is predicted to meet its TTFT objective)",
+            "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place), slo_unattainable (no endpoint is predicted to meet its TTFT objective); and by band: sheddable (priority below 0), standard (0), critical (above 0)",
             flow_shed.clone(),
         );
         let admission = Family::<KindLabels, Counter>::default();
@@ -386,10 +394,16 @@ impl Metrics {
         }
     }
 
-    pub fn flow_shed(&self, reason: &str) {
+    pub fn flow_shed(&self, reason: &str, priority: i32) {
+        let band = match priority {
+            ..0 => "sheddable",
+            0 => "standard",
+            _ => "critical",
+        };
         self.flow_shed
-            .get_or_create(&KindLabels {
+            .get_or_create(&ShedLabels {
                 kind: reason.into(),
+                band,
             })
             .inc();
     }

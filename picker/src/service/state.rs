@@ -604,6 +604,7 @@ impl PickerState {
             fc.priority(header(&fc.priority_header), header(&fc.objective_header))
         };
         let mut again = false;
+        let mut waited = false;
         let (placement, admission, admission_ticket, started) = loop {
             if purpose == Purpose::Forward {
                 let line = FlowLine {
@@ -612,7 +613,7 @@ impl PickerState {
                     band,
                     deadline_ms: slo.map(|v| arrived_ms + u64::from(v)),
                 };
-                self.pass_flow_control(&line, headers, &plan, req).await?;
+                waited |= self.pass_flow_control(&line, headers, &plan, req).await?;
             }
             // flow control places on an endpoint with room for the band, when one has
             let room: Option<Vec<EndpointId>> = (purpose == Purpose::Forward
@@ -628,7 +629,7 @@ impl PickerState {
                 .filter(|r| !r.is_empty());
             let allow_fn = |e: &Endpoint| {
                 (!dedicated || tenancy.allows(tenant.as_deref(), e))
-                    && room.as_ref().is_none_or(|r| r.contains(&e.id))
+                    && room.as_ref().is_none_or(|r| r.binary_search(&e.id).is_ok())
             };
             let scope = Scope {
                 tenant: tenant.as_deref(),
@@ -641,7 +642,7 @@ impl PickerState {
                 Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
                 Purpose::Forward => self.pass_admission(&route_request).await,
             };
-            let started = if admission_ticket.is_some() || again {
+            let started = if admission_ticket.is_some() || again || waited {
                 // the decision's time does not include the wait
                 Instant::now()
             } else {
@@ -704,7 +705,7 @@ impl PickerState {
                         again = true;
                         continue;
                     }
-                    self.metrics.flow_shed("slo_unattainable");
+                    self.metrics.flow_shed("slo_unattainable", band);
                     return Err(ApiError::shed_because(
                         "slo_unattainable",
                         format!(
@@ -832,13 +833,14 @@ fn expected_output_tokens(raw: &[u8]) -> u64 {
 impl PickerState {
     /// Flow control: go on while model config `config` has headroom and nothing of it waits;
     /// else wait in its queue until the dispatcher releases the request, or answer 429.
+    /// Returns whether it waited.
     async fn pass_flow_control(
         &self,
         line: &FlowLine<'_>,
         headers: &HeaderMap,
         plan: &RequestPlan,
         req: &ParsedRequest,
-    ) -> Result<(), ApiError> {
+    ) -> Result<bool, ApiError> {
         let FlowLine {
             config,
             tenant,
@@ -848,7 +850,7 @@ impl PickerState {
         let routing = self.routing.load();
         let fc = &routing.flow_control;
         if !fc.enabled {
-            return Ok(());
+            return Ok(false);
         }
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         if self.flow.is_empty_for(config)
@@ -857,7 +859,7 @@ impl PickerState {
                 .free_slots(config, &routing.saturation.for_band(band))
                 > 0
         {
-            return Ok(());
+            return Ok(false);
         }
         let flow = tenant
             .or_else(|| header(&fc.fairness_header))
@@ -884,11 +886,11 @@ impl PickerState {
                         "the pool is saturated and flow control's queue is full of requests of this priority or higher",
                     ),
                 };
-                self.metrics.flow_shed(code);
+                self.metrics.flow_shed(code, band);
                 ApiError::shed_because(code, message)
             })?;
-        for _ in 0..displaced {
-            self.metrics.flow_shed("displaced");
+        for b in displaced {
+            self.metrics.flow_shed("displaced", b);
         }
         /// Leaves the line when the wait ends any way but an answer (the client left); a
         /// request released just as its client left gives its dispatch back.
@@ -922,7 +924,7 @@ impl PickerState {
         match outcome {
             Ok(super::flow::Outcome::Dispatched) => {
                 self.flow.placed(config);
-                Ok(())
+                Ok(true)
             }
             Ok(super::flow::Outcome::Expired) => Err(ApiError::shed_because(
                 "queue_expired",
