@@ -37,6 +37,28 @@ fn small_cluster() -> ClusterConfig {
     cluster
 }
 
+/// One live run of the cost model over `w`, within two minutes.
+async fn live_cost_model(
+    w: &kvroute_bench::workload::Workload,
+    opts: &BenchOptions,
+) -> Vec<kvroute_bench::PolicyRun> {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        run_policies_with(
+            exe,
+            w,
+            Mode::Live,
+            &[Strategy::CostModel.into()],
+            opts,
+            true,
+        ),
+    )
+    .await
+    .expect("finishes in time")
+    .expect("runs")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_live_replay_has_no_errors_and_a_sane_report() {
     let w = small_workload();
@@ -46,21 +68,7 @@ async fn short_live_replay_has_no_errors_and_a_sane_report() {
         max_requests: Some(50),
         ..BenchOptions::default()
     };
-    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
-    let runs = tokio::time::timeout(
-        std::time::Duration::from_secs(120),
-        run_policies_with(
-            exe,
-            &w,
-            Mode::Live,
-            &[Strategy::CostModel.into()],
-            &opts,
-            true,
-        ),
-    )
-    .await
-    .expect("finishes in time")
-    .expect("runs");
+    let runs = live_cost_model(&w, &opts).await;
     let s = &runs[0].summary;
     assert_eq!(s.errors, 0, "{:?}", runs[0].detail.error_samples);
     assert!(s.requests >= 40 && s.requests <= 50, "{}", s.requests);
@@ -139,21 +147,7 @@ async fn live_replay_reports_bands_and_tenants_through_flow_control() {
         ..BenchOptions::default()
     };
     opts.routing.flow_control.enabled = true;
-    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
-    let runs = tokio::time::timeout(
-        std::time::Duration::from_secs(120),
-        run_policies_with(
-            exe,
-            &w,
-            Mode::Live,
-            &[Strategy::CostModel.into()],
-            &opts,
-            true,
-        ),
-    )
-    .await
-    .expect("finishes in time")
-    .expect("runs");
+    let runs = live_cost_model(&w, &opts).await;
     let run = &runs[0];
     assert_eq!(run.summary.errors, 0, "{:?}", run.detail.error_samples);
     let classes = &run.detail.classes;

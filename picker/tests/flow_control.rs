@@ -42,24 +42,35 @@ async fn metric(picker: &kvroute_picker::service::Running, line: &str) {
 /// A fake engine reporting a queue of 10 (saturated at the default depth 5) and a picker with
 /// flow control on (`flow`: more settings) that has seen it so.
 async fn saturated(flow: &str) -> (FakeEngine, kvroute_picker::service::Running) {
+    picker_at(10, flow, "{}", "2.0").await
+}
+
+/// A fake engine reporting `waiting` requests and a picker with flow control (`flow`) and
+/// `routing.saturation: saturation` that has seen it so (its pool-saturation gauge at `gauge`).
+async fn picker_at(
+    waiting: u64,
+    flow: &str,
+    saturation: &str,
+    gauge: &str,
+) -> (FakeEngine, kvroute_picker::service::Running) {
     let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    let picker = start_picker(&yaml(engine.addr.port(), flow)).await;
+    engine.state.waiting.store(waiting, Ordering::SeqCst);
+    let picker = start_picker(&yaml_with(engine.addr.port(), flow, saturation)).await;
     metric(
         &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 2.0"#,
+        &format!(r#"kvroute_picker_pool_saturation{{model_config="llama"}} {gauge}"#),
     )
     .await;
     (engine, picker)
 }
 
-/// A completion with priority header `priority`; returns its status and `x-kvroute-reason`.
-async fn complete(http: std::net::SocketAddr, priority: Option<i32>) -> (u16, Option<String>) {
+/// A completion with the given headers; returns its status and `x-kvroute-reason`.
+async fn post(http: std::net::SocketAddr, headers: &[(&str, String)]) -> (u16, Option<String>) {
     let mut r = client()
         .post(format!("http://{http}/v1/completions"))
         .json(&json!({"model": "llama", "prompt": "hello", "max_tokens": 4}));
-    if let Some(p) = priority {
-        r = r.header("x-kvroute-priority", p.to_string());
+    for (h, v) in headers {
+        r = r.header(*h, v);
     }
     let resp = r.send().await.unwrap();
     let reason = resp
@@ -68,6 +79,24 @@ async fn complete(http: std::net::SocketAddr, priority: Option<i32>) -> (u16, Op
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     (resp.status().as_u16(), reason)
+}
+
+/// A completion with priority header `priority`.
+async fn complete(http: std::net::SocketAddr, priority: Option<i32>) -> (u16, Option<String>) {
+    let h: Vec<(&str, String)> = priority
+        .map(|p| ("x-kvroute-priority", p.to_string()))
+        .into_iter()
+        .collect();
+    post(http, &h).await
+}
+
+/// A completion carrying TTFT objective `slo` (ms) when given.
+async fn complete_within(http: std::net::SocketAddr, slo: Option<u32>) -> (u16, Option<String>) {
+    let h: Vec<(&str, String)> = slo
+        .map(|v| ("x-slo-ttft-ms", v.to_string()))
+        .into_iter()
+        .collect();
+    post(http, &h).await
 }
 
 #[tokio::test]
@@ -339,41 +368,17 @@ async fn an_unattainable_ttft_objective_is_answered_at_once() {
     picker.shutdown().await;
 }
 
-/// A completion carrying TTFT objective `slo` (ms) when given; returns its status and
-/// `x-kvroute-reason`.
-async fn complete_within(http: std::net::SocketAddr, slo: Option<u32>) -> (u16, Option<String>) {
-    let mut r = client()
-        .post(format!("http://{http}/v1/completions"))
-        .json(&json!({"model": "llama", "prompt": "hello", "max_tokens": 4}));
-    if let Some(v) = slo {
-        r = r.header("x-slo-ttft-ms", v.to_string());
-    }
-    let resp = r.send().await.unwrap();
-    let reason = resp
-        .headers()
-        .get("x-kvroute-reason")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    (resp.status().as_u16(), reason)
-}
-
 /// Three requests of one flow wait (the engine's queue at 10 of depth 1); released one at a
 /// time (each holds the single place until it is answered, 300 ms), they leave in `order`.
 async fn leaving_order(order: &str) -> Vec<&'static str> {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(10, Ordering::SeqCst);
-    *engine.state.slow.lock() = Some(("hello".into(), 300));
-    let picker = start_picker(&yaml_with(
-        engine.addr.port(),
+    let (engine, picker) = picker_at(
+        10,
         &format!("ttl: 30s, order: {order}"),
         "{queueDepth: 1}",
-    ))
-    .await;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 10.0"#,
+        "10.0",
     )
     .await;
+    *engine.state.slow.lock() = Some(("hello".into(), 300));
     let http = picker.addrs.http;
     let served = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -424,21 +429,15 @@ async fn requests_with_a_ttft_objective_leave_by_deadline() {
 /// the prediction meets what is left; one that never can is answered 429 near its deadline.
 #[tokio::test]
 async fn an_unattainable_objective_can_wait_instead_of_being_shed() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(200, Ordering::SeqCst);
     // a deep queue threshold: flow control itself holds nothing
-    let picker = start_picker(&yaml_with(
-        engine.addr.port(),
+    let (engine, picker) = picker_at(
+        200,
         "ttl: 30s, unattainableSlo: Queue",
         "{queueDepth: 1000}",
-    ))
-    .await;
-    let http = picker.addrs.http;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.2"#,
+        "0.2",
     )
     .await;
+    let http = picker.addrs.http;
     let before = engine.state.requests.load(Ordering::SeqCst);
     let waiting = tokio::spawn(async move { complete_within(http, Some(3_000)).await });
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -471,20 +470,14 @@ async fn an_unattainable_objective_can_wait_instead_of_being_shed() {
 /// when the queue falls below 2.
 #[tokio::test]
 async fn sheddable_requests_leave_room_for_the_other_bands() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    engine.state.waiting.store(3, Ordering::SeqCst);
-    let picker = start_picker(&yaml_with(
-        engine.addr.port(),
+    let (engine, picker) = picker_at(
+        3,
         "ttl: 30s",
         "{queueDepth: 5, sheddableQueueDepth: 2}",
-    ))
-    .await;
-    let http = picker.addrs.http;
-    metric(
-        &picker,
-        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.6"#,
+        "0.6",
     )
     .await;
+    let http = picker.addrs.http;
     let sheddable = tokio::spawn(async move { complete(http, Some(-1)).await });
     metric(
         &picker,
