@@ -39,6 +39,15 @@ async fn metric(picker: &kvroute_picker::service::Running, line: &str) {
     until_metric(picker.addrs.metrics, |l| l == line).await;
 }
 
+/// Waits until `n` requests wait in flow control's queue.
+async fn queued(picker: &kvroute_picker::service::Running, n: usize) {
+    metric(
+        picker,
+        &format!(r#"kvroute_picker_flow_queued{{model_config="llama"}} {n}"#),
+    )
+    .await;
+}
+
 /// A fake engine reporting a queue of 10 (saturated at the default depth 5) and a picker with
 /// flow control on (`flow`: more settings) that has seen it so.
 async fn saturated(flow: &str) -> (FakeEngine, kvroute_picker::service::Running) {
@@ -127,14 +136,7 @@ async fn saturated_requests_wait_and_leave_by_priority() {
             served.lock().push((name, status));
         }));
         // the low one is queued first
-        metric(
-            &picker,
-            &format!(
-                r#"kvroute_picker_flow_queued{{model_config="llama"}} {}"#,
-                tasks.len()
-            ),
-        )
-        .await;
+        queued(&picker, tasks.len()).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -189,11 +191,7 @@ async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
     let (engine, picker) = saturated("ttl: 30s, maxQueued: 1").await;
     let http = picker.addrs.http;
     let low = tokio::spawn(async move { complete(http, Some(-1)).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     // the same band finds the queue full
     let (status, reason) = complete(http, Some(-1)).await;
     assert_eq!((status, reason.as_deref()), (429, Some("queue_full")));
@@ -219,11 +217,7 @@ async fn a_client_that_leaves_is_taken_out_of_line() {
     let (engine, picker) = saturated("ttl: 30s").await;
     let http = picker.addrs.http;
     let waiting = tokio::spawn(async move { complete(http, None).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     waiting.abort();
     let _ = waiting.await;
     // the queue empties (its series goes) and the engine never sees the request
@@ -256,11 +250,7 @@ async fn the_gateway_stream_waits_for_dispatch() {
         let ext = ext.clone();
         tokio::spawn(async move { gateway::request(&ext, "/v1/completions", &[], body).await })
     };
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!waiting.is_finished(), "answered while saturated");
     engine.state.waiting.store(0, Ordering::SeqCst);
@@ -322,11 +312,7 @@ routing:
     })
     .await;
     let waiting = tokio::spawn(async move { complete(http, None).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!waiting.is_finished(), "on: it waits");
     // turned off again, the queue is released
@@ -393,14 +379,7 @@ async fn leaving_order(order: &str) -> Vec<&'static str> {
             assert_eq!(status, 200, "{name}");
             served.lock().push(name);
         }));
-        metric(
-            &picker,
-            &format!(
-                r#"kvroute_picker_flow_queued{{model_config="llama"}} {}"#,
-                tasks.len()
-            ),
-        )
-        .await;
+        queued(&picker, tasks.len()).await;
     }
     engine.state.waiting.store(0, Ordering::SeqCst);
     for t in tasks {
@@ -479,11 +458,7 @@ async fn sheddable_requests_leave_room_for_the_other_bands() {
     .await;
     let http = picker.addrs.http;
     let sheddable = tokio::spawn(async move { complete(http, Some(-1)).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     assert_eq!(complete(http, Some(0)).await.0, 200, "the room kept for it");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
@@ -577,11 +552,7 @@ routing:
     .await;
     let before = engine.state.requests.load(Ordering::SeqCst);
     let waiting = tokio::spawn(async move { complete(http, None).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         !waiting.is_finished(),
@@ -611,11 +582,7 @@ async fn a_body_larger_than_the_queue_is_refused() {
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "too_large", "{body}");
     let waiting = tokio::spawn(async move { complete(http, None).await });
-    metric(
-        &picker,
-        r#"kvroute_picker_flow_queued{model_config="llama"} 1"#,
-    )
-    .await;
+    queued(&picker, 1).await;
     engine.state.waiting.store(0, Ordering::SeqCst);
     assert_eq!(waiting.await.unwrap().0, 200);
     metric(
