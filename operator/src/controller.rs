@@ -215,6 +215,12 @@ pub async fn run(
                 Ok((pool, _)) => {
                     tracing::debug!(pool = %pool.name, namespace = ?pool.namespace, "reconciled")
                 }
+                // a watch that fails (a KVRoutePool this operator cannot read, after a CRD
+                // upgrade without the operator's, say) would otherwise leave pools unreconciled
+                // without a word
+                Err(controller::Error::QueueError(e)) => {
+                    tracing::warn!(error = %e, "watching the pools and their objects failed")
+                }
                 Err(e) => tracing::debug!(error = %e, "reconcile not completed"),
             }
         })
