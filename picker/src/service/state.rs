@@ -46,6 +46,17 @@ const BLOCKING_TOKENIZE_BYTES: usize = 32 * 1024;
 /// endpoint is predicted to meet waits before it is placed again.
 const SLO_RETRY_MS: u64 = 50;
 
+/// How a request passed flow control.
+#[derive(Debug, PartialEq, Eq)]
+enum Passed {
+    /// Flow control is off (or the request is not forwarded).
+    Off,
+    /// Nothing waited and these endpoints had room (in id order): it went straight on.
+    Straight(Vec<EndpointId>),
+    /// It waited in the queue until the dispatcher released it.
+    Waited,
+}
+
 /// A request about to pass flow control.
 #[derive(Clone, Copy)]
 struct FlowLine<'a> {
@@ -606,27 +617,27 @@ impl PickerState {
         let mut again = false;
         let mut waited = false;
         let (placement, admission, admission_ticket, started) = loop {
-            if purpose == Purpose::Forward {
+            let passed = if purpose == Purpose::Forward {
                 let line = FlowLine {
                     config: &config.name,
                     tenant: tenant.as_deref(),
                     band,
                     deadline_ms: slo.map(|v| arrived_ms + u64::from(v)),
                 };
-                waited |= self.pass_flow_control(&line, headers, &plan, req).await?;
+                self.pass_flow_control(&line, headers, &plan, req).await?
+            } else {
+                Passed::Off
+            };
+            waited |= passed == Passed::Waited;
+            // flow control places on an endpoint with room for the band, when one has (the
+            // rooms a request that went straight on found are still current)
+            let room: Option<Vec<EndpointId>> = match passed {
+                _ if fc.placement != FlowPlacement::WithRoom => None,
+                Passed::Off => None,
+                Passed::Straight(rooms) => Some(rooms),
+                Passed::Waited => Some(self.rooms(&config.name, &routing, band)),
             }
-            // flow control places on an endpoint with room for the band, when one has
-            let room: Option<Vec<EndpointId>> = (purpose == Purpose::Forward
-                && fc.enabled
-                && fc.placement == FlowPlacement::WithRoom)
-                .then(|| {
-                    self.pool
-                        .rooms(&config.name, &routing.saturation.for_band(band))
-                        .into_iter()
-                        .map(|(e, _)| e)
-                        .collect::<Vec<_>>()
-                })
-                .filter(|r| !r.is_empty());
+            .filter(|r| !r.is_empty());
             let allow_fn = |e: &Endpoint| {
                 (!dedicated || tenancy.allows(tenant.as_deref(), e))
                     && room.as_ref().is_none_or(|r| r.binary_search(&e.id).is_ok())
@@ -693,9 +704,8 @@ impl PickerState {
             })?;
             // a TTFT objective no endpoint is predicted to meet: answered now, not late, or
             // back in line while the objective can still be met
-            if let (Some(slo), Some(best)) = (slo, placement.decision.best_ttft_ms)
-                && best > f64::from(slo)
-            {
+            if let (Some(slo), Some(best)) = (slo, placement.decision.best_ttft_ms) {
+                // what is left of it after the wait in the picker
                 let left = (arrived_ms + u64::from(slo)).saturating_sub(self.now_ms());
                 if best > left as f64 {
                     if fc.unattainable_slo == UnattainableSlo::Queue && left > SLO_RETRY_MS {
@@ -833,14 +843,14 @@ fn expected_output_tokens(raw: &[u8]) -> u64 {
 impl PickerState {
     /// Flow control: go on while model config `config` has headroom and nothing of it waits;
     /// else wait in its queue until the dispatcher releases the request, or answer 429.
-    /// Returns whether it waited.
+    /// Returns how it passed.
     async fn pass_flow_control(
         &self,
         line: &FlowLine<'_>,
         headers: &HeaderMap,
         plan: &RequestPlan,
         req: &ParsedRequest,
-    ) -> Result<bool, ApiError> {
+    ) -> Result<Passed, ApiError> {
         let FlowLine {
             config,
             tenant,
@@ -850,16 +860,14 @@ impl PickerState {
         let routing = self.routing.load();
         let fc = &routing.flow_control;
         if !fc.enabled {
-            return Ok(false);
+            return Ok(Passed::Off);
         }
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        if self.flow.is_empty_for(config)
-            && self
-                .pool
-                .free_slots(config, &routing.saturation.for_band(band))
-                > 0
-        {
-            return Ok(false);
+        if self.flow.is_empty_for(config) {
+            let rooms = self.rooms(config, &routing, band);
+            if !rooms.is_empty() {
+                return Ok(Passed::Straight(rooms));
+            }
         }
         let flow = tenant
             .or_else(|| header(&fc.fairness_header))
@@ -924,7 +932,7 @@ impl PickerState {
         match outcome {
             Ok(super::flow::Outcome::Dispatched) => {
                 self.flow.placed(config);
-                Ok(true)
+                Ok(Passed::Waited)
             }
             Ok(super::flow::Outcome::Expired) => Err(ApiError::shed_because(
                 "queue_expired",
@@ -939,6 +947,15 @@ impl PickerState {
                 "the picker is shutting down",
             )),
         }
+    }
+
+    /// The endpoints of `config` with room for priority `band`, in id order.
+    fn rooms(&self, config: &str, routing: &RoutingConfig, band: i32) -> Vec<EndpointId> {
+        self.pool
+            .rooms(config, &routing.saturation.for_band(band))
+            .into_iter()
+            .map(|(e, _)| e)
+            .collect()
     }
 
     /// Session admission (`routing.admission`) for a request about to be placed: returns at
