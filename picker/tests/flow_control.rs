@@ -18,18 +18,23 @@ fn yaml(port: u16, flow: &str) -> String {
 
 /// With `routing.saturation: saturation`.
 fn yaml_with(port: u16, flow: &str, saturation: &str) -> String {
+    yaml_routing(
+        port,
+        &format!("flowControl: {{enabled: true, {flow}}}\n  saturation: {saturation}"),
+    )
+}
+
+/// One engine at `port` and the routing settings `routing` (lines indented by two).
+fn yaml_routing(port: u16, routing: &str) -> String {
     format!(
         r#"
 modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
+  - {{name: llama, model: llama, port: {port}}}
 endpoints:
   - {{address: 127.0.0.1, modelConfig: llama}}
 scrape: {{interval: 50ms, timeout: 200ms}}
 routing:
-  flowControl: {{enabled: true, {flow}}}
-  saturation: {saturation}
+  {routing}
 "#
     )
 }
@@ -153,7 +158,7 @@ async fn saturated_requests_wait_and_leave_by_priority() {
     assert_eq!(engine.state.requests.load(Ordering::SeqCst), before + 2);
     metric(&picker, "kvroute_picker_flow_dispatched_total 2").await;
     // the decision latency leaves the wait out (it has its own histogram): the two requests
-    // waited 300 ms and more, their decisions together far less
+    // waited 300 ms and more each; their decisions, the wait left out, a small part of that
     let text = kvroute_testkit::get_text(
         &client(),
         format!("http://{}/metrics", picker.addrs.metrics),
@@ -164,8 +169,12 @@ async fn saturated_requests_wait_and_leave_by_priority() {
             .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
             .unwrap_or_else(|| panic!("{name} in\n{text}"))
     };
-    assert!(sum("kvroute_picker_flow_wait_seconds_sum") >= 0.6, "{text}");
-    assert!(sum("kvroute_picker_decision_seconds_sum") < 0.3, "{text}");
+    let wait = sum("kvroute_picker_flow_wait_seconds_sum");
+    assert!(wait >= 0.6, "{text}");
+    assert!(
+        sum("kvroute_picker_decision_seconds_sum") < wait / 2.0,
+        "{text}"
+    );
     picker.shutdown().await;
 }
 
@@ -282,17 +291,9 @@ async fn flow_control_settings_apply_without_restart() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("picker.yaml");
     let write = |flow: &str| {
-        let yaml = loopback_listen(&format!(
-            r#"
-modelConfigs:
-  - {{name: llama, model: llama, port: {}}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-routing:
-  flowControl: {{{flow}}}
-"#,
-            engine.addr.port()
+        let yaml = loopback_listen(&yaml_routing(
+            engine.addr.port(),
+            &format!("flowControl: {{{flow}}}"),
         ));
         write_atomically(&path, &yaml);
     };
@@ -524,18 +525,9 @@ routing:
 #[tokio::test]
 async fn stale_metrics_count_as_saturated() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let picker = start_picker(&format!(
-        r#"
-modelConfigs:
-  - {{name: llama, model: llama, port: {}}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-routing:
-  stalenessThreshold: 300ms
-  flowControl: {{enabled: true, ttl: 30s}}
-"#,
-        engine.addr.port()
+    let picker = start_picker(&yaml_routing(
+        engine.addr.port(),
+        "stalenessThreshold: 300ms\n  flowControl: {enabled: true, ttl: 30s}",
     ))
     .await;
     let http = picker.addrs.http;
