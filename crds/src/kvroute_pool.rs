@@ -294,6 +294,10 @@ pub struct ModelConfigStatus {
     pub eligible_pods: u32,
     /// Routable (pod, rank) endpoints: eligible pods times the data-parallel size.
     pub eligible_ranks: u32,
+    /// Eligible pods by their role under prefill/decode disaggregation (the
+    /// `kvroute.dev/role` or `llm-d.ai/role` label; unlabelled pods are `both`).
+    #[serde(default)]
+    pub eligible_pods_by_role: RoleCounts,
     /// Pods selected for this config that are not eligible.
     pub ineligible_pods: u32,
     /// Up to 32 ineligible pods, by name, with the reason.
@@ -306,6 +310,31 @@ pub struct ModelConfigStatus {
     /// The EndpointSlices listing this config's endpoints.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoint_slices: Vec<String>,
+}
+
+/// Pods by role under prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RoleCounts {
+    /// Pods that only prefill split requests.
+    pub prefill: u32,
+    /// Pods that decode split requests and run whole ones.
+    pub decode: u32,
+    /// Pods without a split role: whole requests and decodes.
+    pub both: u32,
+}
+
+impl RoleCounts {
+    /// Count one pod of `role`.
+    pub fn count(&mut self, role: kvroute_routing::endpoint::Role) {
+        use kvroute_routing::endpoint::Role;
+        let n = match role {
+            Role::Prefill => &mut self.prefill,
+            Role::Decode => &mut self.decode,
+            Role::Both => &mut self.both,
+        };
+        *n = n.saturating_add(1);
+    }
 }
 
 /// A pod that does not serve a model config, and why.

@@ -16,6 +16,8 @@ pub mod gateway_pool;
 pub mod kvroute_pool;
 /// Routing policy (defined in the routing core, which the picker runs).
 pub use kvroute_routing::config as routing;
+/// Endpoint roles under prefill/decode disaggregation, read from pod labels.
+pub use kvroute_routing::endpoint::{ROLE_LABELS, Role};
 /// Model configs and tenancy (defined in the routing core, which the picker runs).
 pub use kvroute_routing::pool;
 

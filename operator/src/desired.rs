@@ -210,11 +210,10 @@ fn config_slices(
                 ]),
                 owner,
             );
-            if tenant_keys {
-                let projection: BTreeMap<&str, &BTreeMap<String, String>> = pods
-                    .iter()
-                    .map(|p| (p.name.as_str(), &p.tenant_labels))
-                    .collect();
+            // tenant selectors' keys, and the roles of pods that have one
+            if tenant_keys || pods.iter().any(|p| !p.labels.is_empty()) {
+                let projection: BTreeMap<&str, &BTreeMap<String, String>> =
+                    pods.iter().map(|p| (p.name.as_str(), &p.labels)).collect();
                 let text = serde_json::to_string(&projection).map_err(|source| Error::Render {
                     what: "endpoint labels",
                     source,

@@ -12,8 +12,11 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Pod;
 use kvroute_crds::contract::pod as declared;
-use kvroute_crds::kvroute_pool::{IneligiblePod, IneligibleReason, KVRoutePoolSpec, labels_match};
+use kvroute_crds::kvroute_pool::{
+    IneligiblePod, IneligibleReason, KVRoutePoolSpec, RoleCounts, labels_match,
+};
 use kvroute_crds::pool::{EngineKind, Isolation, ModelConfigSpec};
+use kvroute_crds::{ROLE_LABELS, Role};
 
 /// Readiness of a listed pod, as EndpointSlice conditions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,8 +34,11 @@ pub struct ListedPod {
     pub ip: IpAddr,
     pub node_name: Option<String>,
     pub conditions: Conditions,
-    /// The pod's values of the label keys tenant selectors read.
-    pub tenant_labels: BTreeMap<String, String>,
+    /// The pod's values of the label keys pickers read: tenant selectors' keys and the
+    /// role labels ([`Role::from_labels`]).
+    pub labels: BTreeMap<String, String>,
+    /// Its role under prefill/decode disaggregation.
+    pub role: Role,
 }
 
 /// The endpoints of one model config.
@@ -42,6 +48,8 @@ pub struct ConfigEndpoints {
     /// Eligible and draining pods, by name.
     pub listed: Vec<ListedPod>,
     pub eligible_pods: u32,
+    /// Eligible pods by role.
+    pub eligible_by_role: RoleCounts,
     /// Selected pods that are not eligible, by name.
     pub ineligible: Vec<IneligiblePod>,
 }
@@ -99,6 +107,9 @@ fn declaration<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
 
 /// The first incompatibility between what the pod declares and the model config.
 pub fn declared_mismatch(mc: &ModelConfigSpec, pod: &Pod) -> Option<(IneligibleReason, String)> {
+    if let Err(message) = Role::from_labels(&pod_labels(pod)) {
+        return Some((IneligibleReason::InvalidDeclaration, message));
+    }
     if let Some(model) = declaration(pod, declared::MODEL)
         && model != mc.model
     {
@@ -301,8 +312,11 @@ pub fn resolve<'a>(
                     continue;
                 };
                 let verdict = judge(mc, pod);
+                // a role label that does not parse made the pod ineligible
+                let role = Role::from_labels(&labels).unwrap_or_default();
                 if verdict.ineligible.is_none() {
                     out.eligible_pods += 1;
+                    out.eligible_by_role.count(role);
                 }
                 if let Some((reason, message)) = verdict.ineligible {
                     out.ineligible.push(IneligiblePod {
@@ -318,10 +332,13 @@ pub fn resolve<'a>(
                         ip,
                         node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
                         conditions,
-                        tenant_labels: keys
+                        labels: keys
                             .iter()
-                            .filter_map(|k| labels.get(k).map(|v| (k.clone(), v.clone())))
+                            .map(String::as_str)
+                            .chain(ROLE_LABELS)
+                            .filter_map(|k| labels.get(k).map(|v| (k.to_owned(), v.clone())))
                             .collect(),
+                        role,
                     });
                 }
             }

@@ -86,6 +86,7 @@ fn model_config_status(
         name: c.name.clone(),
         eligible_pods: c.eligible_pods,
         eligible_ranks: c.eligible_pods.saturating_mul(dp),
+        eligible_pods_by_role: c.eligible_by_role,
         ineligible_pods: u32::try_from(c.ineligible.len()).unwrap_or(u32::MAX),
         ineligible,
         endpoint_slices: slice_names.get(&c.name).cloned().unwrap_or_default(),

@@ -263,11 +263,11 @@ fn tenant_label_keys_are_projected_for_dedicated_endpoints() {
         .build()];
     let r = resolve(&pool.spec, NS, &pods);
     assert_eq!(
-        r[0].listed[0].tenant_labels,
+        r[0].listed[0].labels,
         [("tenant".to_owned(), "a".to_owned())].into()
     );
     let r = resolve(&mk_pool(base_spec()).spec, NS, &pods);
-    assert!(r[0].listed[0].tenant_labels.is_empty());
+    assert!(r[0].listed[0].labels.is_empty());
 }
 
 #[test]
@@ -320,4 +320,69 @@ fn pod_events_map_to_the_pools_they_affect() {
     // another namespace: nothing
     let elsewhere = mk_pod("vllm-0").ip("10.0.0.1").namespace("other").build();
     assert!(pools_for_pod(&elsewhere, &pools, &slices).is_empty());
+}
+
+#[test]
+fn roles_come_from_either_label_are_counted_and_ride_along_for_the_pickers() {
+    use kvroute_crds::Role;
+    let c = resolve_one(&[
+        mk_pod("p-0")
+            .ip("10.0.0.1")
+            .ready()
+            .label("llm-d.ai/role", "prefill")
+            .build(),
+        mk_pod("d-0")
+            .ip("10.0.0.2")
+            .ready()
+            .label("kvroute.dev/role", "decode")
+            .label("llm-d.ai/role", "prefill")
+            .build(),
+        mk_pod("w-0").ip("10.0.0.3").ready().build(),
+        // not ready: listed, not counted
+        mk_pod("p-1")
+            .ip("10.0.0.4")
+            .not_ready()
+            .label("llm-d.ai/role", "prefill")
+            .build(),
+    ]);
+    assert_eq!(c.eligible_pods, 3);
+    assert_eq!(
+        (
+            c.eligible_by_role.prefill,
+            c.eligible_by_role.decode,
+            c.eligible_by_role.both
+        ),
+        (1, 1, 1)
+    );
+    let role = |name: &str| c.listed.iter().find(|p| p.name == name).map(|p| p.role);
+    assert_eq!(role("p-0"), Some(Role::Prefill));
+    // kvroute's own label wins over llm-d's
+    assert_eq!(role("d-0"), Some(Role::Decode));
+    assert_eq!(role("w-0"), Some(Role::Both));
+    let d = c.listed.iter().find(|p| p.name == "d-0").expect("listed");
+    assert_eq!(
+        d.labels.len(),
+        2,
+        "both role labels projected: {:?}",
+        d.labels
+    );
+}
+
+#[test]
+fn a_role_label_with_another_value_makes_the_pod_ineligible_naming_the_label() {
+    let c = resolve_one(&[mk_pod("p-0")
+        .ip("10.0.0.1")
+        .ready()
+        .label("llm-d.ai/role", "prefil")
+        .build()]);
+    assert_eq!(c.eligible_pods, 0);
+    assert_eq!(
+        reasons(&c),
+        [("p-0".into(), IneligibleReason::InvalidDeclaration)]
+    );
+    assert!(
+        c.ineligible[0].message.contains("llm-d.ai/role"),
+        "{}",
+        c.ineligible[0].message
+    );
 }

@@ -308,6 +308,9 @@ pub struct RoutingConfig {
     /// queue by priority band, fair between flows, instead of piling into the engines' own
     /// queues.
     pub flow_control: FlowControlSettings,
+    /// Prefill/decode disaggregation: when the model config has endpoints of role `prefill`,
+    /// whether a request's prefill runs there and its KV moves to a decode endpoint.
+    pub disaggregation: DisaggregationSettings,
     /// Model rewrites and traffic splits: requests naming a model go to other models or LoRA
     /// adapters the pool serves, by weight (at most 64 rules, model names unique).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -316,6 +319,109 @@ pub struct RoutingConfig {
         extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["model"])
     )]
     pub model_rewrites: Vec<ModelRewrite>,
+}
+
+/// When a request is split between a prefill and a decode endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+pub enum DisaggregationMode {
+    /// Never: requests run whole on `decode` and `both` endpoints; `prefill` ones take none.
+    Off,
+    /// The decider's choice: split when the prompt's uncached part on the best prefill
+    /// endpoint reaches `minUncachedTokens` and that endpoint's queue is below
+    /// `maxPrefillQueue`; otherwise run it whole on a `decode` or `both` endpoint.
+    #[default]
+    Auto,
+    /// Every request the prefill endpoints can take is split.
+    Always,
+}
+
+impl DisaggregationMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Off => "Off",
+            Self::Auto => "Auto",
+            Self::Always => "Always",
+        }
+    }
+}
+
+/// Prefill/decode disaggregation. An endpoint's role comes from its pod's `llm-d.ai/role` or
+/// `kvroute.dev/role` label (`prefill`, `decode` or `both`; unlabelled: `both`). A split
+/// request is prefilled on a `prefill` endpoint chosen by the routing strategy (its prefix
+/// cache decides the cost), then decoded on a `decode` or `both` endpoint chosen for room
+/// and decode load, which pulls the KV over the engines' KV connector (vLLM's
+/// `kv_transfer_params`). A model config without `prefill` endpoints is never split.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DisaggregationSettings {
+    /// `Off`, `Auto` (default) or `Always`.
+    pub mode: DisaggregationMode,
+    /// `Auto` splits a request only when at least this many of its prompt tokens are not
+    /// cached on the chosen prefill endpoint (a short or mostly cached prefill costs less
+    /// where it is decoded than its KV transfer). Default 512.
+    #[schemars(range(max = 10_000_000))]
+    pub min_uncached_tokens: u32,
+    /// `Auto` splits a request only while the chosen prefill endpoint has fewer requests
+    /// waiting than this (the prefill pool is not the bottleneck). Default 8.
+    #[schemars(range(min = 1, max = 100_000))]
+    pub max_prefill_queue: u32,
+    /// Output tokens a decode endpoint must have KV room for, beyond the prompt. Default 256.
+    #[schemars(range(max = 10_000_000))]
+    pub expected_output_tokens: u32,
+    /// Milliseconds to pull one KV block the decode endpoint does not hold from the prefill
+    /// endpoint. Default 0.1.
+    #[schemars(range(min = 0.0))]
+    pub transfer_ms_per_block: f64,
+    /// Fixed milliseconds of a KV transfer (the connector's handshake). Default 2.
+    #[schemars(range(min = 0.0))]
+    pub transfer_latency_ms: f64,
+}
+
+impl Default for DisaggregationSettings {
+    fn default() -> Self {
+        Self {
+            mode: DisaggregationMode::default(),
+            min_uncached_tokens: 512,
+            max_prefill_queue: 8,
+            expected_output_tokens: 256,
+            transfer_ms_per_block: 0.1,
+            transfer_latency_ms: 2.0,
+        }
+    }
+}
+
+impl DisaggregationSettings {
+    fn validate(&self) -> Result<(), String> {
+        if self.min_uncached_tokens > 10_000_000 {
+            return Err(format!(
+                "routing.disaggregation.minUncachedTokens must be at most 10000000, got {}",
+                self.min_uncached_tokens
+            ));
+        }
+        if !(1..=100_000).contains(&self.max_prefill_queue) {
+            return Err(format!(
+                "routing.disaggregation.maxPrefillQueue must be in [1, 100000], got {}",
+                self.max_prefill_queue
+            ));
+        }
+        if self.expected_output_tokens > 10_000_000 {
+            return Err(format!(
+                "routing.disaggregation.expectedOutputTokens must be at most 10000000, got {}",
+                self.expected_output_tokens
+            ));
+        }
+        for (name, v) in [
+            ("transferMsPerBlock", self.transfer_ms_per_block),
+            ("transferLatencyMs", self.transfer_latency_ms),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!(
+                    "routing.disaggregation.{name} must be a finite number >= 0, got {v}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Requests naming `model` go to the `targets` (models or LoRA adapters the pool serves) in
@@ -717,6 +823,7 @@ impl Default for RoutingConfig {
             admission: AdmissionSettings::default(),
             saturation: SaturationSettings::default(),
             flow_control: FlowControlSettings::default(),
+            disaggregation: DisaggregationSettings::default(),
             model_rewrites: Vec::new(),
         }
     }
@@ -850,6 +957,7 @@ impl RoutingConfig {
             ));
         }
         self.flow_control.validate()?;
+        self.disaggregation.validate()?;
         if self.model_rewrites.len() > 64 {
             return Err(format!(
                 "routing.modelRewrites has {} rules, more than 64",
@@ -983,6 +1091,32 @@ mod tests {
         let e = serde_json::from_str::<RoutingConfig>(r#"{"strategy":"Fastest"}"#)
             .expect_err("unknown");
         assert!(e.to_string().contains("Fastest"), "{e}");
+    }
+
+    #[test]
+    fn disaggregation_settings_parse_and_bad_values_name_their_field() {
+        let c: RoutingConfig = serde_json::from_str(
+            r#"{"disaggregation":{"mode":"Always","minUncachedTokens":2048,"transferMsPerBlock":0.5}}"#,
+        )
+        .expect("parse");
+        assert_eq!(c.disaggregation.mode, DisaggregationMode::Always);
+        assert_eq!(c.disaggregation.min_uncached_tokens, 2048);
+        assert_eq!(c.disaggregation.max_prefill_queue, 8);
+        c.validate().expect("valid");
+        let e = serde_json::from_str::<RoutingConfig>(r#"{"disaggregation":{"mode":"Sometimes"}}"#)
+            .expect_err("unknown mode");
+        assert!(e.to_string().contains("Sometimes"), "{e}");
+        let mut c = RoutingConfig::default();
+        c.disaggregation.max_prefill_queue = 0;
+        let e = c.validate().expect_err("zero queue");
+        assert!(e.contains("routing.disaggregation.maxPrefillQueue"), "{e}");
+        let mut c = RoutingConfig::default();
+        c.disaggregation.transfer_ms_per_block = f64::NAN;
+        let e = c.validate().expect_err("nan");
+        assert!(
+            e.contains("routing.disaggregation.transferMsPerBlock"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -230,6 +230,68 @@ pub struct Endpoint {
     pub labels: BTreeMap<String, String>,
     /// Where this endpoint publishes KV events when it overrides its model config's ports.
     pub kv_ports: Option<KvPorts>,
+    /// What it serves under prefill/decode disaggregation ([`Role::from_labels`]).
+    pub role: Role,
+}
+
+/// An endpoint's part under prefill/decode disaggregation.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefills split requests and takes no whole request.
+    Prefill,
+    /// Decodes split requests (pulling their KV) and runs whole ones.
+    Decode,
+    /// Runs whole requests and decodes split ones: an engine without a role.
+    #[default]
+    Both,
+}
+
+/// Pod labels naming an endpoint's role, the first present wins: kvroute's own, then llm-d's.
+pub const ROLE_LABELS: [&str; 2] = ["kvroute.dev/role", "llm-d.ai/role"];
+
+impl Role {
+    /// The role the labels give (`prefill`, `decode` or `both`; `prefill-decode` is read as
+    /// `both`); no role label: `Both`.
+    ///
+    /// # Errors
+    /// A role label with another value, naming the label.
+    pub fn from_labels(labels: &BTreeMap<String, String>) -> Result<Self, String> {
+        let Some((label, value)) = ROLE_LABELS
+            .iter()
+            .find_map(|l| labels.get(*l).map(|v| (*l, v)))
+        else {
+            return Ok(Self::Both);
+        };
+        Self::parse(value).ok_or_else(|| {
+            format!("label {label}={value:?}: the role must be prefill, decode or both")
+        })
+    }
+
+    /// `prefill`, `decode`, `both` (or `prefill-decode`).
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "prefill" => Some(Self::Prefill),
+            "decode" => Some(Self::Decode),
+            "both" | "prefill-decode" => Some(Self::Both),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+            Self::Both => "both",
+        }
+    }
+
+    /// Whether it takes whole requests and the decode of split ones.
+    pub fn decodes(self) -> bool {
+        self != Self::Prefill
+    }
 }
 
 /// KV-event ports of one endpoint: the publisher and, optionally, the replay service.
@@ -247,6 +309,7 @@ impl Endpoint {
             state: EndpointState::Ready,
             labels: BTreeMap::new(),
             kv_ports: None,
+            role: Role::Both,
         }
     }
 }

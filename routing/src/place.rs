@@ -31,14 +31,17 @@ use parking_lot::{Mutex, RwLock};
 use crate::admission::{AdmissionQueue, Admitted, Gate, Room, Ticket, Turn};
 use crate::block_keys::BlockKey;
 use crate::calibration::{Calibration, TtftBasis};
+use crate::config::DisaggregationMode;
 use crate::endpoint::EndpointId;
+use crate::endpoint::Role;
 use crate::index::{IndexConfig, IndexError};
 use crate::inflight::{InflightGuard, InflightTracker};
 use crate::load::EndpointLoad;
 use crate::outlier::{OutlierDetection, OutlierDetector};
 use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState, ScrapeOutcome};
-use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router};
+use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, Stage};
 use crate::session::SessionTable;
+use serde::Serialize;
 
 /// Sessions a pool remembers by default (least recently served forgotten first).
 pub const DEFAULT_SESSION_CAPACITY: usize = 100_000;
@@ -109,6 +112,69 @@ pub struct Placement {
     pub lora: Option<u64>,
 }
 
+/// Whether a request is split between a prefill and a decode endpoint, and why
+/// ([`Pool::place_split`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    /// `Auto` split it: this many prompt tokens are not cached on the prefill endpoint.
+    Split { uncached_tokens: u32 },
+    /// `Always` split it.
+    Always { uncached_tokens: u32 },
+    /// Whole: disaggregation is off.
+    Off,
+    /// Whole: the model config has no `prefill` endpoint that can take it.
+    NoPrefillEndpoint,
+    /// Whole: every prefill endpoint is stale.
+    PrefillStale,
+    /// Whole: too little of the prompt is uncached on the prefill endpoint to pay for the
+    /// KV transfer.
+    FewUncached { uncached_tokens: u32, min: u32 },
+    /// Whole: the prefill endpoint's queue is the bottleneck.
+    PrefillBusy { queue: f64, max: u32 },
+}
+
+impl Verdict {
+    /// Whether the request is split.
+    pub fn splits(self) -> bool {
+        matches!(self, Self::Split { .. } | Self::Always { .. })
+    }
+
+    /// Stable label for metrics.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Self::Split { .. } => "split",
+            Self::Always { .. } => "always",
+            Self::Off => "off",
+            Self::NoPrefillEndpoint => "no_prefill_endpoint",
+            Self::PrefillStale => "prefill_stale",
+            Self::FewUncached { .. } => "few_uncached",
+            Self::PrefillBusy { .. } => "prefill_busy",
+        }
+    }
+}
+
+/// Where a request goes under prefill/decode disaggregation ([`Pool::place_split`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitPlacement {
+    /// The endpoint that serves the request's output: its decode when split, else all of it.
+    pub placement: Placement,
+    /// Where a split request is prefilled.
+    pub prefill: Option<Placement>,
+    pub verdict: Verdict,
+}
+
+/// The routing configuration with the decode policy.
+fn decode_router(config: &crate::config::RoutingConfig) -> Router {
+    Router::with_policy(
+        config.clone(),
+        Box::new(crate::policy::Decode::new(
+            config.cost_model,
+            config.disaggregation,
+        )),
+    )
+}
+
 /// See the module documentation.
 pub struct Pool {
     state: PoolState,
@@ -117,6 +183,8 @@ pub struct Pool {
     /// Placements recorded: round robin's turn, the random policy's draw.
     turn: AtomicU64,
     router: ArcSwap<Router>,
+    /// The same configuration with the decode policy: where split requests decode.
+    decode_router: ArcSwap<Router>,
     calibration: RwLock<Calibration>,
     outliers: Mutex<OutlierDetector>,
     /// Session admission's waiting turns (`routing.admission`).
@@ -142,6 +210,7 @@ impl Pool {
             inflight: InflightTracker::new(),
             sessions: Mutex::new(SessionTable::new(settings.session_capacity)),
             turn: AtomicU64::new(0),
+            decode_router: ArcSwap::from_pointee(decode_router(router.config())),
             router: ArcSwap::from_pointee(router),
             calibration: RwLock::new(Calibration::new(prior)),
             outliers: Mutex::new(OutlierDetector::new(settings.outlier_detection)),
@@ -216,6 +285,8 @@ impl Pool {
     /// ejections are the pool's and stay: a routing edit changes the policy, not where
     /// sessions live.
     pub fn set_router(&self, router: Router) {
+        self.decode_router
+            .store(Arc::new(decode_router(router.config())));
         self.router.store(Arc::new(router));
     }
 
@@ -275,7 +346,98 @@ impl Pool {
     /// session's pin, ejections, calibration when the cost model calibrates, this turn), then
     /// the in-flight cap. Changes nothing.
     pub fn place(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Placement, PlaceError> {
+        self.place_with(&self.router.load(), req, now_ms, true)
+    }
+
+    /// Where `req` would go at `now_ms` under prefill/decode disaggregation
+    /// (`routing.disaggregation`): whole on a `decode` or `both` endpoint ([`Pool::place`]),
+    /// or split, its prefill on a `prefill` endpoint chosen by the routing policy (its
+    /// prefix cache decides the prefill's cost) and its decode on a `decode` or `both`
+    /// endpoint chosen by the decode policy ([`crate::policy::Decode`]). The decider:
+    /// `Always` splits whenever a prefill endpoint can take the request; `Auto` only when
+    /// the prompt's uncached part on the chosen prefill endpoint reaches `minUncachedTokens`
+    /// and that endpoint has fewer than `maxPrefillQueue` requests waiting. Changes nothing.
+    pub fn place_split(
+        &self,
+        req: &RouteRequest<'_>,
+        now_ms: u64,
+    ) -> Result<SplitPlacement, PlaceError> {
         let router = self.router.load();
+        let pd = router.config().disaggregation;
+        let whole = |verdict: Verdict| -> Result<SplitPlacement, PlaceError> {
+            let whole = RouteRequest {
+                stage: Stage::Whole,
+                ..*req
+            };
+            Ok(SplitPlacement {
+                placement: self.place_with(&router, &whole, now_ms, true)?,
+                prefill: None,
+                verdict,
+            })
+        };
+        if pd.mode == DisaggregationMode::Off {
+            return whole(Verdict::Off);
+        }
+        let has_prefill = self
+            .state
+            .read()
+            .endpoints
+            .endpoints()
+            .iter()
+            .any(|e| e.role == Role::Prefill && e.model_config.name == req.model_config.name);
+        if !has_prefill {
+            return whole(Verdict::NoPrefillEndpoint);
+        }
+        let prefill_req = RouteRequest {
+            stage: Stage::Prefill,
+            ..*req
+        };
+        // no pin: a session is pinned where it decodes
+        let prefill = match self.place_with(&router, &prefill_req, now_ms, false) {
+            Ok(p) if !p.decision.failed_open => p,
+            Ok(_) => return whole(Verdict::PrefillStale),
+            Err(_) => return whole(Verdict::NoPrefillEndpoint),
+        };
+        let uncached_tokens = req
+            .prompt_tokens
+            .saturating_sub(prefill.decision.cached_tokens);
+        let queue = prefill.decision.features.queue();
+        let verdict = match pd.mode {
+            DisaggregationMode::Always => Verdict::Always { uncached_tokens },
+            _ if uncached_tokens < pd.min_uncached_tokens => {
+                return whole(Verdict::FewUncached {
+                    uncached_tokens,
+                    min: pd.min_uncached_tokens,
+                });
+            }
+            _ if queue >= f64::from(pd.max_prefill_queue) => {
+                return whole(Verdict::PrefillBusy {
+                    queue,
+                    max: pd.max_prefill_queue,
+                });
+            }
+            _ => Verdict::Split { uncached_tokens },
+        };
+        let decode_req = RouteRequest {
+            stage: Stage::Decode,
+            ..*req
+        };
+        let placement = self.place_with(&self.decode_router.load(), &decode_req, now_ms, true)?;
+        Ok(SplitPlacement {
+            placement,
+            prefill: Some(prefill),
+            verdict,
+        })
+    }
+
+    /// [`Pool::place`] with `router`, reading the session's pin or not.
+    fn place_with(
+        &self,
+        router: &Router,
+        req: &RouteRequest<'_>,
+        now_ms: u64,
+        read_pin: bool,
+    ) -> Result<Placement, PlaceError> {
         let calibrating = router.config().cost_model.calibrate;
         let ejected = self.outliers.lock().ejected(now_ms);
         let session_key = Router::session_key(req.tenant, req.session);
@@ -285,7 +447,9 @@ impl Pool {
         let (pin, working_sets) = {
             let sessions = self.sessions.lock();
             (
-                session_key.and_then(|k| sessions.pin(k)),
+                session_key
+                    .filter(|_| read_pin)
+                    .and_then(|k| sessions.pin(k)),
                 balance.then(|| sessions.live().clone()),
             )
         };
@@ -314,7 +478,8 @@ impl Pool {
         let decision = decision
             .within_inflight_cap(&self.inflight, cap)
             .ok_or(PlaceError::Shed { cap })?;
-        let ttft_basis = (calibrating && decision.endpoint == chosen)
+        // only a whole request's first token is the prefill the cost model estimated
+        let ttft_basis = (calibrating && decision.endpoint == chosen && req.stage == Stage::Whole)
             .then(|| crate::policy::ttft_basis(&router.config().cost_model, &decision.features));
         let mut decision = decision;
         if req.explain && !decision.candidates.is_empty() {
@@ -556,6 +721,7 @@ mod tests {
             subset: None,
             allow: None,
             fallback_hash: 1,
+            stage: crate::router::Stage::Whole,
             explain: false,
             lora: None,
         }
@@ -794,5 +960,183 @@ mod tests {
         routing.admission.overcommit = 1.5;
         pool.set_router(Router::new(routing));
         assert_eq!(pool.room(&new, 0).expect("asked").capacity_tokens, 4_800);
+    }
+
+    /// A pool of `roles` (endpoint `i + 1` has `roles[i]`), disaggregating in `mode`, every
+    /// endpoint scraped idle at 0 with room for 10k blocks, on an approximate index.
+    fn pd_pool(mode: DisaggregationMode, roles: &[Role]) -> (Pool, Arc<ModelConfig>) {
+        let mc = Arc::new(ModelConfig::new("c", "m"));
+        let mut routing = RoutingConfig::default();
+        routing.disaggregation.mode = mode;
+        let pool = Pool::new(PoolSettings::default(), Router::new(routing));
+        let members = roles
+            .iter()
+            .enumerate()
+            .map(|(i, role)| {
+                let mut endpoint = Endpoint::new(id(i as u8 + 1), mc.clone());
+                endpoint.role = *role;
+                PoolMember {
+                    endpoint,
+                    precise: false,
+                    kv_capacity_blocks: Some(10_000),
+                }
+            })
+            .collect();
+        pool.apply_view(members, || {}).expect("view");
+        pool.observe_scrape(0, (1..=roles.len() as u8).map(|i| (id(i), load(0.0, 0))));
+        (pool, mc)
+    }
+
+    fn prompt(tokens: u32, seed: u32) -> Vec<BlockKey> {
+        use crate::block_keys::{BlockHasher, ChainRoot};
+        let ids: Vec<u32> = (0..tokens).map(|t| t.wrapping_mul(31) ^ seed).collect();
+        BlockHasher::new(16).keys(ChainRoot::new("m", None, None), &ids)
+    }
+
+    fn split<'a>(
+        pool: &Pool,
+        mc: &'a ModelConfig,
+        keys: &'a [BlockKey],
+        tokens: u32,
+    ) -> SplitPlacement {
+        let req = RouteRequest {
+            keys,
+            prompt_tokens: tokens,
+            ..request(mc, Some("s"))
+        };
+        pool.place_split(&req, 10).expect("placed")
+    }
+
+    #[test]
+    fn without_prefill_endpoints_nothing_is_split_and_the_placement_is_the_usual_one() {
+        let (pool, mc) = pd_pool(DisaggregationMode::Always, &[Role::Both, Role::Both]);
+        let keys = prompt(4096, 1);
+        let s = split(&pool, &mc, &keys, 4096);
+        assert_eq!(s.verdict, Verdict::NoPrefillEndpoint);
+        assert!(s.prefill.is_none());
+        let req = RouteRequest {
+            keys: &keys,
+            prompt_tokens: 4096,
+            ..request(&mc, Some("s"))
+        };
+        assert_eq!(s.placement, pool.place(&req, 10).expect("placed"));
+    }
+
+    #[test]
+    fn a_prefill_endpoint_never_takes_a_whole_request() {
+        let (pool, mc) = pd_pool(DisaggregationMode::Off, &[Role::Prefill, Role::Decode]);
+        for seed in 0..16 {
+            let keys = prompt(256, seed);
+            let s = split(&pool, &mc, &keys, 256);
+            assert_eq!(s.verdict, Verdict::Off);
+            assert_eq!(s.placement.decision.endpoint, id(2));
+            assert!(!s.placement.decision.fallbacks.contains(&id(1)));
+        }
+        // nor through the plain placement
+        let keys = prompt(256, 99);
+        let req = RouteRequest {
+            keys: &keys,
+            prompt_tokens: 256,
+            ..request(&mc, None)
+        };
+        assert_eq!(
+            pool.place(&req, 10).expect("placed").decision.endpoint,
+            id(2)
+        );
+    }
+
+    #[test]
+    fn auto_splits_only_when_enough_of_the_prompt_is_uncached_on_the_prefill_endpoint() {
+        let (pool, mc) = pd_pool(
+            DisaggregationMode::Auto,
+            &[Role::Prefill, Role::Decode, Role::Decode],
+        );
+        // 4096 tokens, none cached: split, prefill on 1
+        let keys = prompt(4096, 7);
+        let s = split(&pool, &mc, &keys, 4096);
+        assert_eq!(
+            s.verdict,
+            Verdict::Split {
+                uncached_tokens: 4096
+            }
+        );
+        let prefill = s.prefill.as_ref().expect("split");
+        assert_eq!(prefill.decision.endpoint, id(1));
+        assert_ne!(s.placement.decision.endpoint, id(1));
+        // the prefill endpoint holds all but the last 256 tokens: under the 512 threshold,
+        // so it runs whole on a decode endpoint
+        pool.state()
+            .record_routed(&id(1), &keys[..keys.len() - 16], 10);
+        let s = split(&pool, &mc, &keys, 4096);
+        assert_eq!(
+            s.verdict,
+            Verdict::FewUncached {
+                uncached_tokens: 256,
+                min: 512
+            }
+        );
+        assert!(s.prefill.is_none());
+        assert_ne!(s.placement.decision.endpoint, id(1));
+        // a short prompt is never split
+        let short = prompt(300, 8);
+        assert!(!split(&pool, &mc, &short, 300).verdict.splits());
+    }
+
+    #[test]
+    fn a_busy_prefill_endpoint_is_not_split_on_unless_always() {
+        let (pool, mc) = pd_pool(DisaggregationMode::Auto, &[Role::Prefill, Role::Decode]);
+        pool.observe_scrape(20, [(id(1), load(8.0, 20)), (id(2), load(0.0, 20))]);
+        let keys = prompt(4096, 3);
+        let s = split(&pool, &mc, &keys, 4096);
+        assert_eq!(s.verdict, Verdict::PrefillBusy { queue: 8.0, max: 8 });
+        assert_eq!(s.placement.decision.endpoint, id(2));
+
+        let (pool, mc) = pd_pool(DisaggregationMode::Always, &[Role::Prefill, Role::Decode]);
+        pool.observe_scrape(20, [(id(1), load(8.0, 20)), (id(2), load(0.0, 20))]);
+        let short = prompt(64, 3);
+        let s = split(&pool, &mc, &short, 64);
+        assert_eq!(
+            s.verdict,
+            Verdict::Always {
+                uncached_tokens: 64
+            }
+        );
+        assert_eq!(s.prefill.expect("split").decision.endpoint, id(1));
+    }
+
+    #[test]
+    fn prefill_goes_where_the_prefix_is_and_decode_where_the_conversation_is() {
+        let (pool, mc) = pd_pool(
+            DisaggregationMode::Auto,
+            &[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode],
+        );
+        let keys = prompt(8192, 5);
+        // prefill 2 holds the first half, decode 4 the whole earlier turn
+        pool.state().record_routed(&id(2), &keys[..256], 10);
+        pool.state().record_routed(&id(4), &keys[..480], 10);
+        let s = split(&pool, &mc, &keys, 8192);
+        assert_eq!(
+            s.verdict,
+            Verdict::Split {
+                uncached_tokens: 4096
+            }
+        );
+        assert_eq!(s.prefill.expect("split").decision.endpoint, id(2));
+        assert_eq!(s.placement.decision.endpoint, id(4));
+        assert_eq!(s.placement.decision.policy, "Decode");
+    }
+
+    #[test]
+    fn asking_where_a_split_request_goes_changes_nothing() {
+        let (pool, mc) = pd_pool(DisaggregationMode::Auto, &[Role::Prefill, Role::Decode]);
+        let keys = prompt(4096, 11);
+        let a = split(&pool, &mc, &keys, 4096);
+        let b = split(&pool, &mc, &keys, 4096);
+        assert_eq!(a, b);
+        assert_eq!(pool.turn(), 0);
+        assert_eq!(
+            pool.pinned(Router::session_key(None, Some("s")).expect("key")),
+            None
+        );
     }
 }

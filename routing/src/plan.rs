@@ -125,6 +125,7 @@ impl RequestPlan {
             subset: scope.subset,
             allow: scope.allow,
             fallback_hash: self.fallback_hash,
+            stage: crate::router::Stage::Whole,
             explain,
             lora: self.lora.as_deref(),
         }

@@ -13,7 +13,7 @@ use thiserror::Error;
 use crate::block_keys::BlockKey;
 use crate::calibration::Calibration;
 use crate::config::{FailureMode, RoutingConfig};
-use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig};
+use crate::endpoint::{Endpoint, EndpointId, EndpointSnapshot, EndpointState, ModelConfig, Role};
 use crate::engine_metrics::{LoraActivity, lora_hash};
 use crate::index::{Credit, KvIndex, TierBlocks};
 use crate::inflight::InflightTracker;
@@ -120,6 +120,28 @@ pub fn subset_allows(subset: &[SocketAddr], endpoint: SocketAddr) -> bool {
         .any(|a| a.ip() == endpoint.ip() && (a.port() == 0 || a.port() == endpoint.port()))
 }
 
+/// Which part of a request a placement is for, under prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    /// The whole request: `decode` and `both` endpoints.
+    Whole,
+    /// A split request's prefill: `prefill` endpoints.
+    Prefill,
+    /// A split request's decode: `decode` and `both` endpoints.
+    Decode,
+}
+
+impl Stage {
+    /// Whether an endpoint of `role` takes this part.
+    pub fn admits(self, role: Role) -> bool {
+        match self {
+            Self::Whole | Self::Decode => role.decodes(),
+            Self::Prefill => role == Role::Prefill,
+        }
+    }
+}
+
 /// One request as the router sees it.
 #[derive(Clone, Copy)]
 pub struct RouteRequest<'a> {
@@ -137,6 +159,8 @@ pub struct RouteRequest<'a> {
     pub allow: Option<&'a (dyn Fn(&Endpoint) -> bool + Sync)>,
     /// Hash identifying the request when it has no full block (short prompts).
     pub fallback_hash: u64,
+    /// Which part of the request is placed: the endpoints' roles that may take it.
+    pub stage: Stage,
     pub explain: bool,
     /// The LoRA adapter the request names, if any.
     pub lora: Option<&'a str>,
@@ -311,7 +335,10 @@ impl Router {
         let mut stale: Vec<&Endpoint> = Vec::new();
         let mut ejected: Vec<&Endpoint> = Vec::new();
         for e in ctx.endpoints.endpoints() {
-            if e.model_config.name != mc.name || e.state == EndpointState::Draining {
+            if e.model_config.name != mc.name
+                || e.state == EndpointState::Draining
+                || !req.stage.admits(e.role)
+            {
                 continue;
             }
             if let Some(subset) = req.subset
@@ -700,6 +727,7 @@ mod tests {
                 subset: None,
                 allow: None,
                 fallback_hash: 0,
+                stage: crate::router::Stage::Whole,
                 explain: true,
                 lora: None,
             };
@@ -768,6 +796,7 @@ mod tests {
                 subset: None,
                 allow: Some(allow),
                 fallback_hash: 0,
+                stage: crate::router::Stage::Whole,
                 explain: true,
                 lora,
             };
@@ -883,6 +912,7 @@ mod tests {
                 subset: None,
                 allow: None,
                 fallback_hash: 0,
+                stage: crate::router::Stage::Whole,
                 explain: false,
                 lora: None,
             };
@@ -1076,6 +1106,7 @@ mod tests {
             subset: Some(&subset),
             allow: None,
             fallback_hash: 0,
+            stage: crate::router::Stage::Whole,
             explain: false,
             lora: None,
         };
@@ -1124,6 +1155,7 @@ mod tests {
                 subset: None,
                 allow,
                 fallback_hash: 0,
+                stage: crate::router::Stage::Whole,
                 explain: false,
                 lora: None,
             };

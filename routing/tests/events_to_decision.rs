@@ -32,6 +32,7 @@ fn place(pool: &Pool, mc: &ModelConfig, prompt: &[u32]) -> EndpointId {
         subset: None,
         allow: None,
         fallback_hash: 0,
+        stage: kvroute_routing::router::Stage::Whole,
         explain: false,
         lora: None,
     };

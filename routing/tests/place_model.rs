@@ -308,6 +308,7 @@ fn place(pool: &Pool, mc: &ModelConfig, r: &Request, n: usize) -> (Vec<BlockKey>
         subset: subset.as_deref(),
         allow: None,
         fallback_hash: u64::from(r.doc),
+        stage: kvroute_routing::router::Stage::Whole,
         explain: r.explain,
         lora: None,
     };

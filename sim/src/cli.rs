@@ -11,7 +11,13 @@ use clap::{Parser, ValueEnum};
 use kvroute_routing::kv_events::EventEncoding;
 
 use crate::engine::{EngineConfig, StepTimeModel};
-use crate::server::{self, FaultSpec, Flavor, PortSpec, SimConfig};
+use crate::server::{self, FaultSpec, Flavor, KvLoadFailure, PortSpec, SimConfig};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum KvLoadFailureArg {
+    Recompute,
+    Fail,
+}
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum FlavorArg {
@@ -92,6 +98,22 @@ struct Args {
     /// Milliseconds to load an adapter into a slot.
     #[arg(long, default_value_t = 50.0)]
     lora_load_ms: f64,
+    /// Act as vLLM with a NIXL-style KV connector (`kv_role: kv_both`): a request whose
+    /// `kv_transfer_params` say `do_remote_decode` answers with the parameters a decode
+    /// engine pulls its KV with; one that says `do_remote_prefill` pulls the prompt's KV
+    /// from the engine named there (in this process) instead of prefilling it.
+    #[arg(long)]
+    kv_transfer: bool,
+    /// Milliseconds to pull one KV block from a remote engine.
+    #[arg(long, default_value_t = 0.1)]
+    kv_transfer_ms_per_block: f64,
+    /// Fixed milliseconds of one KV pull.
+    #[arg(long, default_value_t = 2.0)]
+    kv_transfer_latency_ms: f64,
+    /// What a decode engine does when the remote KV cannot be pulled (the engine is gone
+    /// or restarted): `recompute` the prompt itself (vLLM's default) or `fail` the request.
+    #[arg(long, value_enum, default_value = "recompute")]
+    kv_load_failure_policy: KvLoadFailureArg,
     /// Run this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -199,7 +221,13 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
             cpu_load_ms_per_block: a.cpu_load_ms_per_block,
             max_loras: a.max_loras,
             lora_load_ms: a.lora_load_ms,
+            kv_transfer_ms_per_block: a.kv_transfer_ms_per_block,
+            kv_transfer_latency_ms: a.kv_transfer_latency_ms,
         },
+        kv_transfer: a.kv_transfer.then_some(match a.kv_load_failure_policy {
+            KvLoadFailureArg::Recompute => KvLoadFailure::Recompute,
+            KvLoadFailureArg::Fail => KvLoadFailure::Fail,
+        }),
         speedup: a.speedup,
         seed,
         kv_events: a.kv_events_port,

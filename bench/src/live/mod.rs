@@ -177,6 +177,7 @@ pub fn picker_config(
             model_config: "sim".into(),
             port: Some(e.http.port()),
             labels: BTreeMap::new(),
+            role: None,
             kv_events_port: port0(&e.kv_events),
             kv_replay_port: port0(&e.replay),
         })

@@ -73,9 +73,14 @@ pub struct StaticEndpoint {
     /// Overrides the model config's port.
     #[serde(default)]
     pub port: Option<u16>,
-    /// Labels, matched by tenant selectors.
+    /// Labels, matched by tenant selectors. A `kvroute.dev/role` or `llm-d.ai/role` label
+    /// gives the endpoint's role, as `role` does.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Its role under prefill/decode disaggregation: `prefill`, `decode` or `both`
+    /// (default, or what a role label says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<crate::endpoint::Role>,
     /// Overrides the model config's KV event publisher port (of rank 0).
     #[serde(default)]
     pub kv_events_port: Option<u16>,
@@ -349,6 +354,8 @@ impl PickerConfig {
                     "endpoints[{i}].port must be 1-65535"
                 )));
             }
+            crate::endpoint::Role::from_labels(&e.labels)
+                .map_err(|m| PickerError::Invalid(format!("endpoints[{i}].labels: {m}")))?;
         }
         super::source::check_static_endpoints_unique(self)?;
         self.routing.validate()?;

@@ -51,10 +51,17 @@ pub fn view_from_config(c: &PickerConfig) -> DeclaredPool {
                     .or(spec.kv_events.as_ref().and_then(|k| k.replay_port))
                     .map(|r| r.saturating_add(rank)),
             });
+            let mut labels = e.labels.clone();
+            if let Some(role) = e.role {
+                labels.insert(
+                    crate::endpoint::ROLE_LABELS[0].to_owned(),
+                    role.as_str().to_owned(),
+                );
+            }
             endpoints.push(DeclaredEndpoint {
                 id,
                 model_config: spec.name.clone(),
-                labels: e.labels.clone(),
+                labels,
                 serving: true,
                 kv_ports,
             });

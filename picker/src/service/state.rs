@@ -374,6 +374,11 @@ impl PickerState {
                 });
             };
             let mut e = Endpoint::new(ev.id, entry.config.clone());
+            // the operator lists no pod whose role label does not parse; a config file's
+            // was refused when it was read
+            e.role = crate::endpoint::Role::from_labels(&ev.labels).map_err(|message| {
+                PickerError::Invalid(format!("endpoint {}: {message}", ev.id))
+            })?;
             e.labels = ev.labels.clone();
             if !ev.serving {
                 e.state = EndpointState::Draining;

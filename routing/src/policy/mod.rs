@@ -8,6 +8,7 @@
 mod baselines;
 mod cache_aware;
 mod cost_model;
+mod decode;
 mod kv_cost;
 mod weighted;
 
@@ -20,6 +21,7 @@ pub use cost_model::{
     CostModel, decode_step_ms, estimated_ttft_ms, learned_prefill_ms, prefill_ms,
     prefill_regressors, ttft_basis,
 };
+pub use decode::Decode;
 pub use kv_cost::KvCost;
 pub use weighted::Weighted;
 

@@ -153,6 +153,10 @@ pub struct EngineConfig {
     pub max_loras: u32,
     /// Milliseconds to load an adapter into a slot.
     pub lora_load_ms: f64,
+    /// Milliseconds to pull one block of a request's remote KV ([`Request::remote_blocks`]).
+    pub kv_transfer_ms_per_block: f64,
+    /// Fixed milliseconds of one KV pull (the connector's handshake).
+    pub kv_transfer_latency_ms: f64,
 }
 
 impl Default for EngineConfig {
@@ -170,6 +174,8 @@ impl Default for EngineConfig {
             cpu_load_ms_per_block: 0.0,
             max_loras: 0,
             lora_load_ms: 0.0,
+            kv_transfer_ms_per_block: 0.0,
+            kv_transfer_latency_ms: 0.0,
         }
     }
 }
@@ -201,6 +207,10 @@ pub struct Request {
     pub cache_salt: Option<String>,
     /// LoRA adapter name; blocks of different adapters are never shared.
     pub lora: Option<String>,
+    /// Leading prompt blocks whose KV another engine computed and this one pulls over its KV
+    /// connector instead of prefilling (a disaggregated decode; 0: none). Blocks this
+    /// engine's own cache holds are not pulled.
+    pub remote_blocks: u32,
 }
 
 /// Why [`Rank::submit`] refused a request (the server maps these to HTTP 400).
@@ -293,6 +303,8 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     /// Prompt tokens loaded back from the CPU offload tier instead of prefilled.
     pub offload_hit_tokens: u64,
+    /// Prompt tokens pulled from a remote engine's KV instead of prefilled.
+    pub remote_kv_tokens: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -334,6 +346,8 @@ struct Req {
     text_seed: u64,
     /// While its blocks load back from the CPU tier, it computes nothing before this time (ms).
     ready_ms: f64,
+    /// Leading prompt blocks a remote engine holds for it, until it is first scheduled.
+    remote_blocks: u32,
 }
 
 impl Req {
@@ -540,6 +554,7 @@ impl Rank {
             preemptions: 0,
             text_seed: mix(self.config.hash_seed ^ mix(request.id.wrapping_add(0x5eed))),
             ready_ms: 0.0,
+            remote_blocks: request.remote_blocks,
         };
         self.extend_block_hashes(&mut req);
         self.requests.insert(request.id, req);
@@ -780,11 +795,23 @@ impl Rank {
             } else {
                 0
             };
+            // the blocks after those that a remote engine computed for it are pulled, once:
+            // after a preemption it recomputes them here
+            let servable = (req.num_tokens().saturating_sub(1) / self.config.block_size.max(1))
+                .min(req.prompt_len.saturating_sub(1) / self.config.block_size.max(1));
+            let pulled = if req.num_computed == 0 {
+                std::mem::take(&mut req.remote_blocks)
+                    .min(servable)
+                    .saturating_sub(hits.len() as u32 + loaded)
+            } else {
+                0
+            };
+            let loaded_tokens = (loaded + pulled) * self.config.block_size;
             let hit_tokens = hits.len() as u32 * self.config.block_size;
-            let computed = hit_tokens + loaded * self.config.block_size;
-            // a request loading from the CPU tier takes its blocks now and computes once
-            // they are in
-            let n = if loaded > 0 {
+            let computed = hit_tokens + loaded_tokens;
+            // a request loading from the CPU tier or pulling remote KV takes its blocks now
+            // and computes once they are in
+            let n = if loaded > 0 || pulled > 0 {
                 0
             } else {
                 (req.num_tokens() - computed).min(budget)
@@ -806,6 +833,14 @@ impl Rank {
             if loaded > 0 {
                 req.ready_ms =
                     self.now_ms + f64::from(loaded) * self.config.cpu_load_ms_per_block.max(0.0);
+            }
+            if pulled > 0 {
+                self.stats.remote_kv_tokens += u64::from(pulled * self.config.block_size);
+                req.ready_ms = req.ready_ms.max(
+                    self.now_ms
+                        + self.config.kv_transfer_latency_ms.max(0.0)
+                        + f64::from(pulled) * self.config.kv_transfer_ms_per_block.max(0.0),
+                );
             }
             if lora_wait > 0.0 {
                 req.ready_ms = req.ready_ms.max(self.now_ms + lora_wait);

@@ -19,6 +19,7 @@ fn cfg(num_blocks: u32) -> EngineConfig {
 
 fn req(id: RequestId, tokens: Vec<u32>, max_tokens: u32) -> Request {
     Request {
+        remote_blocks: 0,
         id,
         token_ids: tokens,
         max_tokens,
@@ -617,4 +618,67 @@ fn adapter_waits_keep_the_event_stream_complete() {
             }
         }
     }
+}
+
+/// Issue 19: a disaggregated decode pulls the prompt's KV instead of prefilling it: the blocks
+/// its own cache holds are not pulled, the pull costs its latency plus a time per block, and
+/// only the rest of the prompt (at least its last token) is computed here.
+#[test]
+fn remote_kv_is_pulled_not_prefilled_and_local_blocks_are_not_pulled() {
+    let c = EngineConfig {
+        kv_transfer_latency_ms: 3.0,
+        kv_transfer_ms_per_block: 0.05,
+        ..cfg(256)
+    };
+    let prompt = toks(0, 401);
+    // whole prompt computed here: the baseline
+    let mut local = Rank::new(c.clone());
+    local.submit(req(1, prompt.clone(), 2)).unwrap();
+    let local_first = run(&mut local)
+        .iter()
+        .flat_map(|o| o.finished.clone())
+        .next()
+        .unwrap()
+        .first_token_ms;
+
+    // 100 full blocks (all but the last token) come from a remote engine
+    let mut split = Rank::new(c.clone());
+    split
+        .submit(Request {
+            remote_blocks: 100,
+            ..req(1, prompt.clone(), 2)
+        })
+        .unwrap();
+    let outcomes = run(&mut split);
+    let first = outcomes
+        .iter()
+        .flat_map(|o| o.finished.clone())
+        .next()
+        .unwrap()
+        .first_token_ms;
+    let prefilled: u32 = outcomes.iter().map(|o| o.prefill_tokens).sum();
+    assert_eq!(prefilled, 1, "only the last token is computed");
+    assert_eq!(split.stats().remote_kv_tokens, 400);
+    assert!(
+        first >= 3.0 + 100.0 * 0.05,
+        "the pull takes its time: {first}"
+    );
+    // one step of one token after the pull, where the local engine prefilled 401 tokens
+    let one_token = c.step_time.prefill_ms(1, 400.0);
+    assert!(
+        (first - (8.0 + one_token)).abs() < 1e-6,
+        "{first} vs {local_first}"
+    );
+
+    // a rank that holds the first 60 blocks pulls only the other 40
+    let mut warm = Rank::new(c.clone());
+    warm.submit(req(1, toks(0, 241), 1)).unwrap();
+    run(&mut warm);
+    warm.submit(Request {
+        remote_blocks: 100,
+        ..req(2, prompt, 2)
+    })
+    .unwrap();
+    run(&mut warm);
+    assert_eq!(warm.stats().remote_kv_tokens, 160);
 }

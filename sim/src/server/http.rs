@@ -18,9 +18,10 @@ use serde_json::{Value as Json, json};
 use tokio::sync::mpsc;
 
 use super::fault::{Fault, FaultSpec};
+use super::kv_transfer::{self, KvTransfer};
 use super::metrics::{Exposition, RankMetrics};
 use super::rank::{Delta, RankState, Rejected};
-use super::{EngineSlot, Runtime, apply_fault, schedule_fault};
+use super::{EngineSlot, KvLoadFailure, Runtime, apply_fault, schedule_fault};
 use crate::engine::{self, FinishedRequest, RequestId};
 use kvroute_routing::tokenize::PromptInput;
 
@@ -142,6 +143,10 @@ struct GenRequest {
     include_usage: bool,
     cache_salt: Option<String>,
     body_rank: Option<u32>,
+    /// What its `kv_transfer_params` ask (with a KV connector).
+    kv: KvTransfer,
+    /// The `kv_transfer_params` its answer carries (a prefill step's).
+    kv_answer: Option<Json>,
 }
 
 fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Json>, ApiError> {
@@ -362,6 +367,12 @@ fn parse_gen(
         include_usage,
         cache_salt,
         body_rank: opt_u32(&body, "data_parallel_rank")?,
+        kv: if rt.cfg.kv_transfer.is_some() {
+            kv_transfer::parse(body.get("kv_transfer_params")).map_err(ApiError::bad)?
+        } else {
+            KvTransfer::None
+        },
+        kv_answer: None,
     })
 }
 
@@ -461,6 +472,44 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let mut req = req;
+    let block_size = s.rt.cfg.engine.block_size.max(1);
+    let remote_blocks = match &req.kv {
+        KvTransfer::None => 0,
+        KvTransfer::RemoteDecode => {
+            let http = s
+                .slot
+                .http_addr()
+                .unwrap_or_else(|| std::net::SocketAddr::new(s.rt.cfg.host, s.rt.cfg.port));
+            req.kv_answer = Some(kv_transfer::answer(
+                &rank,
+                &http.ip().to_string(),
+                http.port(),
+                req.prompt.len() as u32,
+                block_size,
+            ));
+            0
+        }
+        KvTransfer::RemotePrefill { engine_id, blocks } => match kv_transfer::peer(engine_id) {
+            Some(peer) => {
+                let held =
+                    peer.cached_prefix(&req.prompt, req.cache_salt.as_deref(), req.lora.as_deref())
+                        / block_size;
+                held.min(*blocks)
+            }
+            None if s.rt.cfg.kv_transfer == Some(KvLoadFailure::Fail) => {
+                return ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("KV transfer failed: remote engine {engine_id} is not reachable"),
+                )
+                .into_response();
+            }
+            None => {
+                tracing::warn!(%engine_id, "remote engine not reachable: recomputing the prompt");
+                0
+            }
+        },
+    };
     let id = s.rt.next_id.fetch_add(1, Ordering::Relaxed);
     let arrival = s.rt.clock.now_ms();
     let submitted = rank.submit(
@@ -470,6 +519,7 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
             max_tokens: req.max_tokens,
             cache_salt: req.cache_salt.clone(),
             lora: req.lora.clone(),
+            remote_blocks,
         },
         arrival,
     );
@@ -547,6 +597,10 @@ async fn collect_response(
                         "usage": usage(&f),
                     }),
                 };
+                let mut body = body;
+                if let (Some(params), Some(o)) = (req.kv_answer.clone(), body.as_object_mut()) {
+                    o.insert("kv_transfer_params".into(), params);
+                }
                 return axum::Json(body).into_response();
             }
             Some(Delta::Aborted(why)) => {

@@ -14,6 +14,7 @@
 mod events;
 pub mod fault;
 mod http;
+mod kv_transfer;
 mod listen;
 pub mod metrics;
 mod rank;
@@ -110,6 +111,19 @@ pub struct SimConfig {
     /// character fallback (one id per code point), which is what the router uses without a
     /// tokenizer, so both sides see the same ids.
     pub tokenizer: Option<PathBuf>,
+    /// A NIXL-style KV connector (`kv_transfer_params`, see [`kv_transfer`]), and what a
+    /// decode does when its KV cannot be pulled; `None`: no connector, the parameters are
+    /// ignored as vLLM ignores them without one.
+    pub kv_transfer: Option<KvLoadFailure>,
+}
+
+/// What a decode engine does when the remote KV named in its request cannot be pulled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLoadFailure {
+    /// Prefill the prompt itself (vLLM's `kv_load_failure_policy: recompute`).
+    Recompute,
+    /// Fail the request before any output.
+    Fail,
 }
 
 impl Default for SimConfig {
@@ -137,6 +151,7 @@ impl Default for SimConfig {
             default_max_tokens: 16,
             faults: Vec::new(),
             tokenizer: None,
+            kv_transfer: None,
         }
     }
 }
@@ -255,6 +270,13 @@ pub async fn start(config: SimConfig) -> anyhow::Result<SimHandle> {
         }
     }
     Ok(handle)
+}
+
+impl EngineSlot {
+    /// The HTTP address of the engine now.
+    pub(crate) fn http_addr(&self) -> Option<SocketAddr> {
+        self.addrs.lock().as_ref().map(|a| a.http)
+    }
 }
 
 impl SimHandle {
@@ -448,7 +470,9 @@ async fn launch(slot: &Arc<EngineSlot>) -> anyhow::Result<()> {
             events_tx,
             publisher,
             cfg.max_waiting,
+            kv_transfer::new_engine_id(index, k),
         ));
+        kv_transfer::register(&state);
         tokio::spawn(rank::drive(
             state.clone(),
             clock,

@@ -51,6 +51,8 @@ pub(crate) struct RankState {
     pub events: Option<mpsc::Sender<PublishCmd>>,
     pub publisher: Arc<Mutex<PublisherState>>,
     max_waiting: usize,
+    /// Its id on the KV connector (new for every incarnation of the engine).
+    pub engine_id: String,
 }
 
 /// Wall-clock to virtual-time mapping shared by the ranks of an engine.
@@ -87,6 +89,7 @@ impl RankState {
         events: Option<mpsc::Sender<PublishCmd>>,
         publisher: Arc<Mutex<PublisherState>>,
         max_waiting: usize,
+        engine_id: String,
     ) -> Self {
         Self {
             rank,
@@ -100,7 +103,21 @@ impl RankState {
             events,
             publisher,
             max_waiting,
+            engine_id,
         }
+    }
+
+    /// Prompt tokens of `tokens` this rank's cache holds now.
+    pub fn cached_prefix(
+        &self,
+        tokens: &[u32],
+        cache_salt: Option<&str>,
+        lora: Option<&str>,
+    ) -> u32 {
+        self.inner
+            .lock()
+            .engine
+            .probe_prefix(tokens, cache_salt, lora)
     }
 
     /// vLLM's data-parallel load score: `4 * waiting + running`.
