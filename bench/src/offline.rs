@@ -515,6 +515,7 @@ impl<'a> Sim<'a> {
                 max_tokens: issue.output_len,
                 cache_salt: None,
                 lora,
+                remote_blocks: 0,
             },
             t,
         );

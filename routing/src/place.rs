@@ -132,6 +132,8 @@ pub enum Verdict {
     FewUncached { uncached_tokens: u32, min: u32 },
     /// Whole: the prefill endpoint's queue is the bottleneck.
     PrefillBusy { queue: f64, max: u32 },
+    /// Whole: its API has no KV-transfer step (only completions and chat completions do).
+    Unsplittable,
 }
 
 impl Verdict {
@@ -150,6 +152,7 @@ impl Verdict {
             Self::PrefillStale => "prefill_stale",
             Self::FewUncached { .. } => "few_uncached",
             Self::PrefillBusy { .. } => "prefill_busy",
+            Self::Unsplittable => "unsplittable",
         }
     }
 }

@@ -69,6 +69,10 @@ pub const DESTINATION_ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 /// Dynamic-metadata namespace of the chosen endpoint(s); `envoy.lb` is what Envoy's subset load
 /// balancer reads, hence the protocol's default.
 pub const DESTINATION_METADATA_NAMESPACE: &str = "envoy.lb";
+/// Request header naming a split request's prefill endpoint (`ip:port`), which llm-d's
+/// routing sidecar on the decode pod reads to run the prefill step there first. Set only by
+/// the picker: a client's own is removed from every request.
+pub const PREFILLER_HOST_PORT_HEADER: &str = "x-prefiller-host-port";
 /// Key, inside [`DESTINATION_METADATA_NAMESPACE`], of the chosen endpoint(s).
 pub const DESTINATION_METADATA_KEY: &str = DESTINATION_ENDPOINT_HEADER;
 /// Filter-metadata namespace in which the proxy may restrict the candidates.
@@ -1139,9 +1143,18 @@ fn routing_headers(
         }
         set_headers.push(set_header(header_name.as_str(), value));
     }
+    // a prefill endpoint is the picker's to name, never the client's
+    let remove_headers = if extra
+        .iter()
+        .any(|(n, _)| n.eq_ignore_ascii_case(PREFILLER_HOST_PORT_HEADER))
+    {
+        Vec::new()
+    } else {
+        vec![PREFILLER_HOST_PORT_HEADER.into()]
+    };
     HeaderMutation {
         set_headers,
-        remove_headers: Vec::new(),
+        remove_headers,
     }
 }
 

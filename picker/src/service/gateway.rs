@@ -23,6 +23,8 @@ use tracing::Instrument as _;
 
 struct Pending {
     guard: InflightGuard,
+    /// A split request's count on its prefill endpoint.
+    _prefill_guard: Option<InflightGuard>,
     _admission: Admission,
     /// The chosen endpoint, then the fallbacks, in the order the gateway tries them.
     targets: Vec<EndpointId>,
@@ -116,10 +118,14 @@ impl GatewayPicker {
             }
         }
         let guard = picker.begin(&routed, d.endpoint);
+        // a split request: the decode endpoint's sidecar runs the prefill step on this one
+        let prefill = routed.prefill.as_ref().map(|p| p.decision.endpoint);
+        let prefill_guard = prefill.map(|p| picker.begin(&routed, p));
         self.pending.lock().insert(
             input.request_id,
             Pending {
                 guard,
+                _prefill_guard: prefill_guard,
                 _admission: admission,
                 targets: routed.targets().collect(),
                 served: None,
@@ -146,6 +152,12 @@ impl GatewayPicker {
                 .headers
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .chain(prefill.map(|p| {
+                    (
+                        super::ext_proc::PREFILLER_HOST_PORT_HEADER.to_owned(),
+                        p.host_port(),
+                    )
+                }))
                 .chain(
                     telemetry::context_headers(&tracing::Span::current())
                         .into_iter()
@@ -167,6 +179,11 @@ impl GatewayPicker {
                 ("prompt_tokens", routed.plan.prompt_tokens.to_string()),
                 ("cached_tokens", d.cached_tokens.to_string()),
                 ("failed_open", d.failed_open.to_string()),
+                ("disaggregation", routed.verdict.kind().to_owned()),
+                (
+                    "prefill_endpoint",
+                    prefill.map_or_else(String::new, |p| p.host_port()),
+                ),
             ],
         })
     }

@@ -369,9 +369,44 @@ async fn proxy_traced(
         ParsedRequest::parse(kind, raw, &picker.limits.request())?
     };
     tracing::Span::current().record("model", parsed.model.as_str());
-    let routed = picker
+    let mut routed = picker
         .decide(&parsed, &headers, None, Purpose::Forward)
         .await?;
+    let hop_by_hop_here = nominated(&headers);
+    // a split request: its prefill first, then its decode with the KV's whereabouts
+    let mut kv_params = None;
+    let mut split_id = None;
+    if routed.prefill.is_some() {
+        let id = super::disagg::request_id(&headers);
+        let mut passed: Vec<(HeaderName, axum::http::HeaderValue)> = headers
+            .iter()
+            .filter(|(name, _)| {
+                forwardable(&hop_by_hop_here, name)
+                    && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank")
+                    && !name
+                        .as_str()
+                        .eq_ignore_ascii_case(super::disagg::REQUEST_ID_HEADER)
+            })
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+            passed.push((HeaderName::from_static(super::disagg::REQUEST_ID_HEADER), v));
+        }
+        let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+        let prefill =
+            tracing::info_span!(target: telemetry::TARGET, "prefill", otel.kind = "client");
+        match picker
+            .prefill_step(&routed, &parsed, path, &passed)
+            .instrument(prefill)
+            .await?
+        {
+            super::disagg::Prefilled::Params(p) => kv_params = Some(p),
+            // whole on the decode endpoint, which prefills it itself
+            super::disagg::Prefilled::Failed => routed.prefill = None,
+            super::disagg::Prefilled::Refused(resp) => return Ok(resp),
+        }
+        split_id = Some(id);
+    }
     let d = &routed.placement.decision;
     // the chosen endpoint, then one retry on the next fallback if it fails before responding
     let targets: Vec<EndpointId> = routed.targets().take(2).collect();
@@ -379,13 +414,15 @@ async fn proxy_traced(
     // a 5xx answer waits for the retry before it counts against its endpoint: a request that
     // fails everywhere it is tried is failing by itself (outlier module docs)
     let mut unsettled: Option<(EndpointId, Outcome)> = None;
-    let hop_by_hop_here = nominated(&headers);
     for (attempt, &ep) in targets.iter().enumerate() {
-        let upstream = if ep == d.endpoint {
+        let mut upstream = if ep == d.endpoint {
             routed.upstream.clone()
         } else {
             routed.upstream_for(&parsed, ep)?
         };
+        if let Some(p) = &kv_params {
+            upstream.body = super::disagg::decode_body(&upstream.body, p)?;
+        }
         let guard = picker.begin(&routed, ep);
         let mut req = picker
             .http
@@ -406,15 +443,21 @@ async fn proxy_traced(
         );
         // traced, the engine's parent is the forward span, not the client's
         let context = telemetry::context_headers(&forward);
+        // the picker's own: the rank, a split request's shared id, the trace context
+        let replaced = |name: &HeaderName| {
+            let name = name.as_str();
+            name.eq_ignore_ascii_case("x-data-parallel-rank")
+                || (split_id.is_some()
+                    && name.eq_ignore_ascii_case(super::disagg::REQUEST_ID_HEADER))
+                || context.iter().any(|(k, _)| name.eq_ignore_ascii_case(k))
+        };
         for (name, value) in &headers {
-            if forwardable(&hop_by_hop_here, name)
-                && !name.as_str().eq_ignore_ascii_case("x-data-parallel-rank")
-                && !(context
-                    .iter()
-                    .any(|(k, _)| name.as_str().eq_ignore_ascii_case(k)))
-            {
+            if forwardable(&hop_by_hop_here, name) && !replaced(name) {
                 req = req.header(name, value);
             }
+        }
+        if let Some(id) = &split_id {
+            req = req.header(super::disagg::REQUEST_ID_HEADER, id.as_str());
         }
         for (name, value) in upstream.headers.into_iter().chain(context) {
             req = req.header(name, value);
@@ -711,6 +754,10 @@ async fn pick(
             .await?;
         let d = &routed.placement.decision;
         let mut candidates = serde_json::to_value(&d.candidates).unwrap_or_default();
+        let mut prefill_candidates = routed
+            .prefill
+            .as_ref()
+            .map(|p| serde_json::to_value(&p.decision.candidates).unwrap_or_default());
         let mut admission = serde_json::to_value(routed.admission).unwrap_or_default();
         if picker.tenancy().spec.isolation != crate::pool::Isolation::None {
             // the pool's live context counts every tenant's sessions
@@ -719,7 +766,12 @@ async fn pick(
             }
             // how many blocks an endpoint holds counts every tenant's traffic: a tenant
             // explaining its own request must not learn where the others' went
-            for c in candidates.as_array_mut().into_iter().flatten() {
+            for c in candidates
+                .as_array_mut()
+                .into_iter()
+                .chain(prefill_candidates.as_mut().and_then(Value::as_array_mut))
+                .flatten()
+            {
                 if let Some(f) = c.get_mut("features").and_then(Value::as_object_mut) {
                     f.remove("indexed_blocks");
                 }
@@ -742,6 +794,19 @@ async fn pick(
             "headers": routed.upstream.headers.iter().map(|(k, v)| (k.to_string(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
             "candidates": candidates,
             "admission": admission,
+            "disaggregation": routed.verdict,
+            "prefill": routed.prefill.as_ref().map(|p| {
+                let d = &p.decision;
+                json!({
+                    "endpoint": d.endpoint.host_port(),
+                    "rank": d.endpoint.rank,
+                    "fallbacks": d.fallbacks.iter().map(|f| json!({"endpoint": f.host_port(), "rank": f.rank})).collect::<Vec<_>>(),
+                    "policy": d.policy,
+                    "matched_blocks": d.matched_blocks,
+                    "cached_tokens": d.cached_tokens,
+                    "candidates": prefill_candidates,
+                })
+            }),
         }))
     }
     .await;

@@ -115,6 +115,11 @@ pub struct Metrics {
     pub unread_prompts: Family<KindLabels, Counter>,
     /// Requests a `routing.modelRewrites` rule sent to another model.
     pub model_rewrites: Family<RewriteLabels, Counter>,
+    /// Prefill/decode disaggregation: forwarded requests by the decider's verdict.
+    pub disaggregation: Family<KindLabels, Counter>,
+    /// Prefill steps that failed, by what followed: `retried` (on another prefill
+    /// endpoint) or `aggregated` (the request ran whole on its decode endpoint).
+    pub prefill_failures: Family<KindLabels, Counter>,
     pub cost_model_overhead_ms: Family<EndpointLabels, FloatGauge>,
     pub cost_model_prefill_ms_per_token: Family<EndpointLabels, FloatGauge>,
     pub cost_model_decode_step_ms: Family<EndpointLabels, FloatGauge>,
@@ -293,6 +298,18 @@ impl Metrics {
             "Flow control: requests answered 429 by reason: queue_full (no lower band to push out), too_large (its body exceeds maxQueuedBytes), queue_expired (waited the ttl), displaced (a higher band took its place), slo_unattainable (no endpoint is predicted to meet its TTFT objective); and by band: sheddable (priority below 0), standard (0), critical (above 0)",
             flow_shed.clone(),
         );
+        let disaggregation = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "disaggregation",
+            "Prefill/decode disaggregation: forwarded requests by the decider's verdict: split, always (split, mode Always), off, no_prefill_endpoint, prefill_stale, few_uncached (too little of the prompt uncached on the prefill endpoint), prefill_busy (its queue reached maxPrefillQueue), unsplittable (an API without a KV-transfer step)",
+            disaggregation.clone(),
+        );
+        let prefill_failures = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "prefill_failures",
+            "Prefill steps of split requests that failed (no answer, a 5xx, no kv_transfer_params), by what followed: retried on another prefill endpoint, or aggregated (run whole on the decode endpoint)",
+            prefill_failures.clone(),
+        );
         let admission = Family::<KindLabels, Counter>::default();
         registry.register(
             "admission",
@@ -387,6 +404,8 @@ impl Metrics {
             admission_waiting,
             unread_prompts,
             model_rewrites,
+            disaggregation,
+            prefill_failures,
             cost_model_overhead_ms,
             cost_model_prefill_ms_per_token,
             cost_model_decode_step_ms,

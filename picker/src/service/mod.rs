@@ -3,6 +3,7 @@
 pub mod calibration;
 pub mod declared;
 pub mod diagnostics;
+pub mod disagg;
 pub mod errors;
 pub mod ext_proc;
 pub mod feeds;

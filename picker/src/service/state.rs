@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use super::declared::{DeclaredPool, KvPorts, ModelEntry, PoolChange};
 use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
-use super::metrics::{DecisionLabels, Metrics, MisconfigLabels};
+use super::metrics::{DecisionLabels, KindLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::responses::{ResponseOwner, ResponseWatch, Responses, conversation_named_after};
 use super::settings::{IndexSettings, Limits};
@@ -32,7 +32,7 @@ use crate::endpoint::{
 use crate::error::PickerError;
 
 use crate::inflight::InflightGuard;
-use crate::place::{PlaceError, Placement, Pool};
+use crate::place::{PlaceError, Placement, Pool, SplitPlacement, Verdict};
 use crate::plan::{PlanInput, RequestPlan, Scope};
 use crate::pool::Isolation;
 use crate::pool_state::{Membership, PoolMember};
@@ -93,6 +93,10 @@ pub struct Routed {
     pub api: ApiKind,
     /// The model a rewrite rule sent the request to, and the one it named.
     pub rewrite: Option<ModelRewritten>,
+    /// Where a split request is prefilled (`placement` is then its decode).
+    pub prefill: Option<Placement>,
+    /// Whether it is split, and why ([`Pool::place_split`]).
+    pub verdict: Verdict,
 }
 
 /// A request a `routing.modelRewrites` rule sent to another model.
@@ -135,8 +139,20 @@ impl Routed {
     }
 
     /// Prompt tokens `endpoint` must prefill: the uncached rest on the chosen endpoint (what
-    /// the router credited), the whole prompt on a fallback.
+    /// the router credited), the whole prompt on a fallback; none on the decode endpoint of a
+    /// split request (its KV is pulled), the uncached rest on its prefill endpoint.
     pub fn uncached_on(&self, endpoint: EndpointId) -> u32 {
+        if let Some(prefill) = &self.prefill {
+            return if endpoint == prefill.decision.endpoint {
+                self.plan
+                    .prompt_tokens
+                    .saturating_sub(prefill.decision.cached_tokens)
+            } else if prefill.decision.fallbacks.contains(&endpoint) {
+                self.plan.prompt_tokens
+            } else {
+                0
+            };
+        }
         if endpoint == self.placement.decision.endpoint {
             self.plan
                 .prompt_tokens
@@ -621,7 +637,7 @@ impl PickerState {
         };
         let mut again = false;
         let mut waited = false;
-        let (placement, admission, admission_ticket, started) = loop {
+        let (placement, prefill, verdict, admission, admission_ticket, started) = loop {
             let passed = if purpose == Purpose::Forward {
                 let line = FlowLine {
                     config: &config.name,
@@ -679,13 +695,23 @@ impl PickerState {
             );
             let placed = {
                 let _entered = decide.enter();
-                self.pool.place(&route_request, self.now_ms())
+                if matches!(req.kind, ApiKind::Completions | ApiKind::ChatCompletions) {
+                    self.pool.place_split(&route_request, self.now_ms())
+                } else {
+                    self.pool
+                        .place(&route_request, self.now_ms())
+                        .map(|placement| SplitPlacement {
+                            placement,
+                            prefill: None,
+                            verdict: Verdict::Unsplittable,
+                        })
+                }
             };
             // the attributes are built only for a span that is recorded
             if let Ok(p) = &placed
                 && !decide.is_disabled()
             {
-                let d = &p.decision;
+                let d = &p.placement.decision;
                 decide.record("candidates", 1 + d.fallbacks.len());
                 decide.record("endpoint", d.endpoint.host_port().as_str());
                 decide.record("rank", d.endpoint.rank);
@@ -694,7 +720,7 @@ impl PickerState {
                 decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
                 decide.record("failed_open", d.failed_open);
             }
-            let placement = placed.map_err(|e| {
+            let split = placed.map_err(|e| {
                 self.metrics.error(e.kind());
                 match e {
                     PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
@@ -707,9 +733,17 @@ impl PickerState {
                     PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
                 }
             })?;
+            let placement = split.placement;
             // a TTFT objective no endpoint is predicted to meet: answered now, not late, or
-            // back in line while the objective can still be met
-            if let (Some(slo), Some(best)) = (slo, placement.decision.best_ttft_ms) {
+            // back in line while the objective can still be met (a split request: its
+            // prefill's prediction)
+            let best_ttft = split
+                .prefill
+                .as_ref()
+                .unwrap_or(&placement)
+                .decision
+                .best_ttft_ms;
+            if let (Some(slo), Some(best)) = (slo, best_ttft) {
                 // what is left of it after the wait in the picker
                 let left = (arrived_ms + u64::from(slo)).saturating_sub(self.now_ms());
                 if best > left as f64 {
@@ -729,7 +763,14 @@ impl PickerState {
                     ));
                 }
             }
-            break (placement, admission, admission_ticket, started);
+            break (
+                placement,
+                split.prefill,
+                split.verdict,
+                admission,
+                admission_ticket,
+                started,
+            );
         };
         self.metrics
             .decision_seconds
@@ -752,6 +793,8 @@ impl PickerState {
             admission_ticket,
             api: req.kind,
             rewrite,
+            prefill,
+            verdict,
         })
     }
 
@@ -1154,8 +1197,17 @@ impl PickerState {
         self.metrics
             .predicted_hit_tokens
             .inc_by(u64::from(d.cached_tokens));
-        self.pool
-            .record(&routed.placement, &routed.plan.keys, self.now_ms());
+        self.metrics
+            .disaggregation
+            .get_or_create(&KindLabels {
+                kind: routed.verdict.kind().to_owned(),
+            })
+            .inc();
+        let now = self.now_ms();
+        if let Some(prefill) = &routed.prefill {
+            self.pool.record(prefill, &routed.plan.keys, now);
+        }
+        self.pool.record(&routed.placement, &routed.plan.keys, now);
     }
 
     /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.

@@ -483,8 +483,8 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
                 .unwrap_or_else(|| std::net::SocketAddr::new(s.rt.cfg.host, s.rt.cfg.port));
             req.kv_answer = Some(kv_transfer::answer(
                 &rank,
-                &http.ip().to_string(),
-                http.port(),
+                &req.external_id,
+                (&http.ip().to_string(), http.port()),
                 req.prompt.len() as u32,
                 block_size,
             ));

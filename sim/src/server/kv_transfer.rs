@@ -110,8 +110,8 @@ pub(crate) fn parse(params: Option<&Json>) -> Result<KvTransfer, String> {
 /// one id per block of a `prompt_tokens`-token prompt in blocks of `block_size`.
 pub(crate) fn answer(
     rank: &RankState,
-    host: &str,
-    port: u16,
+    request_id: &str,
+    (host, port): (&str, u16),
     prompt_tokens: u32,
     block_size: u32,
 ) -> Json {
@@ -120,6 +120,8 @@ pub(crate) fn answer(
         "do_remote_prefill": true,
         "do_remote_decode": false,
         "remote_engine_id": rank.engine_id,
+        "remote_request_id": request_id,
+        "remote_num_tokens": prompt_tokens,
         "remote_block_ids": (0..blocks).collect::<Vec<u32>>(),
         "remote_host": host,
         "remote_port": port,

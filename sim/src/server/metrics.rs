@@ -201,6 +201,29 @@ impl Exposition<'_> {
             }
         }
         f.header(
+            "vllm:prompt_tokens_by_source",
+            "counter",
+            "Number of prompt tokens by source.",
+        );
+        for r in self.ranks {
+            let s = &r.stats;
+            let computed = s
+                .prompt_tokens
+                .saturating_sub(s.prefix_cache_hits)
+                .saturating_sub(s.remote_kv_tokens);
+            for (source, v) in [
+                ("local_compute", computed),
+                ("local_cache_hit", s.prefix_cache_hits),
+                ("external_kv_transfer", s.remote_kv_tokens),
+            ] {
+                f.sample(
+                    "vllm:prompt_tokens_by_source_total",
+                    &format!("{},source=\"{source}\"", labels(r)),
+                    v as f64,
+                );
+            }
+        }
+        f.header(
             "vllm:request_success",
             "counter",
             "Count of successfully processed requests.",
