@@ -149,6 +149,15 @@ pub struct ClusterArgs {
     /// Milliseconds to load an adapter into a slot.
     #[arg(long, default_value_t = 50.0)]
     pub lora_load_ms: f64,
+    /// Offline: prefill/decode disaggregation: the first this many engines have role
+    /// `prefill`, the rest `decode` (the decider is `routing.disaggregation`, see
+    /// `--disaggregation`) [default: 0, every engine `both`].
+    #[arg(long, default_value_t = 0)]
+    pub prefill_engines: usize,
+    /// Milliseconds for a decode engine to pull one KV block from a prefill engine (also the
+    /// picker's `transferMsPerBlock`) [default: 16 tokens × 128 KiB at 25 GB/s = 0.084].
+    #[arg(long)]
+    pub kv_transfer_ms_per_block: Option<f64>,
 }
 
 impl ClusterArgs {
@@ -188,6 +197,19 @@ impl ClusterArgs {
         );
         c.engine.max_loras = self.max_loras;
         c.engine.lora_load_ms = self.lora_load_ms;
+        anyhow::ensure!(
+            self.prefill_engines < self.engines,
+            "--prefill-engines must leave at least one decode engine"
+        );
+        c.prefill_engines = self.prefill_engines;
+        c.engine.kv_transfer_ms_per_block = match self.kv_transfer_ms_per_block {
+            Some(x) if !(x.is_finite() && x >= 0.0) => {
+                anyhow::bail!("--kv-transfer-ms-per-block must be a number >= 0, got {x}")
+            }
+            Some(x) => x,
+            None => f64::from(self.block_size) * 131_072.0 / 25e6,
+        };
+        c.engine.kv_transfer_latency_ms = 2.0;
         c.engine.cpu_load_ms_per_block = match self.cpu_load_ms_per_block {
             Some(x) if !(x.is_finite() && x >= 0.0) => {
                 anyhow::bail!("--cpu-load-ms-per-block must be a number >= 0, got {x}")
@@ -368,6 +390,16 @@ pub struct ReplayArgs {
     /// Two tenants, the heavy one with ten sessions for each of the light one's.
     #[arg(long)]
     pub two_tenants: bool,
+    /// `routing.disaggregation.mode` with `--prefill-engines`: `Off`, `Auto` (the decider) or
+    /// `Always`.
+    #[arg(long, default_value = "Auto")]
+    pub disaggregation: String,
+    /// `routing.disaggregation.minUncachedTokens` [default: the picker's, 512].
+    #[arg(long)]
+    pub min_uncached_tokens: Option<u32>,
+    /// `routing.disaggregation.maxPrefillQueue` [default: the picker's, 8].
+    #[arg(long)]
+    pub max_prefill_queue: Option<u32>,
     /// `routing.saturation.queueDepth`: waiting requests at which an engine counts as
     /// saturated (flow control's dispatch) [default: the picker's, 5].
     #[arg(long)]
@@ -596,6 +628,15 @@ fn progress_bar(total: usize, prefix: &str, hidden: bool) -> ProgressBar {
 
 fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<BenchOptions> {
     anyhow::ensure!(
+        cluster.prefill_engines == 0 || a.mode == Mode::Offline,
+        "--prefill-engines is offline only (live mode runs the picker's proxy, whose two-step \
+         flow e2e/tests/disagg_sim.rs tests)"
+    );
+    let (transfer_ms_per_block, transfer_latency_ms) = (
+        cluster.engine.kv_transfer_ms_per_block,
+        cluster.engine.kv_transfer_latency_ms,
+    );
+    anyhow::ensure!(
         a.scrape_ms > 0.0 && a.scrape_ms.is_finite(),
         "--scrape-ms must be positive"
     );
@@ -620,6 +661,23 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             }
             r.saturation.sheddable_queue_depth = a.sheddable_queue_depth;
             r.saturation.sheddable_kv_cache_usage = a.sheddable_kv_cache_usage;
+            r.disaggregation.mode = serde_json::from_value(serde_json::Value::String(
+                a.disaggregation.clone(),
+            ))
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "--disaggregation must be Off, Auto or Always, got {:?}",
+                    a.disaggregation
+                )
+            })?;
+            if let Some(n) = a.min_uncached_tokens {
+                r.disaggregation.min_uncached_tokens = n;
+            }
+            if let Some(n) = a.max_prefill_queue {
+                r.disaggregation.max_prefill_queue = n;
+            }
+            r.disaggregation.transfer_ms_per_block = transfer_ms_per_block;
+            r.disaggregation.transfer_latency_ms = transfer_latency_ms;
             r.validate()
                 .map_err(|e| anyhow::anyhow!("the routing flags: {e}"))?;
             r.flow_control.enabled = a.flow_control;
@@ -1053,6 +1111,8 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
         cpu_load_ms_per_block: None,
         max_loras: 0,
         lora_load_ms: 50.0,
+        prefill_engines: 0,
+        kv_transfer_ms_per_block: None,
     }
     .cluster()?;
     let policies = parse_policies(&d.policies).map_err(anyhow::Error::msg)?;

@@ -40,6 +40,9 @@ pub struct ClusterConfig {
     pub engine: EngineConfig,
     /// Simulated time runs this many times faster than real time (live mode).
     pub speedup: f64,
+    /// Offline: the first this many engines have role `prefill` (prefill/decode
+    /// disaggregation), the rest `decode`; 0: every engine `both` (aggregated).
+    pub prefill_engines: usize,
 }
 
 impl Default for ClusterConfig {
@@ -53,6 +56,7 @@ impl Default for ClusterConfig {
                 ..EngineConfig::default()
             },
             speedup: 1.0,
+            prefill_engines: 0,
         }
     }
 }

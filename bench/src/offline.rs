@@ -29,7 +29,7 @@ use kvroute_picker::admission::{Admitted, Gate, Ticket, Turn};
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::config::FlowPlacement;
-use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig};
+use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig, Role};
 use kvroute_picker::engine_metrics::LoraActivity;
 use kvroute_picker::flow::{Fairness, FlowQueue, FlowSettings, Order, Waiting};
 use kvroute_picker::inflight::InflightGuard;
@@ -85,6 +85,18 @@ struct InFlight {
     /// from its first token, as the service does from a streamed response's first chunk).
     sent_ms: f64,
     basis: Option<TtftBasis>,
+    /// A split request on its prefill engine: where it decodes next.
+    decode: Option<DecodeLeg>,
+    /// The prompt tokens its prefill engine had cached (a split request's hit).
+    prefill_cached: Option<u32>,
+}
+
+/// The decode half of a split request, sent once its prefill finished.
+struct DecodeLeg {
+    engine: usize,
+    tokens: Vec<u32>,
+    output_len: u32,
+    lora: Option<String>,
 }
 
 fn key(t: f64) -> u64 {
@@ -157,7 +169,15 @@ impl<'a> Sim<'a> {
                 let mut cfg = c.engine.clone();
                 cfg.hash_seed = mix64(opts.seed ^ mix64(e as u64 + 1));
                 by_id.insert(id, engines.len());
-                endpoints.push(Endpoint::new(id, mc.clone()));
+                let mut endpoint = Endpoint::new(id, mc.clone());
+                if c.prefill_engines > 0 {
+                    endpoint.role = if e < c.prefill_engines {
+                        Role::Prefill
+                    } else {
+                        Role::Decode
+                    };
+                }
+                endpoints.push(endpoint);
                 engines.push(Engine {
                     rank: Rank::new(cfg),
                     id,
@@ -474,22 +494,31 @@ impl<'a> Sim<'a> {
         };
         let placed = plan.and_then(|plan| {
             let req = plan.route_request(&self.model_config, scope, false);
-            let placement = self.pool.place(&req, now).map_err(|e| e.to_string())?;
+            let split = self.pool.place_split(&req, now).map_err(|e| e.to_string())?;
             // what the service records for a forwarded request
-            self.pool.record(&placement, &plan.keys, now);
-            Ok((placement, plan))
+            if let Some(prefill) = &split.prefill {
+                self.pool.record(prefill, &plan.keys, now);
+            }
+            self.pool.record(&split.placement, &plan.keys, now);
+            Ok((split, plan))
         });
         if let Some(s) = started {
             self.decision_ns.push(s.elapsed().as_nanos() as u64);
         }
-        let (placement, plan) = match placed {
+        let (split, plan) = match placed {
             Ok(p) => p,
             Err(e) => {
                 self.fail(issue, t, format!("routing: {e}"));
                 return false;
             }
         };
-        let d = &placement.decision;
+        let placement = split.placement;
+        // a split request goes to its prefill engine first, for one token
+        let (first, decode) = match &split.prefill {
+            Some(prefill) => (prefill, true),
+            None => (&placement, false),
+        };
+        let d = &first.decision;
         let Some(&e) = self.by_id.get(&d.endpoint) else {
             self.fail(
                 issue,
@@ -505,14 +534,28 @@ impl<'a> Sim<'a> {
             prompt.saturating_sub(u64::from(d.cached_tokens)),
             !plan.keys.is_empty(),
         );
-        let endpoint = d.endpoint;
         let lora = self.adapter(issue);
+        let decode = match decode {
+            false => None,
+            true => {
+                let Some(&engine) = self.by_id.get(&placement.decision.endpoint) else {
+                    self.fail(issue, t, "routing chose an unknown decode endpoint".into());
+                    return false;
+                };
+                Some(DecodeLeg {
+                    engine,
+                    tokens: tokens.clone(),
+                    output_len: issue.output_len,
+                    lora: lora.clone(),
+                })
+            }
+        };
         let eng = &mut self.engines[e];
         let submitted = eng.rank.submit_at(
             Request {
                 id: issue.id,
                 token_ids: tokens,
-                max_tokens: issue.output_len,
+                max_tokens: if decode.is_some() { 1 } else { issue.output_len },
                 cache_salt: None,
                 lora,
                 remote_blocks: 0,
@@ -524,8 +567,10 @@ impl<'a> Sim<'a> {
             self.fail(issue, t, format!("engine rejected the request: {err}"));
             return false;
         }
-        // the simulated engine serves it where it goes: the session is pinned there
-        self.pool.served(&placement, endpoint, t as u64);
+        // the simulated engine serves it where it goes: the session is pinned there (where
+        // it decodes)
+        self.pool
+            .served(&placement, placement.decision.endpoint, t as u64);
         self.inflight.insert(
             issue.id,
             InFlight {
@@ -535,6 +580,8 @@ impl<'a> Sim<'a> {
                 release_ms: issue.release_ms,
                 sent_ms: t,
                 basis: placement.ttft_basis,
+                decode,
+                prefill_cached: None,
             },
         );
         if self.engines[e].pending.is_none() {
@@ -601,11 +648,17 @@ impl<'a> Sim<'a> {
                 }
             }
         }
+        let mut decodes = Vec::new();
         for f in out.finished {
-            let Some(fl) = self.inflight.remove(&f.id) else {
+            let Some(mut fl) = self.inflight.remove(&f.id) else {
                 continue;
             };
             debug_assert_eq!(fl.engine, e);
+            if let Some(leg) = fl.decode.take() {
+                // the prefill step answered: the decode engine pulls the prompt's KV
+                decodes.push((f.id, f.cached_tokens, fl, leg));
+                continue;
+            }
             drop(fl.guard);
             let tpot = (f.output_tokens > 1)
                 .then(|| (f.finish_ms - f.first_token_ms) / f64::from(f.output_tokens - 1));
@@ -618,7 +671,7 @@ impl<'a> Sim<'a> {
                 e2e_ms: Some(f.finish_ms - fl.release_ms),
                 tpot_ms: tpot,
                 output_tokens: f.output_tokens,
-                cached_tokens: Some(f.cached_tokens),
+                cached_tokens: Some(fl.prefill_cached.unwrap_or(f.cached_tokens)),
                 end_ms: f.finish_ms,
                 error: None,
             });
@@ -626,6 +679,70 @@ impl<'a> Sim<'a> {
         }
         if self.engines[e].rank.has_work() {
             self.start_step(e);
+        }
+        for (id, cached, fl, leg) in decodes {
+            self.send_decode(id, cached, fl, leg, t);
+        }
+    }
+
+    /// Send the decode step of split request `id` (its prefill done at `t`, with `cached`
+    /// prompt tokens from the prefill engine's cache) to its decode engine.
+    fn send_decode(&mut self, id: u64, cached: u32, fl: InFlight, leg: DecodeLeg, t: f64) {
+        let InFlight {
+            guard,
+            class,
+            release_ms,
+            ..
+        } = fl;
+        drop(guard);
+        let prompt = leg.tokens.len() as u64;
+        let blocks = u32::try_from(prompt / u64::from(self.engines[leg.engine].rank.config().block_size.max(1)))
+            .unwrap_or(u32::MAX);
+        let endpoint = self.engines[leg.engine].id;
+        let guard = self.pool.begin(endpoint, prompt, 0, blocks > 0);
+        let submitted = self.engines[leg.engine].rank.submit_at(
+            Request {
+                id,
+                token_ids: leg.tokens,
+                max_tokens: leg.output_len,
+                cache_salt: None,
+                lora: leg.lora,
+                remote_blocks: blocks,
+            },
+            t,
+        );
+        if let Err(err) = submitted {
+            drop(guard);
+            self.record_class.push(class);
+            self.records.push(RequestRecord {
+                release_ms,
+                prompt_tokens: prompt as u32,
+                ttft_ms: None,
+                e2e_ms: None,
+                tpot_ms: None,
+                output_tokens: 0,
+                cached_tokens: None,
+                end_ms: t,
+                error: Some(format!("decode engine rejected the request: {err}")),
+            });
+            return;
+        }
+        self.inflight.insert(
+            id,
+            InFlight {
+                guard,
+                engine: leg.engine,
+                class,
+                release_ms,
+                sent_ms: t,
+                basis: None,
+                decode: None,
+                prefill_cached: Some(cached),
+            },
+        );
+        if self.engines[leg.engine].pending.is_none() {
+            self.engines[leg.engine].rank.advance_to(t);
+            self.start_step(leg.engine);
         }
     }
 
@@ -822,7 +939,10 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
         Some((stats::percentile(&v, 99.0) * 10.0).round() / 10.0)
     };
     let figures = EngineFigures {
-        hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+        // a split request queries the cache of both its engines: its hit is the prefill's,
+        // in its record
+        hit_rate: (queries > 0 && sim.opts.cluster.prefill_engines == 0)
+            .then(|| hits as f64 / queries as f64),
         load_cv: stats::coefficient_of_variation(&prefill_tokens),
         prefill_util,
         decision_us_p99,

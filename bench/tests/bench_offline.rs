@@ -200,3 +200,42 @@ fn flow_control_serves_the_critical_band_first_under_overload() {
     );
     assert!(crit_flow.4 < shed.4, "{crit_flow:?} vs {shed:?}");
 }
+
+/// Issue 19: prefill/decode disaggregation on the same engines. `Always` prefills every
+/// prompt on the prefill engine and the decode engines only compute what the KV transfer
+/// leaves (at most a block and a token per request); `Off` leaves the prefill engine idle;
+/// every request completes either way, and the runs are deterministic.
+#[test]
+fn disaggregated_runs_prefill_on_the_prefill_engine_and_decode_elsewhere() {
+    use kvroute_picker::config::DisaggregationMode;
+    let w = small_workload();
+    let mut opts = small_options();
+    opts.cluster.prefill_engines = 1;
+    opts.cluster.engine.kv_transfer_ms_per_block = 0.08;
+    let run = |mode| {
+        let mut opts = opts.clone();
+        opts.routing.disaggregation.mode = mode;
+        offline::run(&w, Strategy::CostModel, &opts, &mut |_, _| {}).expect("runs")
+    };
+    let aggregated = offline::run(&w, Strategy::CostModel, &small_options(), &mut |_, _| {})
+        .expect("runs");
+    let always = run(DisaggregationMode::Always);
+    let off = run(DisaggregationMode::Off);
+    for r in [&always, &off] {
+        assert_eq!(r.summary.errors, 0, "{:?}", r.detail.error_samples);
+        assert_eq!(r.summary.requests, aggregated.summary.requests);
+    }
+    let prefill = &always.detail.engine_prefill_tokens;
+    let decode: f64 = prefill[1..].iter().sum();
+    assert!(
+        decode <= always.summary.requests as f64 * 17.0,
+        "decode engines computed {decode} prompt tokens"
+    );
+    assert!(prefill[0] > 10.0 * decode, "{prefill:?}");
+    assert_eq!(off.detail.engine_prefill_tokens[0], 0.0);
+    let again = run(DisaggregationMode::Always);
+    assert_eq!(
+        serde_json::to_string(&always.summary).expect("json"),
+        serde_json::to_string(&again.summary).expect("json")
+    );
+}
