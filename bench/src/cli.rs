@@ -661,15 +661,14 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             }
             r.saturation.sheddable_queue_depth = a.sheddable_queue_depth;
             r.saturation.sheddable_kv_cache_usage = a.sheddable_kv_cache_usage;
-            r.disaggregation.mode = serde_json::from_value(serde_json::Value::String(
-                a.disaggregation.clone(),
-            ))
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "--disaggregation must be Off, Auto or Always, got {:?}",
-                    a.disaggregation
-                )
-            })?;
+            r.disaggregation.mode =
+                serde_json::from_value(serde_json::Value::String(a.disaggregation.clone()))
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "--disaggregation must be Off, Auto or Always, got {:?}",
+                            a.disaggregation
+                        )
+                    })?;
             if let Some(n) = a.min_uncached_tokens {
                 r.disaggregation.min_uncached_tokens = n;
             }

@@ -494,7 +494,10 @@ impl<'a> Sim<'a> {
         };
         let placed = plan.and_then(|plan| {
             let req = plan.route_request(&self.model_config, scope, false);
-            let split = self.pool.place_split(&req, now).map_err(|e| e.to_string())?;
+            let split = self
+                .pool
+                .place_split(&req, now)
+                .map_err(|e| e.to_string())?;
             // what the service records for a forwarded request
             if let Some(prefill) = &split.prefill {
                 self.pool.record(prefill, &plan.keys, now);
@@ -555,7 +558,11 @@ impl<'a> Sim<'a> {
             Request {
                 id: issue.id,
                 token_ids: tokens,
-                max_tokens: if decode.is_some() { 1 } else { issue.output_len },
+                max_tokens: if decode.is_some() {
+                    1
+                } else {
+                    issue.output_len
+                },
                 cache_salt: None,
                 lora,
                 remote_blocks: 0,
@@ -696,8 +703,10 @@ impl<'a> Sim<'a> {
         } = fl;
         drop(guard);
         let prompt = leg.tokens.len() as u64;
-        let blocks = u32::try_from(prompt / u64::from(self.engines[leg.engine].rank.config().block_size.max(1)))
-            .unwrap_or(u32::MAX);
+        let blocks = u32::try_from(
+            prompt / u64::from(self.engines[leg.engine].rank.config().block_size.max(1)),
+        )
+        .unwrap_or(u32::MAX);
         let endpoint = self.engines[leg.engine].id;
         let guard = self.pool.begin(endpoint, prompt, 0, blocks > 0);
         let submitted = self.engines[leg.engine].rank.submit_at(

@@ -217,8 +217,8 @@ fn disaggregated_runs_prefill_on_the_prefill_engine_and_decode_elsewhere() {
         opts.routing.disaggregation.mode = mode;
         offline::run(&w, Strategy::CostModel, &opts, &mut |_, _| {}).expect("runs")
     };
-    let aggregated = offline::run(&w, Strategy::CostModel, &small_options(), &mut |_, _| {})
-        .expect("runs");
+    let aggregated =
+        offline::run(&w, Strategy::CostModel, &small_options(), &mut |_, _| {}).expect("runs");
     let always = run(DisaggregationMode::Always);
     let off = run(DisaggregationMode::Off);
     for r in [&always, &off] {
