@@ -184,6 +184,15 @@ fn other_bounds_are_rejected() {
     assert_rejected_by_structure(&bad, "/spec/modelConfigs");
     let bad = with(|v| v["spec"]["picker"]["replicas"] = json!(-1));
     assert_rejected_by_structure(&bad, "/spec/picker/replicas");
+    for (field, value) in [
+        ("mode", json!("Sometimes")),
+        ("maxPrefillQueue", json!(0)),
+        ("minUncachedTokens", json!(-1)),
+        ("transferMsPerBlock", json!(-0.5)),
+    ] {
+        let bad = with(|v| v["spec"]["routing"]["disaggregation"] = json!({ field: value }));
+        assert_rejected_by_structure(&bad, &format!("/spec/routing/disaggregation/{field}"));
+    }
 }
 
 #[test]

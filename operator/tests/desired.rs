@@ -382,3 +382,19 @@ fn gateway_pools_point_at_the_picker_service() {
     );
     assert!(desired_for(base_spec(), &[]).gateway_pools.is_empty());
 }
+
+#[test]
+fn role_labels_ride_along_as_an_annotation_without_tenancy() {
+    let pods = [
+        mk_pod("p-0")
+            .ip("10.0.0.1")
+            .ready()
+            .label("llm-d.ai/role", "prefill")
+            .build(),
+        mk_pod("d-0").ip("10.0.0.2").ready().build(),
+    ];
+    let d = desired_for(base_spec(), &pods);
+    let text = &d.slices[0].annotations()[contract::ANNOTATION_ENDPOINT_LABELS];
+    let v: Value = serde_json::from_str(text).expect("json");
+    assert_eq!(v, json!({"p-0": {"llm-d.ai/role": "prefill"}, "d-0": {}}));
+}

@@ -1642,6 +1642,26 @@ endpoints:
             ),
             "{e}"
         );
+        // a role label that says no role, named in the error
+        let mut bad_role = good.clone();
+        bad_role.endpoints[1]
+            .labels
+            .insert("llm-d.ai/role".into(), "prefil".into());
+        let e = picker.apply_pool(&bad_role).expect_err("bad role");
+        assert!(e.to_string().contains("llm-d.ai/role"), "{e}");
+        // a good one becomes the endpoint's role
+        let mut roles = good.clone();
+        roles.endpoints[1]
+            .labels
+            .insert("llm-d.ai/role".into(), "prefill".into());
+        picker.apply_pool(&roles).expect("applied");
+        let snapshot = picker.pool.state().endpoints();
+        assert_eq!(
+            snapshot.get(&roles.endpoints[1].id).map(|e| e.role),
+            Some(crate::endpoint::Role::Prefill)
+        );
+        picker.apply_pool(&good).expect("applied");
+        let before = picker.pool.state().endpoints();
         // an endpoint naming a model config the view lacks
         let mut unknown = good.clone();
         unknown.endpoints[1].model_config = "nope".into();
