@@ -400,6 +400,9 @@ pub struct ReplayArgs {
     /// `routing.disaggregation.maxPrefillQueue` [default: the picker's, 8].
     #[arg(long)]
     pub max_prefill_queue: Option<u32>,
+    /// `routing.disaggregation.maxTtftRatio` [default: the picker's, 2].
+    #[arg(long)]
+    pub max_ttft_ratio: Option<f64>,
     /// `routing.saturation.queueDepth`: waiting requests at which an engine counts as
     /// saturated (flow control's dispatch) [default: the picker's, 5].
     #[arg(long)]
@@ -674,6 +677,9 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             }
             if let Some(n) = a.max_prefill_queue {
                 r.disaggregation.max_prefill_queue = n;
+            }
+            if let Some(x) = a.max_ttft_ratio {
+                r.disaggregation.max_ttft_ratio = x;
             }
             r.disaggregation.transfer_ms_per_block = transfer_ms_per_block;
             r.disaggregation.transfer_latency_ms = transfer_latency_ms;

@@ -187,6 +187,7 @@ fn other_bounds_are_rejected() {
     for (field, value) in [
         ("mode", json!("Sometimes")),
         ("maxPrefillQueue", json!(0)),
+        ("maxTtftRatio", json!(0.5)),
         ("minUncachedTokens", json!(-1)),
         ("transferMsPerBlock", json!(-0.5)),
     ] {

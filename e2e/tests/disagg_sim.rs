@@ -110,6 +110,17 @@ async fn engine_metric(e: &SimHandle, name: &str, labels: &str) -> f64 {
         .sum()
 }
 
+/// A one-token completion of `tokens` sent to engine `e` directly, past the picker.
+async fn complete_on(e: &SimHandle, tokens: &[u32]) {
+    let r = client()
+        .post(format!("http://{}/v1/completions", e.addrs()[0].http))
+        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
 /// Stop engine `e` (its listeners close) and wait until it refuses connections.
 async fn crash(e: &SimHandle) {
     let http = e.addrs()[0].http;
@@ -252,22 +263,16 @@ async fn the_prefill_engines_cache_from_its_events_moves_the_prefill_and_the_dec
     let p = picker(&[(&p1, "prefill"), (&p2, "prefill"), (&de, "decode")], AUTO).await;
     let tokens = prompt(3, 2048);
     // the prompt computed on p2 directly: only its KV events tell the picker
-    let r = client()
-        .post(format!("http://{}/v1/completions", p2.addrs()[0].http))
-        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let blocks_on_p2 = || {
+    complete_on(&p2, &tokens).await;
+    let blocks_on = |ip: &str| {
         let pool = p.state.pool.state().read();
         let index = pool.index();
         index
             .endpoints()
-            .find(|(_, id)| id.address.to_string() == "127.0.0.34")
+            .find(|(_, id)| id.address.to_string() == ip)
             .map_or(0, |(slot, _)| index.endpoint_blocks(slot))
     };
-    eventually("p2's blocks", || blocks_on_p2() >= 127).await;
+    eventually("p2's blocks", || blocks_on("127.0.0.34") >= 127).await;
 
     // the same conversation, grown by 512 tokens: prefilled where its prefix is
     let mut longer = tokens.clone();
@@ -283,7 +288,13 @@ async fn the_prefill_engines_cache_from_its_events_moves_the_prefill_and_the_dec
         e["disaggregation"],
         json!({"verdict": "split", "uncached_tokens": 512})
     );
-    // grown by only 100: too little left to prefill to pay for the transfer
+    // once the decode engine holds the conversation (its events say so), a turn that adds
+    // only 100 tokens has too little left to prefill to pay for a transfer: it runs whole
+    complete_on(&de, &tokens).await;
+    eventually("the decode engine's blocks", || {
+        blocks_on("127.0.0.35") >= 127
+    })
+    .await;
     let mut bit = tokens.clone();
     bit.extend(prompt(5, 100));
     let e = pick(&p, &bit).await;
@@ -368,22 +379,16 @@ async fn a_decode_engine_that_fails_before_its_first_byte_is_replaced_with_the_s
     let d1 = sim("127.0.0.40").await;
     let d2 = sim("127.0.0.41").await;
     let p = picker(&[(&pf, "prefill"), (&d1, "decode"), (&d2, "decode")], AUTO).await;
-    let tokens = prompt(8, 1024);
+    let tokens = prompt(8, 512);
     // d1 holds the conversation, so the decode goes there first; then it dies
-    let r = client()
-        .post(format!("http://{}/v1/completions", d1.addrs()[0].http))
-        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    complete_on(&d1, &tokens).await;
     eventually("d1's blocks", || {
         pick_sync_endpoint(&p, &tokens) == Some(d1.addrs()[0].http.to_string())
     })
     .await;
     crash(&d1).await;
     let mut longer = tokens.clone();
-    longer.extend(prompt(9, 512));
+    longer.extend(prompt(9, 1536));
     let (text, done) = stream(&p, &longer, 4).await;
     assert!(done && text.chars().count() == 4);
     assert_eq!(
@@ -393,7 +398,7 @@ async fn a_decode_engine_that_fails_before_its_first_byte_is_replaced_with_the_s
             "external_kv_transfer"
         )
         .await,
-        1520.0,
+        2032.0,
         "the fallback decode engine pulled the KV the prefill engine computed"
     );
     assert_eq!(

@@ -326,9 +326,10 @@ pub struct RoutingConfig {
 pub enum DisaggregationMode {
     /// Never: requests run whole on `decode` and `both` endpoints; `prefill` ones take none.
     Off,
-    /// The decider's choice: split when the prompt's uncached part on the best prefill
-    /// endpoint reaches `minUncachedTokens` and that endpoint's queue is below
-    /// `maxPrefillQueue`; otherwise run it whole on a `decode` or `both` endpoint.
+    /// The decider's choice: split when the prompt's uncached part on the endpoint it would
+    /// run whole on reaches `minUncachedTokens`, the chosen prefill endpoint's queue is below
+    /// `maxPrefillQueue` and its predicted first token within `maxTtftRatio` of the whole
+    /// run's; otherwise run it whole on a `decode` or `both` endpoint.
     #[default]
     Auto,
     /// Every request the prefill endpoints can take is split.
@@ -357,14 +358,21 @@ pub struct DisaggregationSettings {
     /// `Off`, `Auto` (default) or `Always`.
     pub mode: DisaggregationMode,
     /// `Auto` splits a request only when at least this many of its prompt tokens are not
-    /// cached on the chosen prefill endpoint (a short or mostly cached prefill costs less
-    /// where it is decoded than its KV transfer). Default 512.
+    /// cached on the `decode` or `both` endpoint it would run whole on (a short prompt, or a
+    /// conversation whose earlier turns that endpoint holds, costs less to prefill there than
+    /// a KV transfer). Default 512.
     #[schemars(range(max = 10_000_000))]
     pub min_uncached_tokens: u32,
     /// `Auto` splits a request only while the chosen prefill endpoint has fewer requests
     /// waiting than this (the prefill pool is not the bottleneck). Default 8.
     #[schemars(range(min = 1, max = 100_000))]
     pub max_prefill_queue: u32,
+    /// `Auto` splits a request only while the cost model predicts its first token split
+    /// (the prefill endpoint's queue and prefill, then the KV transfer) within this many times
+    /// its first token run whole (on the decode endpoint, with its own queue and prefill): a
+    /// split trades some time to first token for decode steps free of prefill. Default 2.
+    #[schemars(range(min = 1.0, max = 1000.0))]
+    pub max_ttft_ratio: f64,
     /// Output tokens a decode endpoint must have KV room for, beyond the prompt. Default 256.
     #[schemars(range(max = 10_000_000))]
     pub expected_output_tokens: u32,
@@ -383,6 +391,7 @@ impl Default for DisaggregationSettings {
             mode: DisaggregationMode::default(),
             min_uncached_tokens: 512,
             max_prefill_queue: 8,
+            max_ttft_ratio: 2.0,
             expected_output_tokens: 256,
             transfer_ms_per_block: 0.1,
             transfer_latency_ms: 2.0,
@@ -402,6 +411,12 @@ impl DisaggregationSettings {
             return Err(format!(
                 "routing.disaggregation.maxPrefillQueue must be in [1, 100000], got {}",
                 self.max_prefill_queue
+            ));
+        }
+        if !(1.0..=1000.0).contains(&self.max_ttft_ratio) {
+            return Err(format!(
+                "routing.disaggregation.maxTtftRatio must be in [1, 1000], got {}",
+                self.max_ttft_ratio
             ));
         }
         if self.expected_output_tokens > 10_000_000 {
@@ -1110,6 +1125,10 @@ mod tests {
         c.disaggregation.max_prefill_queue = 0;
         let e = c.validate().expect_err("zero queue");
         assert!(e.contains("routing.disaggregation.maxPrefillQueue"), "{e}");
+        let mut c = RoutingConfig::default();
+        c.disaggregation.max_ttft_ratio = 0.5;
+        let e = c.validate().expect_err("ratio below 1");
+        assert!(e.contains("routing.disaggregation.maxTtftRatio"), "{e}");
         let mut c = RoutingConfig::default();
         c.disaggregation.transfer_ms_per_block = f64::NAN;
         let e = c.validate().expect_err("nan");

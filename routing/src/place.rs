@@ -127,11 +127,14 @@ pub enum Verdict {
     NoPrefillEndpoint,
     /// Whole: every prefill endpoint is stale.
     PrefillStale,
-    /// Whole: too little of the prompt is uncached on the prefill endpoint to pay for the
-    /// KV transfer.
+    /// Whole: too little of the prompt is uncached on the endpoint it runs whole on to pay
+    /// for a KV transfer.
     FewUncached { uncached_tokens: u32, min: u32 },
     /// Whole: the prefill endpoint's queue is the bottleneck.
     PrefillBusy { queue: f64, max: u32 },
+    /// Whole: the cost model predicts its first token split (the prefill endpoint's queue,
+    /// prefill and the KV transfer) later than `maxTtftRatio` times whole.
+    PrefillSlower { split_ms: f64, whole_ms: f64 },
     /// Whole: its API has no KV-transfer step (only completions and chat completions do).
     Unsplittable,
 }
@@ -152,6 +155,7 @@ impl Verdict {
             Self::PrefillStale => "prefill_stale",
             Self::FewUncached { .. } => "few_uncached",
             Self::PrefillBusy { .. } => "prefill_busy",
+            Self::PrefillSlower { .. } => "prefill_slower",
             Self::Unsplittable => "unsplittable",
         }
     }
@@ -358,8 +362,10 @@ impl Pool {
     /// prefix cache decides the prefill's cost) and its decode on a `decode` or `both`
     /// endpoint chosen by the decode policy ([`crate::policy::Decode`]). The decider:
     /// `Always` splits whenever a prefill endpoint can take the request; `Auto` only when
-    /// the prompt's uncached part on the chosen prefill endpoint reaches `minUncachedTokens`
-    /// and that endpoint has fewer than `maxPrefillQueue` requests waiting. Changes nothing.
+    /// the prompt's uncached part on the endpoint it would run whole on reaches
+    /// `minUncachedTokens`, the chosen prefill endpoint has fewer than `maxPrefillQueue`
+    /// requests waiting, and the cost model predicts its first token split within
+    /// `maxTtftRatio` times whole. Changes nothing.
     pub fn place_split(
         &self,
         req: &RouteRequest<'_>,
@@ -391,6 +397,29 @@ impl Pool {
         if !has_prefill {
             return whole(Verdict::NoPrefillEndpoint);
         }
+        // where it would run whole, and what it would prefill there: a conversation whose
+        // earlier turns a decode endpoint holds has little left to prefill
+        let whole_req = RouteRequest {
+            stage: Stage::Whole,
+            ..*req
+        };
+        let here = self.place_with(&router, &whole_req, now_ms, true)?;
+        let uncached_here = req
+            .prompt_tokens
+            .saturating_sub(here.decision.cached_tokens);
+        let stay = |verdict: Verdict| {
+            Ok(SplitPlacement {
+                placement: here.clone(),
+                prefill: None,
+                verdict,
+            })
+        };
+        if pd.mode == DisaggregationMode::Auto && uncached_here < pd.min_uncached_tokens {
+            return stay(Verdict::FewUncached {
+                uncached_tokens: uncached_here,
+                min: pd.min_uncached_tokens,
+            });
+        }
         let prefill_req = RouteRequest {
             stage: Stage::Prefill,
             ..*req
@@ -398,8 +427,8 @@ impl Pool {
         // no pin: a session is pinned where it decodes
         let prefill = match self.place_with(&router, &prefill_req, now_ms, false) {
             Ok(p) if !p.decision.failed_open => p,
-            Ok(_) => return whole(Verdict::PrefillStale),
-            Err(_) => return whole(Verdict::NoPrefillEndpoint),
+            Ok(_) => return stay(Verdict::PrefillStale),
+            Err(_) => return stay(Verdict::NoPrefillEndpoint),
         };
         let uncached_tokens = req
             .prompt_tokens
@@ -407,19 +436,29 @@ impl Pool {
         let queue = prefill.decision.features.queue();
         let verdict = match pd.mode {
             DisaggregationMode::Always => Verdict::Always { uncached_tokens },
-            _ if uncached_tokens < pd.min_uncached_tokens => {
-                return whole(Verdict::FewUncached {
-                    uncached_tokens,
-                    min: pd.min_uncached_tokens,
-                });
-            }
             _ if queue >= f64::from(pd.max_prefill_queue) => {
-                return whole(Verdict::PrefillBusy {
+                return stay(Verdict::PrefillBusy {
                     queue,
                     max: pd.max_prefill_queue,
                 });
             }
-            _ => Verdict::Split { uncached_tokens },
+            _ => {
+                // the first token would come much later split than whole: the prefill pool
+                // is the bottleneck
+                let cal = &router.config().cost_model;
+                let blocks = f64::from(req.prompt_tokens / req.model_config.block_size.max(1));
+                let split_ms = crate::policy::estimated_ttft_ms(cal, &prefill.decision.features)
+                    + pd.transfer_latency_ms
+                    + blocks * pd.transfer_ms_per_block;
+                let whole_ms = crate::policy::estimated_ttft_ms(cal, &here.decision.features);
+                if split_ms > whole_ms * pd.max_ttft_ratio {
+                    return stay(Verdict::PrefillSlower {
+                        split_ms: split_ms.round(),
+                        whole_ms: whole_ms.round(),
+                    });
+                }
+                Verdict::Split { uncached_tokens }
+            }
         };
         let decode_req = RouteRequest {
             stage: Stage::Decode,
@@ -1049,7 +1088,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_splits_only_when_enough_of_the_prompt_is_uncached_on_the_prefill_endpoint() {
+    fn auto_splits_only_when_enough_of_the_prompt_is_uncached_where_it_would_run_whole() {
         let (pool, mc) = pd_pool(
             DisaggregationMode::Auto,
             &[Role::Prefill, Role::Decode, Role::Decode],
@@ -1066,10 +1105,10 @@ mod tests {
         let prefill = s.prefill.as_ref().expect("split");
         assert_eq!(prefill.decision.endpoint, id(1));
         assert_ne!(s.placement.decision.endpoint, id(1));
-        // the prefill endpoint holds all but the last 256 tokens: under the 512 threshold,
-        // so it runs whole on a decode endpoint
+        // a decode endpoint holds all but the last 256 tokens (the conversation's earlier
+        // turns): under the 512 threshold, it runs whole there
         pool.state()
-            .record_routed(&id(1), &keys[..keys.len() - 16], 10);
+            .record_routed(&id(3), &keys[..keys.len() - 16], 10);
         let s = split(&pool, &mc, &keys, 4096);
         assert_eq!(
             s.verdict,
@@ -1079,7 +1118,7 @@ mod tests {
             }
         );
         assert!(s.prefill.is_none());
-        assert_ne!(s.placement.decision.endpoint, id(1));
+        assert_eq!(s.placement.decision.endpoint, id(3));
         // a short prompt is never split
         let short = prompt(300, 8);
         assert!(!split(&pool, &mc, &short, 300).verdict.splits());
@@ -1114,19 +1153,43 @@ mod tests {
             &[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode],
         );
         let keys = prompt(8192, 5);
-        // prefill 2 holds the first half, decode 4 the whole earlier turn
-        pool.state().record_routed(&id(2), &keys[..256], 10);
-        pool.state().record_routed(&id(4), &keys[..480], 10);
+        // prefill 2 holds all but 512 tokens, decode 4 the first half
+        pool.state().record_routed(&id(2), &keys[..480], 10);
+        pool.state().record_routed(&id(4), &keys[..256], 10);
         let s = split(&pool, &mc, &keys, 8192);
         assert_eq!(
             s.verdict,
             Verdict::Split {
-                uncached_tokens: 4096
+                uncached_tokens: 512
             }
         );
         assert_eq!(s.prefill.expect("split").decision.endpoint, id(2));
+        // the decode endpoint needs no transfer for the half it holds
         assert_eq!(s.placement.decision.endpoint, id(4));
         assert_eq!(s.placement.decision.policy, "Decode");
+    }
+
+    #[test]
+    fn a_prefill_predicted_far_slower_than_running_whole_is_not_split() {
+        let (pool, mc) = pd_pool(
+            DisaggregationMode::Auto,
+            &[Role::Prefill, Role::Decode, Role::Decode],
+        );
+        let keys = prompt(8192, 6);
+        // decode 3 holds all but 512 tokens; the prefill endpoint nothing: prefilling 8192
+        // tokens there and moving their KV takes far longer than 512 tokens on 3
+        pool.state().record_routed(&id(3), &keys[..480], 10);
+        let s = split(&pool, &mc, &keys, 8192);
+        let Verdict::PrefillSlower { split_ms, whole_ms } = s.verdict else {
+            panic!("{:?}", s.verdict);
+        };
+        assert!(split_ms > 2.0 * whole_ms, "{split_ms} vs {whole_ms}");
+        assert_eq!(s.placement.decision.endpoint, id(3));
+        // with a looser ratio it is split
+        let mut routing = pool.router().config().clone();
+        routing.disaggregation.max_ttft_ratio = 100.0;
+        pool.set_router(Router::new(routing));
+        assert!(split(&pool, &mc, &keys, 8192).verdict.splits());
     }
 
     #[test]

@@ -301,7 +301,7 @@ impl Metrics {
         let disaggregation = Family::<KindLabels, Counter>::default();
         registry.register(
             "disaggregation",
-            "Prefill/decode disaggregation: forwarded requests by the decider's verdict: split, always (split, mode Always), off, no_prefill_endpoint, prefill_stale, few_uncached (too little of the prompt uncached on the prefill endpoint), prefill_busy (its queue reached maxPrefillQueue), unsplittable (an API without a KV-transfer step)",
+            "Prefill/decode disaggregation: forwarded requests by the decider's verdict: split, always (split, mode Always), off, no_prefill_endpoint, prefill_stale, few_uncached (too little of the prompt uncached where it would run whole), prefill_busy (the prefill endpoint's queue reached maxPrefillQueue), prefill_slower (its first token predicted beyond maxTtftRatio times whole), unsplittable (an API without a KV-transfer step)",
             disaggregation.clone(),
         );
         let prefill_failures = Family::<KindLabels, Counter>::default();
