@@ -1649,6 +1649,7 @@ endpoints:
             .insert("llm-d.ai/role".into(), "prefil".into());
         let e = picker.apply_pool(&bad_role).expect_err("bad role");
         assert!(e.to_string().contains("llm-d.ai/role"), "{e}");
+        assert_eq!(picker.pool.state().endpoints().version(), before.version());
         // a good one becomes the endpoint's role
         let mut roles = good.clone();
         roles.endpoints[1]
