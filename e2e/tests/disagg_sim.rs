@@ -8,15 +8,15 @@
 
 use std::time::Duration;
 
-use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::{StaticSource, view_from_config};
-use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_picker::service::Running;
 use kvroute_sim::server::{KvLoadFailure, PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 #[path = "ext_proc_support/mod.rs"]
 mod envoy;
+#[path = "sim_support/mod.rs"]
+mod sim_support;
+use sim_support::{client, eventually, indexed_blocks, pick, prompt, static_picker};
 
 async fn sim(host: &str) -> SimHandle {
     let mut cfg = SimConfig {
@@ -61,42 +61,13 @@ routing: {{stalenessThreshold: 1m, disaggregation: {disaggregation}}}
 scrape: {{interval: 50ms}}
 "#
     );
-    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
-    let view = view_from_config(&config);
-    let p = start_picker(
-        config,
-        Box::new(StaticSource(view)),
-        CancellationToken::new(),
-    )
-    .await
-    .expect("picker starts");
+    let p = static_picker(&yaml).await;
     // every engine scraped once, so none is passed over as never seen
     eventually("first scrape", || {
         p.state.pool.state().read().loads().len() == engines.len()
     })
     .await;
     p
-}
-
-fn prompt(seed: u32, n: u32) -> Vec<u32> {
-    (0..n)
-        .map(|i| (seed.wrapping_mul(7919) + i * 13) % 30_000 + 1)
-        .collect()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-async fn eventually<F: FnMut() -> bool>(what: &str, mut f: F) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A counter or gauge of an engine's `/metrics` (summed over its labelled series matching
@@ -171,15 +142,6 @@ async fn stream(p: &Running, tokens: &[u32], max_tokens: u32) -> (String, bool) 
         text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
     }
     (text, done)
-}
-
-async fn pick(p: &Running, tokens: &[u32]) -> Value {
-    kvroute_testkit::post_json(
-        &client(),
-        format!("http://{}/v1/pick", p.addrs.admin),
-        &json!({"model": "llama", "prompt": tokens}),
-    )
-    .await
 }
 
 const AUTO: &str = "{mode: Auto, minUncachedTokens: 256}";
@@ -264,14 +226,7 @@ async fn the_prefill_engines_cache_from_its_events_moves_the_prefill_and_the_dec
     let tokens = prompt(3, 2048);
     // the prompt computed on p2 directly: only its KV events tell the picker
     complete_on(&p2, &tokens).await;
-    let blocks_on = |ip: &str| {
-        let pool = p.state.pool.state().read();
-        let index = pool.index();
-        index
-            .endpoints()
-            .find(|(_, id)| id.address.to_string() == ip)
-            .map_or(0, |(slot, _)| index.endpoint_blocks(slot))
-    };
+    let blocks_on = |ip: &str| indexed_blocks(&p, ip);
     eventually("p2's blocks", || blocks_on("127.0.0.34") >= 127).await;
 
     // the same conversation, grown by 512 tokens: prefilled where its prefix is

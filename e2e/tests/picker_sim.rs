@@ -8,12 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::{StaticSource, view_from_config};
-use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_picker::service::Running;
 use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 async fn sim(host: &str) -> SimHandle {
     let mut cfg = SimConfig {
@@ -60,25 +57,7 @@ routing: {{strategy: {strategy}, stalenessThreshold: 5s}}
 scrape: {{interval: 50ms}}
 "#
     );
-    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
-    let view = view_from_config(&config);
-    start_picker(
-        config,
-        Box::new(StaticSource(view)),
-        CancellationToken::new(),
-    )
-    .await
-    .expect("picker starts")
-}
-
-fn prompt(seed: u32, n: u32) -> Vec<u32> {
-    (0..n)
-        .map(|i| (seed.wrapping_mul(7919) + i * 13) % 30_000 + 1)
-        .collect()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
+    static_picker(&yaml).await
 }
 
 async fn complete(url: String, tokens: &[u32]) -> Value {
@@ -90,36 +69,6 @@ async fn complete(url: String, tokens: &[u32]) -> Value {
         .unwrap();
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
-}
-
-async fn pick(p: &Running, tokens: &[u32]) -> Value {
-    kvroute_testkit::post_json(
-        &client(),
-        format!("http://{}/v1/pick", p.addrs.admin),
-        &json!({"model": "llama", "prompt": tokens}),
-    )
-    .await
-}
-
-/// Blocks the picker's index attributes to the endpoint on `ip`.
-fn indexed_blocks(p: &Running, ip: &str) -> usize {
-    let pool = p.state.pool.state().read();
-    let index = pool.index();
-    index
-        .endpoints()
-        .find(|(_, id)| id.address.to_string() == ip)
-        .map_or(0, |(slot, _)| index.endpoint_blocks(slot))
-}
-
-async fn eventually<F: FnMut() -> bool>(what: &str, mut f: F) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,6 +242,9 @@ async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
 
 #[path = "ext_proc_support/mod.rs"]
 mod envoy;
+#[path = "sim_support/mod.rs"]
+mod sim_support;
+use sim_support::{client, eventually, indexed_blocks, pick, prompt, static_picker};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_proc_routes_to_the_cached_engine_honours_the_subset_and_rejects_with_503() {

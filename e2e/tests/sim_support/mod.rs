@@ -1,0 +1,68 @@
+//! What the e2e tests against simulated engines share: a picker from YAML with a static
+//! source, prompts, a loopback client, polling, and the picker's own view of its index.
+
+#![allow(dead_code)] // each test file uses the helpers it needs
+
+use std::time::Duration;
+
+use kvroute_picker::service::settings::PickerConfig;
+use kvroute_picker::service::source::{StaticSource, view_from_config};
+use kvroute_picker::service::{Running, start as start_picker};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// A picker running `yaml` (a whole config file) with its endpoints as a static source.
+pub async fn static_picker(yaml: &str) -> Running {
+    let config = PickerConfig::from_yaml(yaml).expect("valid config");
+    let view = view_from_config(&config);
+    start_picker(
+        config,
+        Box::new(StaticSource(view)),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("picker starts")
+}
+
+/// `n` token ids, different for each `seed`.
+pub fn prompt(seed: u32, n: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| (seed.wrapping_mul(7919) + i * 13) % 30_000 + 1)
+        .collect()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// Wait up to 10 s until `f` holds.
+pub async fn eventually<F: FnMut() -> bool>(what: &str, mut f: F) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Blocks the picker's index attributes to the endpoint on `ip`.
+pub fn indexed_blocks(p: &Running, ip: &str) -> usize {
+    let pool = p.state.pool.state().read();
+    let index = pool.index();
+    index
+        .endpoints()
+        .find(|(_, id)| id.address.to_string() == ip)
+        .map_or(0, |(slot, _)| index.endpoint_blocks(slot))
+}
+
+/// `/v1/pick`'s answer for a completion of `tokens`.
+pub async fn pick(p: &Running, tokens: &[u32]) -> Value {
+    kvroute_testkit::post_json(
+        &client(),
+        format!("http://{}/v1/pick", p.addrs.admin),
+        &json!({"model": "llama", "prompt": tokens}),
+    )
+    .await
+}
