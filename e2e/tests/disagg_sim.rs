@@ -1,7 +1,8 @@
 //! Prefill/decode disaggregation through the picker against simulated engines with a KV
 //! connector (`kvroute-sim --kv-transfer`): the two-step handshake through the proxy
 //! (streamed), the decider, prefix credit on the prefill side from real event flow, each
-//! failure mode, a client going away mid-prefill, and the ext_proc answer for llm-d's
+//! failure mode, a client going away mid-prefill, both steps on the chosen data-parallel ranks,
+//! and the ext_proc answer for llm-d's
 //! routing sidecar.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -483,6 +484,88 @@ async fn ext_proc_answers_the_decode_engine_with_the_prefill_engine_for_the_side
         }
         other => panic!("expected a route, got {other:?}"),
     }
+    p.shutdown().await;
+    pf.shutdown();
+    de.shutdown();
+}
+
+/// Prompt tokens of `source` on rank `rank` of engine `e`.
+async fn rank_tokens(e: &SimHandle, rank: u64, source: &str) -> f64 {
+    let text =
+        kvroute_testkit::get_text(&client(), format!("http://{}/metrics", e.addrs()[0].http)).await;
+    let rank = format!("engine=\"{rank}\"");
+    text.lines()
+        .filter(|l| l.starts_with("vllm:prompt_tokens_by_source_total"))
+        .filter(|l| l.contains(&rank) && l.contains(source))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_steps_go_to_the_chosen_data_parallel_rank() {
+    let dp = |host: &str| {
+        let mut cfg = SimConfig {
+            host: host.parse().unwrap(),
+            model: "llama".into(),
+            speedup: 20.0,
+            dp_size: 2,
+            kv_transfer: Some(KvLoadFailure::Recompute),
+            ..SimConfig::default()
+        };
+        cfg.engine.num_blocks = 4096;
+        start_sim(cfg)
+    };
+    let pf = dp("127.0.0.46").await.expect("simulator starts");
+    let de = dp("127.0.0.47").await.expect("simulator starts");
+    let (a, b) = (pf.addrs()[0].http, de.addrs()[0].http);
+    let p = static_picker(&format!(
+        r#"
+listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0}}
+modelConfigs:
+  - name: llama
+    model: llama
+    blockSize: 16
+    dataParallel: {{size: 2, rankSelection: Header}}
+endpoints:
+  - {{address: {}, modelConfig: llama, port: {}, role: prefill}}
+  - {{address: {}, modelConfig: llama, port: {}, role: decode}}
+routing: {{stalenessThreshold: 1m, disaggregation: {AUTO}}}
+scrape: {{interval: 50ms}}
+"#,
+        a.ip(),
+        a.port(),
+        b.ip(),
+        b.port()
+    ))
+    .await;
+    eventually("first scrape", || {
+        p.state.pool.state().read().loads().len() == 4
+    })
+    .await;
+    let tokens = prompt(13, 1024);
+    let e = pick(&p, &tokens).await;
+    assert_eq!(e["disaggregation"]["verdict"], "split", "{e}");
+    let prefill_rank = e["prefill"]["rank"].as_u64().expect("rank");
+    let decode_rank = e["rank"].as_u64().expect("rank");
+    let (text, done) = stream(&p, &tokens, 4).await;
+    assert!(done && text.chars().count() == 4);
+    // each step ran on the rank the picker chose, and only there
+    assert_eq!(
+        rank_tokens(&pf, prefill_rank, "local_compute").await,
+        1024.0
+    );
+    assert_eq!(
+        rank_tokens(&pf, 1 - prefill_rank, "local_compute").await,
+        0.0
+    );
+    assert_eq!(
+        rank_tokens(&de, decode_rank, "external_kv_transfer").await,
+        1008.0
+    );
+    assert_eq!(
+        rank_tokens(&de, 1 - decode_rank, "external_kv_transfer").await,
+        0.0
+    );
     p.shutdown().await;
     pf.shutdown();
     de.shutdown();
