@@ -1,9 +1,8 @@
 //! Prefill/decode disaggregation through the picker against simulated engines with a KV
 //! connector (`kvroute-sim --kv-transfer`): the two-step handshake through the proxy
 //! (streamed), the decider, prefix credit on the prefill side from real event flow, each
-//! failure mode, a client going away mid-prefill, both steps on the chosen data-parallel ranks,
-//! and the ext_proc answer for llm-d's
-//! routing sidecar.
+//! failure mode, a client going away mid-prefill, both steps on the chosen data-parallel
+//! ranks, and the ext_proc answer for llm-d's routing sidecar.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
