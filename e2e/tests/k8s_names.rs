@@ -194,6 +194,12 @@ spec:
     );
     assert_eq!(routing["strategy"], "Weighted", "{routing}");
     assert!(explained.contains("costModel"), "{explained}");
+    // ...and the disaggregated sample's pool
+    let pd = pools.get("llama-pd").await.unwrap();
+    let pd = serde_json::to_value(&pd.spec.routing.disaggregation).unwrap();
+    assert_eq!(pd["mode"], "Auto", "{pd}");
+    assert_eq!(pd["minUncachedTokens"], 1024, "{pd}");
+    assert_eq!(pd["maxTtftRatio"], 2.0, "{pd}");
     // ...and left the Gateway API pool of the same name as it was
     let after = gateway.get("llama").await.unwrap();
     assert_eq!(
@@ -211,7 +217,8 @@ spec:
         listed.lines().collect::<Vec<_>>(),
         [
             "kvroutepool.kvroute.dev/legacy",
-            "kvroutepool.kvroute.dev/llama"
+            "kvroutepool.kvroute.dev/llama",
+            "kvroutepool.kvroute.dev/llama-pd"
         ],
         "{listed}"
     );
