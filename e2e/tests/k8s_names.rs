@@ -196,7 +196,7 @@ spec:
     assert!(explained.contains("costModel"), "{explained}");
     // ...and the disaggregated sample's pool
     let pd = pools.get("llama-pd").await.unwrap();
-    let pd = serde_json::to_value(&pd.spec.routing.disaggregation).unwrap();
+    let pd = serde_json::to_value(pd.spec.routing.disaggregation).unwrap();
     assert_eq!(pd["mode"], "Auto", "{pd}");
     assert_eq!(pd["minUncachedTokens"], 1024, "{pd}");
     assert_eq!(pd["maxTtftRatio"], 2.0, "{pd}");
