@@ -111,8 +111,8 @@ struct Args {
     #[arg(long, default_value_t = 2.0)]
     kv_transfer_latency_ms: f64,
     /// What a decode engine does when the remote KV cannot be pulled (the engine is gone
-    /// or restarted): `recompute` the prompt itself (vLLM's default) or `fail` the request.
-    #[arg(long, value_enum, default_value = "recompute")]
+    /// or restarted): `fail` the request (vLLM 0.32's default) or `recompute` the prompt.
+    #[arg(long, value_enum, default_value = "fail")]
     kv_load_failure_policy: KvLoadFailureArg,
     /// Run this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]

@@ -11,8 +11,10 @@
 //!    ([`crate::engine::Request::remote_blocks`]).
 //!
 //! A rank is found by its engine id, which is new for every incarnation: a restarted or
-//! crashed prefill engine's KV cannot be pulled, and the decode then recomputes the prompt or
-//! fails, as configured ([`super::KvLoadFailure`]).
+//! crashed prefill engine's KV cannot be pulled, and the decode then fails (vLLM 0.32's
+//! default `kv_load_failure_policy`) or recomputes the prompt, as configured
+//! ([`super::KvLoadFailure`]). The answer's fields and shapes are those a real vLLM 0.32 CPU
+//! engine with the NixlConnector sends (checked on one: docs/real-engines.md).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,17 +92,32 @@ pub(crate) fn parse(params: Option<&Json>) -> Result<KvTransfer, String> {
                     );
                 }
             };
+            // vLLM 0.32 sends one list per KV-cache group (`[[1, 2, 3]]`); earlier versions
+            // one flat list
             let blocks = match p.get("remote_block_ids") {
-                Some(Json::Array(ids)) if ids.iter().all(Json::is_u64) => {
-                    u32::try_from(ids.len()).unwrap_or(u32::MAX)
+                Some(Json::Array(ids)) if ids.iter().all(Json::is_u64) => ids.len(),
+                Some(Json::Array(groups))
+                    if !groups.is_empty()
+                        && groups
+                            .iter()
+                            .all(|g| g.as_array().is_some_and(|g| g.iter().all(Json::is_u64))) =>
+                {
+                    groups
+                        .iter()
+                        .filter_map(Json::as_array)
+                        .map(Vec::len)
+                        .max()
+                        .unwrap_or(0)
                 }
                 _ => {
                     return Err(
-                        "`kv_transfer_params.remote_block_ids` must be an array of block ids"
+                        "`kv_transfer_params.remote_block_ids` must be a list of block ids, or \
+                         one per KV-cache group"
                             .into(),
                     );
                 }
             };
+            let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
             Ok(KvTransfer::RemotePrefill { engine_id, blocks })
         }
     }
@@ -116,16 +133,23 @@ pub(crate) fn answer(
     block_size: u32,
 ) -> Json {
     let blocks = prompt_tokens.div_ceil(block_size.max(1));
+    // the fields and shapes of vLLM 0.32's NIXL connector (pull mode), block ids per
+    // KV-cache group
     json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
+        "remote_block_ids": [(1..=blocks).collect::<Vec<u32>>()],
         "remote_engine_id": rank.engine_id,
         "remote_request_id": request_id,
-        "remote_num_tokens": prompt_tokens,
-        "remote_block_ids": (0..blocks).collect::<Vec<u32>>(),
         "remote_host": host,
         "remote_port": port,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": prompt_tokens,
+        "remote_blocks_expiry_time": null,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
     })
 }
 
@@ -154,6 +178,21 @@ mod tests {
                 blocks: 3
             })
         );
+        // vLLM 0.32's answer, as a real engine sent it (one list per KV-cache group)
+        let real = json!({"do_remote_prefill": true, "do_remote_decode": false,
+            "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
+            "remote_engine_id": "5cfb54a9-9037-4765-8c88-53171304b4c1",
+            "remote_request_id": "cmpl-9174d78096002899-0-990a1f12", "remote_host": "127.0.0.1",
+            "remote_port": 5601, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+            "remote_num_tokens": 300, "remote_blocks_expiry_time": null,
+            "transfer_mode": "pull", "remote_prefill_cached_tokens": 0});
+        assert_eq!(
+            parse(Some(&real)),
+            Ok(KvTransfer::RemotePrefill {
+                engine_id: "5cfb54a9-9037-4765-8c88-53171304b4c1".into(),
+                blocks: 10
+            })
+        );
     }
 
     #[test]
@@ -167,6 +206,10 @@ mod tests {
             ),
             (
                 json!({"do_remote_prefill": true, "remote_engine_id": "e"}),
+                "remote_block_ids",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_engine_id": "e", "remote_block_ids": [[1], "x"]}),
                 "remote_block_ids",
             ),
             (

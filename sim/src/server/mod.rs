@@ -117,12 +117,13 @@ pub struct SimConfig {
     pub kv_transfer: Option<KvLoadFailure>,
 }
 
-/// What a decode engine does when the remote KV named in its request cannot be pulled.
+/// What a decode engine does when the remote KV named in its request cannot be pulled
+/// (vLLM's `kv_load_failure_policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvLoadFailure {
-    /// Prefill the prompt itself (vLLM's `kv_load_failure_policy: recompute`).
+    /// Prefill the prompt itself (`recompute`).
     Recompute,
-    /// Fail the request before any output.
+    /// Fail the request before any output (`fail`, vLLM 0.32's default).
     Fail,
 }
 
