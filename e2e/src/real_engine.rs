@@ -53,6 +53,8 @@ struct Launch {
     /// Its ports were picked free at spawn (not given): if one was taken before vLLM bound
     /// it, [`Engine::wait_healthy`] starts it again on others.
     fresh_ports: bool,
+    /// With vLLM's NixlConnector ([`Engine::spawn_kv_transfer`]).
+    kv_transfer: bool,
 }
 
 /// Starts on fresh ports after a port was taken between its probe and vLLM's bind (the probe
@@ -62,7 +64,18 @@ const PORT_RETRIES: u32 = 3;
 impl Engine {
     pub fn spawn(model: &Path, core: u32, kv_cache_bytes: u64, logs: &Path) -> Self {
         let ports = (free_port(), free_port(), free_port());
-        let mut e = Self::spawn_on(model, core, kv_cache_bytes, logs, ports);
+        let mut e = Self::start(model, core, kv_cache_bytes, logs, ports, false);
+        e.launch.fresh_ports = true;
+        e
+    }
+
+    /// An engine with vLLM's NixlConnector (`kv_both`, CPU buffers, UCX over loopback): it
+    /// answers a request carrying `kv_transfer_params.do_remote_decode` with the parameters
+    /// another engine pulls the prompt's KV with, and pulls it itself for a request carrying
+    /// those (prefill/decode disaggregation). Its NIXL side channel takes a free port.
+    pub fn spawn_kv_transfer(model: &Path, core: u32, kv_cache_bytes: u64, logs: &Path) -> Self {
+        let ports = (free_port(), free_port(), free_port());
+        let mut e = Self::start(model, core, kv_cache_bytes, logs, ports, true);
         e.launch.fresh_ports = true;
         e
     }
@@ -73,13 +86,25 @@ impl Engine {
         core: u32,
         kv_cache_bytes: u64,
         logs: &Path,
+        ports: (u16, u16, u16),
+    ) -> Self {
+        Self::start(model, core, kv_cache_bytes, logs, ports, false)
+    }
+
+    fn start(
+        model: &Path,
+        core: u32,
+        kv_cache_bytes: u64,
+        logs: &Path,
         (http, kv, replay): (u16, u16, u16),
+        kv_transfer: bool,
     ) -> Self {
         static STARTS: AtomicU32 = AtomicU32::new(0);
         let n = STARTS.fetch_add(1, Ordering::Relaxed);
         let log = logs.join(format!("vllm-{http}-{n}.log"));
         let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new("bash")
+        let mut command = Command::new("bash");
+        command
             .arg(repo_root().join("scripts/real-engines/vllm-engine.sh"))
             .args(["--model", model.to_str().unwrap()])
             .args(["--port", &http.to_string()])
@@ -87,7 +112,18 @@ impl Engine {
             .args(["--replay-port", &replay.to_string()])
             .args(["--core", &core.to_string()])
             .args(["--block-size", &BLOCK.to_string()])
-            .args(["--kv-cache-bytes", &kv_cache_bytes.to_string()])
+            .args(["--kv-cache-bytes", &kv_cache_bytes.to_string()]);
+        if kv_transfer {
+            command
+                .args([
+                    "--",
+                    "--kv-transfer-config",
+                    r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}"#,
+                ])
+                .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+                .env("VLLM_NIXL_SIDE_CHANNEL_PORT", free_port().to_string());
+        }
+        let child = command
             .env("KVROUTE_VLLM_VENV", vllm_venv())
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
@@ -107,6 +143,7 @@ impl Engine {
                 kv_cache_bytes,
                 logs: logs.to_path_buf(),
                 fresh_ports: false,
+                kv_transfer,
             },
         }
     }
@@ -146,7 +183,16 @@ impl Engine {
                     );
                     let l = self.launch.clone();
                     // the old one's group is stopped as it drops
-                    *self = Self::spawn(&l.model, l.core, l.kv_cache_bytes, &l.logs);
+                    let ports = (free_port(), free_port(), free_port());
+                    *self = Self::start(
+                        &l.model,
+                        l.core,
+                        l.kv_cache_bytes,
+                        &l.logs,
+                        ports,
+                        l.kv_transfer,
+                    );
+                    self.launch.fresh_ports = true;
                     deadline = Instant::now() + ENGINE_START;
                     continue;
                 }
