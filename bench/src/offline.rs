@@ -703,9 +703,11 @@ impl<'a> Sim<'a> {
         } = fl;
         drop(guard);
         let prompt = leg.tokens.len() as u64;
-        let blocks = u32::try_from(
-            prompt / u64::from(self.engines[leg.engine].rank.config().block_size.max(1)),
-        )
+        // every block of the prompt, the partial last one included (the prefill engine keeps
+        // the request's blocks for the pull)
+        let blocks = u32::try_from(prompt.div_ceil(u64::from(
+            self.engines[leg.engine].rank.config().block_size.max(1),
+        )))
         .unwrap_or(u32::MAX);
         let endpoint = self.engines[leg.engine].id;
         let guard = self.pool.begin(endpoint, prompt, 0, blocks > 0);

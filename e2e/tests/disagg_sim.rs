@@ -185,7 +185,7 @@ async fn a_long_prompt_is_prefilled_on_the_prefill_engine_and_streamed_from_the_
             "external_kv_transfer"
         )
         .await,
-        1008.0
+        1024.0
     );
     assert_eq!(
         engine_metric(&de, "vllm:generation_tokens_total", "").await,
@@ -281,7 +281,7 @@ async fn a_failed_prefill_is_retried_on_the_next_prefill_engine_then_run_whole()
             "external_kv_transfer"
         )
         .await,
-        1008.0,
+        1024.0,
         "the decode engine pulled the prompt from the prefill engine that answered"
     );
     assert_eq!(
@@ -319,8 +319,8 @@ async fn a_failed_prefill_is_retried_on_the_next_prefill_engine_then_run_whole()
     );
     assert_eq!(
         engine_metric(&de, "vllm:prompt_tokens_by_source_total", "local_compute").await,
-        16.0 + 1024.0,
-        "the last block of the split request, then the whole prompt of the other"
+        1024.0,
+        "nothing of the split request, the whole prompt of the other"
     );
     p.shutdown().await;
     for s in [p1, p2, de] {
@@ -353,7 +353,7 @@ async fn a_decode_engine_that_fails_before_its_first_byte_is_replaced_with_the_s
             "external_kv_transfer"
         )
         .await,
-        2032.0,
+        2048.0,
         "the fallback decode engine pulled the KV the prefill engine computed"
     );
     assert_eq!(
@@ -559,7 +559,7 @@ scrape: {{interval: 50ms}}
     );
     assert_eq!(
         rank_tokens(&de, decode_rank, "external_kv_transfer").await,
-        1008.0
+        1024.0
     );
     assert_eq!(
         rank_tokens(&de, 1 - decode_rank, "external_kv_transfer").await,

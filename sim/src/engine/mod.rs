@@ -348,6 +348,8 @@ struct Req {
     ready_ms: f64,
     /// Leading prompt blocks a remote engine holds for it, until it is first scheduled.
     remote_blocks: u32,
+    /// Its whole prompt but the last token was pulled: its first step is a decode step.
+    pulled_all: bool,
 }
 
 impl Req {
@@ -555,6 +557,7 @@ impl Rank {
             text_seed: mix(self.config.hash_seed ^ mix(request.id.wrapping_add(0x5eed))),
             ready_ms: 0.0,
             remote_blocks: request.remote_blocks,
+            pulled_all: false,
         };
         self.extend_block_hashes(&mut req);
         self.requests.insert(request.id, req);
@@ -642,8 +645,9 @@ impl Rank {
             let Some(req) = self.requests.get(&id) else {
                 continue;
             };
-            let is_decode =
-                n == 1 && req.output_tokens > 0 && req.num_computed + 1 == req.num_tokens();
+            let is_decode = n == 1
+                && (req.output_tokens > 0 || req.pulled_all)
+                && req.num_computed + 1 == req.num_tokens();
             if is_decode {
                 decodes += 1;
             } else {
@@ -795,20 +799,22 @@ impl Rank {
             } else {
                 0
             };
-            // the blocks after those that a remote engine computed for it are pulled, once:
-            // after a preemption it recomputes them here
-            let servable = (req.num_tokens().saturating_sub(1) / self.config.block_size.max(1))
-                .min(req.prompt_len.saturating_sub(1) / self.config.block_size.max(1));
-            let pulled = if req.num_computed == 0 {
+            // the prompt a remote engine computed for it is pulled, once (after a preemption
+            // it recomputes it here), except what this engine holds: every token but the
+            // last, which its first step computes as a decode step would (vLLM 0.32 pulls
+            // the whole prompt, partial last block included: docs/real-engines.md)
+            let bs = self.config.block_size.max(1);
+            let held = (hits.len() as u32 + loaded) * bs;
+            let pulled = if req.num_computed == 0 && req.remote_blocks > 0 {
                 std::mem::take(&mut req.remote_blocks)
-                    .min(servable)
-                    .saturating_sub(hits.len() as u32 + loaded)
+                    .saturating_mul(bs)
+                    .min(req.prompt_len.saturating_sub(1))
+                    .saturating_sub(held)
             } else {
                 0
             };
-            let loaded_tokens = (loaded + pulled) * self.config.block_size;
-            let hit_tokens = hits.len() as u32 * self.config.block_size;
-            let computed = hit_tokens + loaded_tokens;
+            let hit_tokens = hits.len() as u32 * bs;
+            let computed = held + pulled;
             // a request loading from the CPU tier or pulling remote KV takes its blocks now
             // and computes once they are in
             let n = if loaded > 0 || pulled > 0 {
@@ -835,11 +841,15 @@ impl Rank {
                     self.now_ms + f64::from(loaded) * self.config.cpu_load_ms_per_block.max(0.0);
             }
             if pulled > 0 {
-                self.stats.remote_kv_tokens += u64::from(pulled * self.config.block_size);
+                // all of the prompt came from the remote engine: its last token too, as vLLM
+                // counts it (`external_kv_transfer`)
+                req.pulled_all = computed + 1 == req.prompt_len;
+                self.stats.remote_kv_tokens += u64::from(pulled + u32::from(req.pulled_all));
                 req.ready_ms = req.ready_ms.max(
                     self.now_ms
                         + self.config.kv_transfer_latency_ms.max(0.0)
-                        + f64::from(pulled) * self.config.kv_transfer_ms_per_block.max(0.0),
+                        + f64::from(pulled.div_ceil(bs))
+                            * self.config.kv_transfer_ms_per_block.max(0.0),
                 );
             }
             if lora_wait > 0.0 {

@@ -495,6 +495,14 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
                 let held =
                     peer.cached_prefix(&req.prompt, req.cache_salt.as_deref(), req.lora.as_deref())
                         / block_size;
+                // the prefix cache never shows a prompt's partial last block, but the
+                // remote engine keeps the request's blocks for the pull, that one included
+                let prompt = req.prompt.len() as u32;
+                let held = if held >= prompt.saturating_sub(1) / block_size {
+                    prompt.div_ceil(block_size)
+                } else {
+                    held
+                };
                 held.min(*blocks)
             }
             None if s.rt.cfg.kv_transfer == Some(KvLoadFailure::Fail) => {
