@@ -373,13 +373,16 @@ impl Pool {
     ) -> Result<SplitPlacement, PlaceError> {
         let router = self.router.load();
         let pd = router.config().disaggregation;
-        let whole = |verdict: Verdict| -> Result<SplitPlacement, PlaceError> {
+        let place_whole = || {
             let whole = RouteRequest {
                 stage: Stage::Whole,
                 ..*req
             };
+            self.place_with(&router, &whole, now_ms, true)
+        };
+        let whole = |verdict: Verdict| -> Result<SplitPlacement, PlaceError> {
             Ok(SplitPlacement {
-                placement: self.place_with(&router, &whole, now_ms, true)?,
+                placement: place_whole()?,
                 prefill: None,
                 verdict,
             })
@@ -397,29 +400,36 @@ impl Pool {
         if !has_prefill {
             return whole(Verdict::NoPrefillEndpoint);
         }
-        // where it would run whole, and what it would prefill there: a conversation whose
-        // earlier turns a decode endpoint holds has little left to prefill
-        let whole_req = RouteRequest {
-            stage: Stage::Whole,
-            ..*req
+        // `Auto` decides on where it would run whole and what it would prefill there (a
+        // conversation whose earlier turns a decode endpoint holds has little left);
+        // `Always` needs that placement only when it cannot split
+        let here = match pd.mode {
+            DisaggregationMode::Auto => Some(place_whole()?),
+            _ => None,
         };
-        let here = self.place_with(&router, &whole_req, now_ms, true)?;
-        let uncached_here = req
-            .prompt_tokens
-            .saturating_sub(here.decision.cached_tokens);
-        let stay = |verdict: Verdict| {
-            Ok(SplitPlacement {
+        if let Some(here) = &here {
+            let uncached_here = req
+                .prompt_tokens
+                .saturating_sub(here.decision.cached_tokens);
+            if uncached_here < pd.min_uncached_tokens {
+                return Ok(SplitPlacement {
+                    placement: here.clone(),
+                    prefill: None,
+                    verdict: Verdict::FewUncached {
+                        uncached_tokens: uncached_here,
+                        min: pd.min_uncached_tokens,
+                    },
+                });
+            }
+        }
+        let stay = |verdict: Verdict| match &here {
+            Some(here) => Ok(SplitPlacement {
                 placement: here.clone(),
                 prefill: None,
                 verdict,
-            })
+            }),
+            None => whole(verdict),
         };
-        if pd.mode == DisaggregationMode::Auto && uncached_here < pd.min_uncached_tokens {
-            return stay(Verdict::FewUncached {
-                uncached_tokens: uncached_here,
-                min: pd.min_uncached_tokens,
-            });
-        }
         let prefill_req = RouteRequest {
             stage: Stage::Prefill,
             ..*req
@@ -434,19 +444,22 @@ impl Pool {
             .prompt_tokens
             .saturating_sub(prefill.decision.cached_tokens);
         let queue = prefill.decision.features.queue();
-        let verdict = match pd.mode {
-            DisaggregationMode::Always => Verdict::Always { uncached_tokens },
-            _ if queue >= f64::from(pd.max_prefill_queue) => {
+        let verdict = match &here {
+            None => Verdict::Always { uncached_tokens },
+            Some(_) if queue >= f64::from(pd.max_prefill_queue) => {
                 return stay(Verdict::PrefillBusy {
                     queue,
                     max: pd.max_prefill_queue,
                 });
             }
-            _ => {
+            Some(here) => {
                 // the first token would come much later split than whole: the prefill pool
-                // is the bottleneck
+                // is the bottleneck (the transfer moves every block, the partial last one too)
                 let cal = &router.config().cost_model;
-                let blocks = f64::from(req.prompt_tokens / req.model_config.block_size.max(1));
+                let blocks = f64::from(
+                    req.prompt_tokens
+                        .div_ceil(req.model_config.block_size.max(1)),
+                );
                 let split_ms = crate::policy::estimated_ttft_ms(cal, &prefill.decision.features)
                     + pd.transfer_latency_ms
                     + blocks * pd.transfer_ms_per_block;
