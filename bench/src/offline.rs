@@ -94,6 +94,9 @@ struct InFlight {
 /// The decode half of a split request, sent once its prefill finished.
 struct DecodeLeg {
     engine: usize,
+    /// Counts the request on its decode endpoint from its placement on, as the service does:
+    /// the KV it will pull is on its way there.
+    guard: InflightGuard,
     tokens: Vec<u32>,
     output_len: u32,
     lora: Option<String>,
@@ -545,8 +548,16 @@ impl<'a> Sim<'a> {
                     self.fail(issue, t, "routing chose an unknown decode endpoint".into());
                     return false;
                 };
+                // nothing to prefill there: its KV arrives (as the service counts it)
+                let guard = self.pool.begin(
+                    placement.decision.endpoint,
+                    prompt,
+                    0,
+                    !plan.keys.is_empty(),
+                );
                 Some(DecodeLeg {
                     engine,
+                    guard,
                     tokens: tokens.clone(),
                     output_len: issue.output_len,
                     lora: lora.clone(),
@@ -709,8 +720,7 @@ impl<'a> Sim<'a> {
             self.engines[leg.engine].rank.config().block_size.max(1),
         )))
         .unwrap_or(u32::MAX);
-        let endpoint = self.engines[leg.engine].id;
-        let guard = self.pool.begin(endpoint, prompt, 0, blocks > 0);
+        let guard = leg.guard;
         let submitted = self.engines[leg.engine].rank.submit_at(
             Request {
                 id,

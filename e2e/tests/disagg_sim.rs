@@ -409,12 +409,23 @@ async fn a_client_that_goes_away_during_the_prefill_cancels_it_and_nothing_is_de
             &json!({"model": "llama", "prompt": prompt(10, 1024), "max_tokens": 4, "stream": true}),
         )
         .send();
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), request)
-            .await
-            .is_err(),
-        "still prefilling"
-    );
+    let request = tokio::spawn(request);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!request.is_finished(), "still prefilling");
+    let counts = |e: &SimHandle| {
+        let a = e.addrs()[0].http;
+        let id = kvroute_picker::endpoint::EndpointId::new(a.ip(), a.port(), 0);
+        p.state.pool.inflight().get(&id)
+    };
+    // the decode endpoint counts the request while its prefill runs elsewhere: the KV it
+    // will pull is on its way there
+    let on_decode = counts(&de);
+    assert_eq!(on_decode.requests, 1, "{on_decode:?}");
+    assert!(on_decode.pending_prompt_tokens >= 1024, "{on_decode:?}");
+    // but nothing to prefill there
+    assert_eq!(on_decode.pending_tokens, 0);
+    assert_eq!(counts(&pf).requests, 1);
+    request.abort();
     // the client is gone: the prefill engine drops the request, the decode engine never sees it
     let mut idle = false;
     for _ in 0..200 {
@@ -431,13 +442,8 @@ async fn a_client_that_goes_away_during_the_prefill_cancels_it_and_nothing_is_de
         engine_metric(&de, "vllm:prompt_tokens_total", "").await,
         0.0
     );
-    let inflight = |e: &SimHandle| {
-        let a = e.addrs()[0].http;
-        let id = kvroute_picker::endpoint::EndpointId::new(a.ip(), a.port(), 0);
-        p.state.pool.inflight().get(&id).requests
-    };
     eventually("in-flight counts released", || {
-        inflight(&pf) == 0 && inflight(&de) == 0
+        counts(&pf).requests == 0 && counts(&de).requests == 0
     })
     .await;
     p.shutdown().await;

@@ -26,6 +26,10 @@ struct Counters {
     /// prefill work queued ahead of a new request.
     pending_requests: AtomicU64,
     pending_tokens: AtomicU64,
+    /// The whole prompts of the requests still waiting for their first token: KV about to be
+    /// allocated there that its scraped usage does not show yet (a split request's decode
+    /// endpoint receives its prompt's KV while nothing is prefilled there).
+    pending_prompt_tokens: AtomicU64,
     /// A request with at least one full KV block was sent (only then must an engine with
     /// prefix caching publish a `BlockStored`).
     full_block_sent: AtomicBool,
@@ -38,6 +42,7 @@ pub struct InflightCounts {
     pub tokens: u64,
     pub pending_requests: u64,
     pub pending_tokens: u64,
+    pub pending_prompt_tokens: u64,
 }
 
 /// Per-endpoint in-flight counters; one entry per endpoint in the set (bounded by it).
@@ -103,6 +108,7 @@ impl InflightTracker {
                 tokens: c.tokens.load(Ordering::Relaxed),
                 pending_requests: c.pending_requests.load(Ordering::Relaxed),
                 pending_tokens: c.pending_tokens.load(Ordering::Relaxed),
+                pending_prompt_tokens: c.pending_prompt_tokens.load(Ordering::Relaxed),
             })
     }
 
@@ -130,6 +136,9 @@ impl InflightGuard {
         counters
             .pending_tokens
             .fetch_add(uncached_tokens, Ordering::Relaxed);
+        counters
+            .pending_prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
         Self {
             counters,
             prompt_tokens,
@@ -147,6 +156,9 @@ impl InflightGuard {
             self.counters
                 .pending_tokens
                 .fetch_sub(self.uncached_tokens, Ordering::Relaxed);
+            self.counters
+                .pending_prompt_tokens
+                .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
         }
     }
 }
@@ -178,12 +190,14 @@ mod tests {
                 requests: 2,
                 tokens: 1010,
                 pending_requests: 2,
-                pending_tokens: 610
+                pending_tokens: 610,
+                pending_prompt_tokens: 1010,
             }
         );
         a.first_token();
         a.first_token(); // idempotent
         assert_eq!(t.get(&id).pending_tokens, 10);
+        assert_eq!(t.get(&id).pending_prompt_tokens, 10);
         assert_eq!(t.get(&id).requests, 2);
         drop(a);
         drop(b); // finished without a first token (error / disconnect)

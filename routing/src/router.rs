@@ -536,6 +536,7 @@ fn features(
                     inflight_tokens: inflight.tokens,
                     pending_requests: inflight.pending_requests,
                     pending_tokens: inflight.pending_tokens,
+                    pending_prompt_tokens: inflight.pending_prompt_tokens,
                     session_affinity: pinned == Some(e.id),
                     working_set_tokens: ctx.working_sets.map_or(0, |w| {
                         let own = if pinned == Some(e.id) {

@@ -376,6 +376,12 @@ async fn proxy_traced(
     // a split request: its prefill first, then its decode with the KV's whereabouts
     let mut kv_params = None;
     let mut split_id = None;
+    // a split request's decode endpoint counts it from now: the KV it will pull is on its
+    // way there, and the next decisions must see it (or they all pick the same emptiest one)
+    let mut reserved = routed
+        .prefill
+        .as_ref()
+        .map(|_| picker.begin(&routed, routed.placement.decision.endpoint));
     if routed.prefill.is_some() {
         let id = super::disagg::request_id(&headers);
         let mut passed: Vec<(HeaderName, axum::http::HeaderValue)> = headers
@@ -423,7 +429,10 @@ async fn proxy_traced(
         if let Some(p) = &kv_params {
             upstream.body = super::disagg::decode_body(&upstream.body, p)?;
         }
-        let guard = picker.begin(&routed, ep);
+        let guard = match reserved.take() {
+            Some(g) if ep == d.endpoint => g,
+            _ => picker.begin(&routed, ep),
+        };
         let mut req = picker
             .http
             .post(format!(

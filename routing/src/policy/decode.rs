@@ -13,7 +13,11 @@
 //!   engine's KV usage after taking the request gives (the cost model's decode curve: a
 //!   fuller cache makes every step of every request slower);
 //! - an endpoint without KV room for the prompt plus the expected output would preempt or
-//!   queue it: it is chosen only when none has room.
+//!   queue it: it is chosen only when none has room;
+//! - the KV of the requests already placed there that has not landed yet (this picker's
+//!   pending prompts: split requests still prefilling elsewhere, requests still waiting) counts
+//!   as used, so that a burst of decisions made while their prefills run does not pile onto
+//!   the one endpoint that looked emptiest.
 //!
 //! Lowest cost wins, with the usual deterministic tie-break.
 
@@ -50,16 +54,20 @@ impl Decode {
         let needed = (f64::from(req.prompt_tokens) + f64::from(self.pd.expected_output_tokens))
             / block
             - f64::from(held);
-        let (after, room) = match f.kv_capacity_blocks {
+        // requests placed here whose KV has not landed yet (their prefill still runs
+        // elsewhere, or they wait here): the scrape does not count it, the next step will
+        let incoming = f.pending_prompt_tokens as f64 / block;
+        let (usage, after, room) = match f.kv_capacity_blocks {
             Some(cap) if cap > 0 => {
                 let cap = cap as f64;
-                let free = cap * (1.0 - f.kv_usage.clamp(0.0, 1.0));
-                (f.kv_usage + needed.max(0.0) / cap, free >= needed)
+                let usage = f.kv_usage + incoming / cap;
+                let free = cap * (1.0 - usage.clamp(0.0, 1.0));
+                (usage, usage + needed.max(0.0) / cap, free >= needed)
             }
             // capacity not reported: its usage alone says whether there is room
-            _ => (f.kv_usage, f.kv_usage < 1.0),
+            _ => (f.kv_usage, f.kv_usage, f.kv_usage < 1.0),
         };
-        let step_now = decode_step_ms(&self.cal, f.kv_usage);
+        let step_now = decode_step_ms(&self.cal, usage);
         let step_after = decode_step_ms(&self.cal, after);
         let mut cost = transfer
             + f.queue() * step_now
@@ -134,6 +142,25 @@ mod tests {
         let full = cand(3, with_kv(feat(8000, 0, 3.0, 0.0), 0.99, 10_000));
         // neither has room: the one whose decode is cheaper (nothing waits on the small one)
         assert_eq!(pick(&policy(), &r, &[small, full]), ep(1));
+    }
+
+    #[test]
+    fn kv_on_its_way_counts_as_used() {
+        let r = req(8000);
+        // endpoint 1 looks emptier, but 6000 blocks of prompts placed there have not landed
+        let mut incoming = with_kv(feat(8000, 0, 0.0, 4.0), 0.1, 10_000);
+        incoming.pending_prompt_tokens = 6000 * 16;
+        let c = [
+            cand(1, incoming),
+            cand(2, with_kv(feat(8000, 0, 0.0, 4.0), 0.3, 10_000)),
+        ];
+        assert_eq!(pick(&policy(), &r, &c), ep(2));
+        // and when they fill it, it has no room left for this one
+        let mut full = incoming;
+        full.pending_prompt_tokens = 9000 * 16;
+        let p = policy();
+        assert!(p.cost_ms(&r, &full) >= NO_ROOM_MS);
+        assert!(p.cost_ms(&r, &c[1].features) < NO_ROOM_MS);
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub struct Features {
     pub inflight_tokens: u64,
     pub pending_requests: u64,
     pub pending_tokens: u64,
+    /// The whole prompts of this picker's requests there still waiting for their first
+    /// token: KV about to be allocated that the scraped usage does not show yet.
+    pub pending_prompt_tokens: u64,
     /// The endpoint served this request's session before.
     pub session_affinity: bool,
     /// Prompt tokens of the other live sessions pinned to the endpoint: the context its cache
