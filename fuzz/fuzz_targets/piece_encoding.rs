@@ -1,5 +1,7 @@
 //! Differential: the tokenizer piece cache must give exactly the ids of encoding the whole
-//! text, cold and warm, with and without special tokens. Input: UTF-8 text in which the bytes
+//! text, cold and warm, with and without special tokens, and so must cutting the text at every
+//! place the encoder may cut (added tokens, and word and line boundaries inside text) with each
+//! run encoded alone. Input: UTF-8 text in which the bytes
 //! 0x01-0x08 stand for the fixture tokenizer's eight added tokens (so that random inputs cut
 //! into pieces). One encoder with a small budget is shared by every run, so that runs are
 //! found in the cache, evicted and encoded again across inputs.
@@ -39,6 +41,14 @@ fuzz_target!(|data: &[u8]| {
     }
     for add in [false, true] {
         let whole = TOKENIZER.encode_fast(text.as_str(), add).expect("encode");
+        let everywhere = ENCODER
+            .encode_cut_everywhere(&TOKENIZER, &text, add)
+            .expect("encode cut everywhere");
+        assert_eq!(
+            everywhere,
+            whole.get_ids(),
+            "cut everywhere, add_special_tokens={add}: {text:?}"
+        );
         for _ in 0..2 {
             let pieces = ENCODER
                 .encode(&TOKENIZER, &text, add)

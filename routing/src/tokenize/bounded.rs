@@ -140,7 +140,13 @@ impl EncodeBound<'_> {
     ) -> Result<(), EncodeFailure> {
         let left = self.max_tokens.saturating_sub(out.len());
         if text.len() > left {
-            count_within(tokenizer, text, left)?;
+            // what is certain is counted on top of the ids already in `out`
+            count_within(tokenizer, text, left).map_err(|e| match e {
+                EncodeFailure::OverLimit { at_least } => EncodeFailure::OverLimit {
+                    at_least: at_least + out.len(),
+                },
+                other => other,
+            })?;
         }
         // counting holds a window at a time; encoding whole holds the text's weight
         let _pass = self.gate.enter(text.len(), self.max_bytes_at_once)?;

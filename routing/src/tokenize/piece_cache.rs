@@ -18,13 +18,20 @@
 //! per process); only new runs go through the tokenizer, and the ids are concatenated.
 //! The result is the tokenizer's own output, not an approximation.
 //!
+//! A completion prompt, or any long text between two added tokens, is cut further: at a word
+//! or line boundary that the pre-tokenizer never merges across ([`text_cut`]), again at the
+//! first such place at least [`MIN_RUN_BYTES`] past the previous cut. An agent resending its
+//! growing transcript as plain text, or a client sending the same document with a new
+//! question, then finds every run but the last in the cache.
+//!
 //! That equivalence holds for the tokenizers in use today, but two features break it: an added
 //! token that strips the whitespace beside it or must stand as a single word (the cut then
 //! depends on neighbouring text), and a pre-tokenizer that treats the very start of the input
 //! specially (Metaspace's `prepend_scheme: first`). The first is checked in the added
 //! vocabulary; the second, and anything else, by a self-check when the encoder is built:
 //! probe texts are encoded whole and piece by piece, and any difference leaves the cache off
-//! for that tokenizer (every request is then encoded whole, as before).
+//! for that tokenizer (every request is then encoded whole, as before). The cuts inside text
+//! have probes of their own: a tokenizer failing only those keeps the cuts at added tokens.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,6 +101,10 @@ pub struct PieceEncoder {
     /// Ids the post-processor puts before and after a sequence when special tokens are added;
     /// `None` when they could not be derived (such requests are encoded whole).
     wrap: Option<(Vec<u32>, Vec<u32>)>,
+    /// Whether runs are also cut inside the text between added tokens, at word and line
+    /// boundaries the pre-tokenizer cannot merge across ([`text_cut`]); off when the
+    /// tokenizer fails the text probes of the self-check.
+    text_cuts: bool,
     capacity_tokens: usize,
     /// Per-process hash seed, so that colliding pieces cannot be crafted offline (a collision
     /// could only misroute: the forwarded request is never rewritten from these ids).
@@ -152,6 +163,7 @@ impl PieceEncoder {
         };
         let mut encoder = Self {
             splitter,
+            text_cuts: false,
             wrap: None,
             capacity_tokens,
             seed: std::hash::BuildHasher::hash_one(
@@ -166,8 +178,45 @@ impl PieceEncoder {
             misses: AtomicU64::new(0),
         };
         encoder.wrap = derive_wrap(tokenizer);
-        encoder.self_check(tokenizer, &literal)?;
+        encoder.self_check(tokenizer, &probes(&literal))?;
+        // then the cuts inside text, on their own probes: a tokenizer that fails them keeps
+        // the cuts at added tokens
+        encoder.text_cuts = true;
+        if let Err(why) = encoder.self_check(tokenizer, &text_probes(&literal)) {
+            tracing::info!("tokenizer piece cache: runs are cut at added tokens only: {why}");
+            encoder.text_cuts = false;
+        }
         Ok(encoder)
+    }
+
+    /// Whether runs are also cut at word and line boundaries inside text (see the module
+    /// docs); `false` when the tokenizer failed the text probes of the self-check.
+    pub fn cuts_text(&self) -> bool {
+        self.text_cuts
+    }
+
+    /// The ids of `text` encoded run by run with a cut at every place this encoder may cut,
+    /// without the cache: for differential tests and fuzzing (it must equal encoding whole).
+    #[doc(hidden)]
+    pub fn encode_cut_everywhere(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> tokenizers::Result<Vec<u32>> {
+        self.encode_with(
+            tokenizer,
+            text,
+            add_special_tokens,
+            1,
+            false,
+            &EncodeBound::unlimited(),
+        )
+        .map(|e| e.ids)
+        .map_err(|e| match e {
+            EncodeFailure::Tokenizer(e) => e,
+            other => format!("{other:?}").into(),
+        })
     }
 
     /// Counters since the encoder was built.
@@ -249,21 +298,75 @@ impl PieceEncoder {
             cached_tokens: 0,
         };
         out.ids.extend_from_slice(prefix);
+        let min_run = min_run.max(1);
         let mut run = 0;
+        // the text between two added tokens starts here
+        let mut segment = 0;
         if let Some(splitter) = &self.splitter {
             for m in splitter.find_iter(text) {
+                self.cut_text(
+                    tokenizer,
+                    text,
+                    (segment, m.start()),
+                    min_run,
+                    cached,
+                    bound,
+                    &mut run,
+                    &mut out,
+                )?;
                 for cut in [m.start(), m.end()] {
-                    if cut - run >= min_run.max(1) {
+                    if cut - run >= min_run {
                         self.encode_part(tokenizer, &text[run..cut], cached, bound, &mut out)?;
                         run = cut;
                     }
                 }
+                segment = m.end();
             }
         }
+        self.cut_text(
+            tokenizer,
+            text,
+            (segment, text.len()),
+            min_run,
+            cached,
+            bound,
+            &mut run,
+            &mut out,
+        )?;
         self.encode_part(tokenizer, &text[run..], cached, bound, &mut out)?;
         out.ids.extend_from_slice(suffix);
         bound.check(out.ids.len())?;
         Ok(out)
+    }
+
+    /// Within the text `segment` (start, end) between two added tokens: encodes a run up to
+    /// each [`text_cut`] at least `min_run` bytes after the previous one and before the
+    /// segment's end, moving `run`.
+    #[allow(clippy::too_many_arguments)]
+    fn cut_text(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        (start, end): (usize, usize),
+        min_run: usize,
+        cached: bool,
+        bound: &EncodeBound<'_>,
+        run: &mut usize,
+        out: &mut PieceEncoding,
+    ) -> Result<(), EncodeFailure> {
+        if !self.text_cuts {
+            return Ok(());
+        }
+        let bytes = text.as_bytes();
+        // the segment's last run keeps at least `min_run` bytes too, so that the run ends at
+        // the added token after it, wherever the text goes on from there
+        while let Some(cut) = text_cut(bytes, (*run + min_run).max(start + 1), end)
+            .filter(|&cut| end - cut >= min_run)
+        {
+            self.encode_part(tokenizer, &text[*run..cut], cached, bound, out)?;
+            *run = cut;
+        }
+        Ok(())
     }
 
     /// Appends the ids of one run: from the cache, or encoded and then cached.
@@ -325,8 +428,8 @@ impl PieceEncoder {
 
     /// Encodes probe texts whole and piece by piece (every piece alone, no cache); any
     /// difference means this tokenizer's pieces are not independent.
-    fn self_check(&self, tokenizer: &Tokenizer, literal: &[String]) -> Result<(), PieceCacheOff> {
-        for (n, probe) in probes(literal).iter().enumerate() {
+    fn self_check(&self, tokenizer: &Tokenizer, probes: &[String]) -> Result<(), PieceCacheOff> {
+        for (n, probe) in probes.iter().enumerate() {
             for add in [false, true] {
                 let whole = tokenizer
                     .encode_fast(probe.as_str(), add)
@@ -341,6 +444,42 @@ impl PieceEncoder {
         }
         Ok(())
     }
+}
+
+/// The first place in `bytes[from..end]` where text may be cut between runs: before a space
+/// that follows an ASCII letter, digit or punctuation mark and precedes an ASCII letter (`the
+/// cache|␣aware`), or after a line feed followed by an ASCII letter (`…\n|Next`).
+///
+/// The pre-tokenizers of today's byte-level BPE tokenizers (GPT-2's, Llama 3's, Qwen's and
+/// their kin: a regex split, then byte mapping) never put those two characters in one
+/// pre-token. None of their alternatives matches a non-space followed by a space, or a line
+/// feed followed by a letter, and their only lookahead (`\s+(?!\S)`) ends inside whitespace.
+/// The model then encodes each pre-token on its own, so the ids of the text before the cut
+/// and after it, each encoded alone, are the ids of the whole. Tokenizers where this does not
+/// hold (a SentencePiece normalizer that prepends `▁` to every input, a pre-tokenizer that
+/// keeps a line with the next) fail the self-check's text probes and are cut at added tokens
+/// only. Letters, digits and punctuation are ASCII here so that no Unicode category question
+/// (combining marks, normalization) can arise at a cut.
+fn text_cut(bytes: &[u8], from: usize, end: usize) -> Option<usize> {
+    let from = from.max(1);
+    let mut at = from;
+    while at < end {
+        let p = at
+            + bytes[at..end]
+                .iter()
+                .position(|&b| b == b' ' || b == b'\n')?;
+        let next_is_letter = bytes.get(p + 1).is_some_and(u8::is_ascii_alphabetic) && p + 1 < end;
+        if next_is_letter {
+            if bytes[p] == b' ' && bytes[p - 1].is_ascii_graphic() {
+                return Some(p);
+            }
+            if bytes[p] == b'\n' && p + 1 >= from {
+                return Some(p + 1);
+            }
+        }
+        at = p + 1;
+    }
+    None
 }
 
 /// The ids the post-processor adds around a single sequence, found by encoding two texts with
@@ -383,6 +522,40 @@ fn probes(literal: &[String]) -> Vec<String> {
         format!("lead{a} spaced out {b}\n\n\ttabs{a}{b}end{c}"),
         format!("   {b}ünïcödé 日本語 text{a}\n"),
         format!("{c}{c}word{a}  {b}99 bottles"),
+    ]
+}
+
+/// Texts that put the cuts [`text_cut`] makes next to what could merge across them: words,
+/// digits, punctuation, contractions, runs of spaces and line breaks, code, non-ASCII text and
+/// added tokens.
+fn text_probes(literal: &[String]) -> Vec<String> {
+    let pick = |i: usize| -> &str {
+        if literal.is_empty() {
+            ""
+        } else {
+            &literal[i % literal.len()]
+        }
+    };
+    let (a, b) = (pick(0), pick(1));
+    vec![
+        "Hello world. It's 2024, isn't it? They'll say we've won 1234567 times; x86_64 ok!"
+            .to_string(),
+        "line one\nline two\n\nThird  line,  double  spaces\n\tTabbed\n  Spaced\r\nCrlf\nz"
+            .to_string(),
+        "ünïcödé wörds, 日本語 text and English words, émojis 🎉 here\nÄnd more é a".to_string(),
+        "a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G\nH\nI\n\nJ".to_string(),
+        "don't won't THEY'LL I'm we've she'd IT'S o'clock 'quoted' \"double\" (paren) [b] {c}"
+            .to_string(),
+        "#include <stdio.h>\nint main(void) {\n    return 0;\n}\n// done\ndef f(x):\n  return x"
+            .to_string(),
+        "- item one\n- item two\n1. first\n2. second\n* star\n> quote\nhttps://e.x/p?q=1&b=2 ok"
+            .to_string(),
+        format!(
+            "{a}system\n\nYou are helpful. Answer briefly.{b}\n{a}user{b}\nHi there friend{b}x y"
+        ),
+        "   leading spaces and trailing   \n\n\nthree breaks then words  \n tail".to_string(),
+        "mixed123 abc456 7 eight 9nine ten10 -eleven +twelve .thirteen ,fourteen ;fifteen"
+            .to_string(),
     ]
 }
 
@@ -552,8 +725,134 @@ mod tests {
         );
     }
 
+    /// Text without added tokens: words, digits, punctuation, spaces, line breaks, non-ASCII.
+    fn prose(seed: u64, bytes: usize) -> String {
+        let vocab = [
+            "the", " ", " ", "  ", "\n", "\n\n", " \n", "Cache", "route", "42", "7", ".", ",",
+            "'s", "'t", "\t", "é", "日本", "!?", "(x)", "-", "\r\n", "A", "b", "🎉", "don't",
+        ];
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut s = String::new();
+        while s.len() < bytes {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            s += vocab[(x % vocab.len() as u64) as usize];
+        }
+        s
+    }
+
+    #[test]
+    fn a_long_text_with_a_new_ending_is_served_from_the_cache_but_its_ending() {
+        let tok = fixture();
+        let enc = PieceEncoder::new(&tok, 1 << 20).unwrap();
+        assert!(enc.cuts_text());
+        // a completion prompt: no added tokens at all, as the overhead benchmark sends it
+        let body = prose(11, 60_000);
+        let first = format!("{body} request 1");
+        let got = enc.encode(&tok, &first, true).unwrap();
+        assert_eq!(got.ids, whole(&tok, &first, true));
+        assert_eq!(got.cached_tokens, 0);
+        assert!(enc.stats().entries > 50, "cut into runs: {:?}", enc.stats());
+        // the same text with another ending: all but the last run or two from the cache
+        let next = format!("{body} request 2 and why");
+        let got = enc.encode(&tok, &next, true).unwrap();
+        assert_eq!(got.ids, whole(&tok, &next, true));
+        assert!(
+            got.cached_tokens * 100 >= got.ids.len() * 97,
+            "{} of {} cached",
+            got.cached_tokens,
+            got.ids.len()
+        );
+        // a transcript that grows: the earlier part is found again
+        let longer = format!("{body} request 2 and why\nBecause the cache holds it.");
+        let got = enc.encode(&tok, &longer, false).unwrap();
+        assert_eq!(got.ids, whole(&tok, &longer, false));
+        assert!(got.cached_tokens * 100 >= got.ids.len() * 97);
+    }
+
+    #[test]
+    fn where_text_is_cut() {
+        let cut = |s: &str, from: usize| text_cut(s.as_bytes(), from, s.len());
+        // before a space between a word and a letter
+        assert_eq!(cut("kv cache", 0), Some(2));
+        assert_eq!(cut("x1 y", 0), Some(2));
+        assert_eq!(cut("end. Next", 0), Some(4));
+        // not before a space followed by a digit, a space or punctuation, nor after a space
+        assert_eq!(cut("a 1", 0), None);
+        assert_eq!(cut("a  b", 0), None);
+        assert_eq!(cut("a .b", 0), None);
+        assert_eq!(cut(" b", 0), None);
+        // after a line feed followed by a letter, not by a space or a digit
+        assert_eq!(cut("a\nb", 0), Some(2));
+        assert_eq!(cut("a\n\nb", 0), Some(3));
+        assert_eq!(cut("a\n b", 0), None);
+        assert_eq!(cut("a\n1", 0), None);
+        // not before non-ASCII letters, nor after them
+        assert_eq!(cut("a é", 0), None);
+        assert_eq!(cut("é a", 0), None);
+        // the first at or after `from`, inside the end
+        assert_eq!(cut("aa bb cc", 3), Some(5));
+        assert_eq!(text_cut(b"aa bb", 0, 3), None);
+    }
+
+    /// A tokenizer whose normalizer prepends `▁` to every input it is given (SentencePiece's
+    /// `add_dummy_prefix`, as Llama 2's tokenizer.json writes it): text pieces are not
+    /// independent, the pieces between added tokens are.
+    #[test]
+    fn a_tokenizer_that_prepends_to_each_input_is_cut_at_added_tokens_only() {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null,
+          "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+                            "rstrip": false, "normalized": false, "special": true}],
+          "normalizer": {"type": "Prepend", "prepend": "\u2581"},
+          "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581",
+                            "prepend_scheme": "never", "split": true},
+          "post_processor": null, "decoder": null,
+          "model": {"type": "WordLevel", "unk_token": "<unk>",
+                    "vocab": {"<s>": 0, "<unk>": 1, "\u2581": 2, "\u2581word": 3,
+                              "\u2581end": 4, "\u2581system": 5}}}"#;
+        let tok = Tokenizer::from_bytes(json.as_bytes()).unwrap();
+        let enc = PieceEncoder::new(&tok, 1 << 20).unwrap();
+        assert!(!enc.cuts_text());
+        let text = format!("<s>system {}<s>end", "word ".repeat(300));
+        assert_eq!(
+            enc.encode_cut_everywhere(&tok, &text, false).unwrap(),
+            whole(&tok, &text, false)
+        );
+        // and cut text would not be exact here: what the self-check saw
+        let bytes = text.as_bytes();
+        let at = text_cut(bytes, 4, bytes.len()).unwrap();
+        let mut pieces = whole(&tok, &text[..at], false);
+        pieces.extend(whole(&tok, &text[at..], false));
+        assert_ne!(pieces, whole(&tok, &text, false));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Cut at every place text may be cut, each run encoded alone: the ids of the whole.
+        #[test]
+        fn text_cut_everywhere_equals_whole(
+            seed in any::<u64>(),
+            len in 1usize..3000,
+            special in prop::option::of(0usize..4),
+            add in any::<bool>(),
+        ) {
+            let tok = fixture();
+            let enc = PieceEncoder::new(&tok, 1 << 16).unwrap();
+            let mut text = prose(seed, len);
+            if let Some(s) = special {
+                let specials = ["<|eot_id|>", "<|start_header_id|>", "<|im_start|>", "<|"];
+                let mut at = text.len() / 2;
+                while !text.is_char_boundary(at) {
+                    at -= 1;
+                }
+                text.insert_str(at, specials[s]);
+            }
+            let expected = whole(&tok, &text, add);
+            prop_assert_eq!(&enc.encode_cut_everywhere(&tok, &text, add).unwrap(), &expected);
+            prop_assert_eq!(&enc.encode(&tok, &text, add).unwrap().ids, &expected);
+        }
 
         /// Any text made of the fixture's special tokens and words: piece-wise encoding,
         /// cold or warm, equals whole encoding.
