@@ -5,7 +5,15 @@
 # sustained decisions/s (tokenize + hash + match + score, nothing forwarded). Prompts: token
 # ids, text (a new ending per request) and chat (a 16-turn history, a new question per request).
 #
-#   [KINDS="ids text chat"] scripts/bench-picker-overhead.sh [seconds-per-run]
+#   [KINDS="ids text chat"] [SIZES="1 8 128"] [RATE=req/s CONNS=n] [PEERS_VENV=dir] \
+#     scripts/bench-picker-overhead.sh [seconds-per-run]
+#
+# RATE: each of CONNS connections pauses CONNS/RATE s before each request, so the offered
+# load is at most RATE (without it: one connection, back to back). PEERS_VENV: a virtualenv
+# with `vllm-router` and/or `sglang-router` installed (pip install vllm-router sglang-router);
+# each runs in front of the same engine with PEER_POLICY (default round_robin; with one worker
+# the hop alone; cache_aware adds its prefix tree), and is
+# measured beside the picker. The SGLang router takes text prompts only (no token ids).
 #
 # Needs wrk (apt-get install wrk) and python3. Everything binds 127.0.0.1; every process it
 # starts is stopped on exit.
@@ -46,6 +54,36 @@ for _ in $(seq 100); do [ -s "$TMP/picker.json" ] && break; sleep 0.1; done
 PHTTP=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$TMP/picker.json")
 PADMIN=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin"])' "$TMP/picker.json")
 
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+wait_up() { # url
+  for _ in $(seq 150); do curl -s -o /dev/null -m 1 "$1" && return 0; sleep 0.2; done
+  echo "$1 did not come up" >&2; return 1
+}
+PEERS=()
+if [ -n "${PEERS_VENV:-}" ]; then
+  if [ -x "$PEERS_VENV/bin/vllm-router" ]; then
+    VPORT=$(free_port)
+    "$PEERS_VENV/bin/vllm-router" --host 127.0.0.1 --port "$VPORT" --worker-urls "http://$HTTP" \
+      --policy "${PEER_POLICY:-round_robin}" --prometheus-port "$(free_port)" --max-concurrent-requests 8192 \
+      --queue-size 8192 --disable-retries --log-level warning >"$TMP/vllm-router.log" 2>&1 &
+    PIDS+=($!)
+    wait_up "http://127.0.0.1:$VPORT/health" && PEERS+=("vllm-router=127.0.0.1:$VPORT")
+  fi
+  if "$PEERS_VENV/bin/python" -c 'import sglang_router' 2>/dev/null; then
+    SPORT=$(free_port)
+    "$PEERS_VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$SPORT" \
+      --worker-urls "http://$HTTP" --policy "${PEER_POLICY:-round_robin}" --prometheus-port "$(free_port)" \
+      --log-level warn >"$TMP/sglang-router.log" 2>&1 &
+    PIDS+=($!)
+    wait_up "http://127.0.0.1:$SPORT/health" && PEERS+=("sglang-router=127.0.0.1:$SPORT")
+  fi
+fi
+CONNS=${CONNS:-1}
+DELAY_MS=0
+[ -n "${RATE:-}" ] && DELAY_MS=$(python3 -c "print(round($CONNS * 1000 / $RATE, 3))")
+
 # request bodies: token-id prompts (no tokenization), text prompts (tokenized by the picker;
 # each request ends differently, so none is served whole from the tokenizer's piece cache) and
 # chats (a long conversation whose history repeats and whose last question is new each time)
@@ -78,6 +116,10 @@ local at = body:find("@@N@@", 1, true)
 local head, tail = body, nil
 if at then head, tail = body:sub(1, at - 1), body:sub(at + 5) end
 local n = 0
+local pause = tonumber(os.getenv("DELAY_MS") or "0")
+if pause > 0 then
+  function delay() return pause end
+end
 function request()
   n = n + 1
   if tail then return wrk.format(nil, nil, nil, head .. n .. tail) end
@@ -89,20 +131,25 @@ function done(summary, latency, requests)
 end
 LUA
 run() { # url body conns -> "requests errors p50us p99us rps"
-  BODY="$2" wrk -t1 -c"$3" -d"${DUR}s" --timeout 30s -s "$TMP/post.lua" "$1" | awk '/^RESULT/ {print $2, $3, $4, $5, $6}'
+  BODY="$2" DELAY_MS="${4:-0}" wrk -t1 -c"$3" -d"${DUR}s" --timeout 30s -s "$TMP/post.lua" "$1" \
+    | awk '/^RESULT/ {print $2, $3, $4, $5, $6}'
 }
-printf "%-10s %-8s %10s %10s %10s %10s %10s %12s\n" prompt path p50_us p99_us add_p50_us add_p99_us errors req_per_s
+printf "%-10s %-13s %10s %10s %10s %10s %10s %12s\n" prompt path p50_us p99_us add_p50_us add_p99_us errors req_per_s
 for kind in ${KINDS:-ids text chat}; do
   path=/v1/completions
   [ "$kind" = chat ] && path=/v1/chat/completions
-  for k in 1 8 128; do
+  for k in ${SIZES:-1 8 128}; do
     body="$TMP/${kind}${k}k.json"
-    read -r n1 e1 d50 d99 drps < <(run "http://$HTTP$path" "$body" 1)
-    read -r n2 e2 p50 p99 prps < <(run "http://$PHTTP$path" "$body" 1)
-    printf "%-10s %-8s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" direct "$d50" "$d99" - - "$e1" "$drps"
-    printf "%-10s %-8s %10.0f %10.0f %10.0f %10.0f %10s %12.1f\n" "${kind}-${k}k" picker "$p50" "$p99" \
-      "$(python3 -c "print($p50-$d50)")" "$(python3 -c "print($p99-$d99)")" "$e2" "$prps"
+    read -r n1 e1 d50 d99 drps < <(run "http://$HTTP$path" "$body" "$CONNS" "$DELAY_MS")
+    printf "%-10s %-13s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" direct "$d50" "$d99" - - "$e1" "$drps"
+    for via in "picker=$PHTTP" "${PEERS[@]}"; do
+      name=${via%%=*}
+      [ "$name" = sglang-router ] && [ "$kind" = ids ] && continue # token ids: refused (422)
+      read -r n2 e2 p50 p99 prps < <(run "http://${via#*=}$path" "$body" "$CONNS" "$DELAY_MS")
+      printf "%-10s %-13s %10.0f %10.0f %10.0f %10.0f %10s %12.1f\n" "${kind}-${k}k" "$name" "$p50" "$p99" \
+        "$(python3 -c "print($p50-$d50)")" "$(python3 -c "print($p99-$d99)")" "$e2" "$prps"
+    done
     read -r n3 e3 k50 k99 krps < <(run "http://$PADMIN/v1/pick" "$body" 4)
-    printf "%-10s %-8s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" pick-api "$k50" "$k99" - - "$e3" "$krps"
+    printf "%-10s %-13s %10.0f %10.0f %10s %10s %10s %12.1f\n" "${kind}-${k}k" pick-api "$k50" "$k99" - - "$e3" "$krps"
   done
 done
