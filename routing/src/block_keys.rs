@@ -73,9 +73,10 @@ impl BlockHasher {
     /// Key of the block that follows `parent` (or starts the chain at `root`).
     #[inline]
     pub fn next_key(&self, parent: u64, block_tokens: &[u32], scratch: &mut Vec<u8>) -> BlockKey {
-        scratch.clear();
-        for t in block_tokens {
-            scratch.extend_from_slice(&t.to_le_bytes());
+        // sized once, then filled in place: a straight copy on little-endian machines
+        scratch.resize(block_tokens.len() * 4, 0);
+        for (bytes, t) in scratch.chunks_exact_mut(4).zip(block_tokens) {
+            bytes.copy_from_slice(&t.to_le_bytes());
         }
         xxh3_64_with_seed(scratch, parent)
     }
