@@ -585,10 +585,8 @@ mod tests {
         out + "<|start_header_id|>assistant<|end_header_id|>\n\n"
     }
 
-    fn words(seed: u64, bytes: usize) -> String {
-        let vocab = [
-            "kv", "cache", "route", " ", "  ", "\n", "42", "prefix", "ü", "日本", "!?",
-        ];
+    /// At least `bytes` of pseudo-random picks from `vocab`.
+    fn from_vocab(vocab: &[&str], seed: u64, bytes: usize) -> String {
         let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut s = String::new();
         while s.len() < bytes {
@@ -598,6 +596,13 @@ mod tests {
             s += vocab[(x % vocab.len() as u64) as usize];
         }
         s
+    }
+
+    fn words(seed: u64, bytes: usize) -> String {
+        let vocab = [
+            "kv", "cache", "route", " ", "  ", "\n", "42", "prefix", "ü", "日本", "!?",
+        ];
+        from_vocab(&vocab, seed, bytes)
     }
 
     #[test]
@@ -731,15 +736,7 @@ mod tests {
             "the", " ", " ", "  ", "\n", "\n\n", " \n", "Cache", "route", "42", "7", ".", ",",
             "'s", "'t", "\t", "é", "日本", "!?", "(x)", "-", "\r\n", "A", "b", "🎉", "don't",
         ];
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut s = String::new();
-        while s.len() < bytes {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            s += vocab[(x % vocab.len() as u64) as usize];
-        }
-        s
+        from_vocab(&vocab, seed, bytes)
     }
 
     #[test]
