@@ -408,7 +408,11 @@ async fn proxy_traced(
         {
             super::disagg::Prefilled::Params(p) => kv_params = Some(p),
             // whole on the decode endpoint, which prefills it itself
-            super::disagg::Prefilled::Failed => routed.prefill = None,
+            super::disagg::Prefilled::Failed => {
+                routed.prefill = None;
+                // counted again below, with the prefill it now does itself
+                reserved = None;
+            }
             super::disagg::Prefilled::Refused(resp) => return Ok(resp),
         }
         split_id = Some(id);

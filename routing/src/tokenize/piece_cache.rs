@@ -468,13 +468,12 @@ fn text_cut(bytes: &[u8], from: usize, end: usize) -> Option<usize> {
             + bytes[at..end]
                 .iter()
                 .position(|&b| b == b' ' || b == b'\n')?;
-        let next_is_letter = bytes.get(p + 1).is_some_and(u8::is_ascii_alphabetic) && p + 1 < end;
-        if next_is_letter {
-            if bytes[p] == b' ' && bytes[p - 1].is_ascii_graphic() {
-                return Some(p);
-            }
-            if bytes[p] == b'\n' && p + 1 >= from {
+        if p + 1 < end && bytes[p + 1].is_ascii_alphabetic() {
+            if bytes[p] == b'\n' {
                 return Some(p + 1);
+            }
+            if bytes[p - 1].is_ascii_graphic() {
+                return Some(p); // before the space
             }
         }
         at = p + 1;
