@@ -16,7 +16,9 @@ use serde_json::{Value, json};
 mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
-use sim_support::{client, eventually, indexed_blocks, pick, prompt, static_picker};
+use sim_support::{
+    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, static_picker,
+};
 
 async fn sim(host: &str) -> SimHandle {
     let mut cfg = SimConfig {
@@ -36,17 +38,10 @@ async fn sim(host: &str) -> SimHandle {
 
 /// A picker over `(engine, role)`, disaggregating with `disaggregation` (YAML flow map).
 async fn picker(engines: &[(&SimHandle, &str)], disaggregation: &str) -> Running {
-    let mut endpoints = String::new();
-    for (e, role) in engines {
-        let a = &e.addrs()[0];
-        endpoints.push_str(&format!(
-            "  - {{address: {}, modelConfig: llama, port: {}, kvEventsPort: {}, kvReplayPort: {}, role: {role}}}\n",
-            a.http.ip(),
-            a.http.port(),
-            a.kv_events[0].port(),
-            a.replay[0].port()
-        ));
-    }
+    let endpoints: String = engines
+        .iter()
+        .map(|(e, role)| endpoint_entry(e, &format!(", role: {role}")))
+        .collect();
     let yaml = format!(
         r#"
 listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}

@@ -31,17 +31,7 @@ async fn picker(engines: &[&SimHandle], strategy: &str) -> Running {
 }
 
 async fn picker_with(engines: &[&SimHandle], strategy: &str, model_extra: &str) -> Running {
-    let mut endpoints = String::new();
-    for e in engines {
-        let a = &e.addrs()[0];
-        endpoints.push_str(&format!(
-            "  - {{address: {}, modelConfig: llama, port: {}, kvEventsPort: {}, kvReplayPort: {}}}\n",
-            a.http.ip(),
-            a.http.port(),
-            a.kv_events[0].port(),
-            a.replay[0].port()
-        ));
-    }
+    let endpoints: String = engines.iter().map(|e| endpoint_entry(e, "")).collect();
     let yaml = format!(
         r#"
 listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
@@ -244,7 +234,9 @@ async fn a_publisher_flooding_garbage_is_survived_and_the_view_is_rebuilt() {
 mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
-use sim_support::{client, eventually, indexed_blocks, pick, prompt, static_picker};
+use sim_support::{
+    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, static_picker,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_proc_routes_to_the_cached_engine_honours_the_subset_and_rejects_with_503() {

@@ -11,6 +11,19 @@ use kvroute_picker::service::{Running, start as start_picker};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+/// One line of a picker config's `endpoints:` list for `engine`'s first rank (model config
+/// `llama`, its KV event and replay ports), with `extra` fields appended (`, role: decode`).
+pub fn endpoint_entry(engine: &kvroute_sim::server::SimHandle, extra: &str) -> String {
+    let a = &engine.addrs()[0];
+    format!(
+        "  - {{address: {}, modelConfig: llama, port: {}, kvEventsPort: {}, kvReplayPort: {}{extra}}}\n",
+        a.http.ip(),
+        a.http.port(),
+        a.kv_events[0].port(),
+        a.replay[0].port()
+    )
+}
+
 /// A picker running `yaml` (a whole config file) with its endpoints as a static source.
 pub async fn static_picker(yaml: &str) -> Running {
     let config = PickerConfig::from_yaml(yaml).expect("valid config");
