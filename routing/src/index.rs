@@ -30,10 +30,9 @@
 //! The holder set of a block is packed into one `u64` (one or two slots inline, more in a side
 //! arena) because almost every block lives on one endpoint.
 
-use std::hint::black_box;
-
 use hashbrown::HashMap;
 use hashlink::LinkedHashMap;
+use prefetch_index::prefetch_index;
 use rustc_hash::FxBuildHasher;
 use thiserror::Error;
 
@@ -409,15 +408,16 @@ impl Table {
         self.find(key).map(|(b, i)| self.buckets[b].0[i].val)
     }
 
-    /// Load `key`'s two buckets without using them, so that the cache misses of a later
-    /// operation on it overlap with others (returns a value to fold into [`black_box`]).
+    /// Ask for `key`'s two buckets ahead of an operation on it, so that the cache misses of a
+    /// batch overlap (a prefetch hint: it neither blocks nor faults, unlike a load).
     #[inline]
-    fn touch(&self, key: u64) -> u64 {
+    fn prefetch(&self, key: u64) {
         if self.buckets.is_empty() {
-            return 0;
+            return;
         }
         let (a, b) = self.homes(key);
-        self.buckets[a].0[0].val ^ self.buckets[b].0[0].val
+        prefetch_index(&self.buckets, a);
+        prefetch_index(&self.buckets, b);
     }
 
     /// Insert or replace; returns the previous value.
@@ -465,14 +465,12 @@ impl Table {
         // Both full: move a resident whose other bucket has room. The eight other buckets are
         // loaded together, so this costs one memory round trip, not one per candidate.
         let mut others = [0usize; 2 * BUCKET];
-        let mut sink = 0;
         for (k, other) in others.iter_mut().enumerate() {
             let at = if k < BUCKET { a } else { b };
             let (x, y) = self.homes(self.buckets[at].0[k % BUCKET].key);
             *other = if x == at { y } else { x };
-            sink ^= self.buckets[*other].0[0].val;
+            prefetch_index(&self.buckets, *other);
         }
-        black_box(sink);
         for (k, &other) in others.iter().enumerate() {
             if let Some(v) = self.buckets[other].vacancy() {
                 let at = if k < BUCKET { a } else { b };
@@ -529,11 +527,9 @@ impl Table {
             self.len = 0;
             // Old entries land at random in the new table: load a batch's buckets first.
             for batch in old.chunks(AHEAD / BUCKET) {
-                let mut sink = 0;
                 for e in batch.iter().flat_map(|b| b.0.iter()) {
-                    sink ^= self.touch(e.key);
+                    self.prefetch(e.key);
                 }
-                black_box(sink);
                 for e in batch.iter().flat_map(|b| b.0.iter()) {
                     if e.val != VACANT && self.insert_new(*e).is_err() {
                         n += n / 8 + 1;
@@ -783,6 +779,9 @@ const PRESIZE_KEYS: usize = 1 << 21;
 
 /// How many blocks ahead a batch loads table slots so that their cache misses overlap.
 const AHEAD: usize = 32;
+/// How many blocks ahead a store asks for the table lines it will read: enough to cover a
+/// memory round trip (8 and 16 measure alike, 4 is slower; `benches/index-compare`).
+const DISTANCE: usize = 8;
 
 // ---- per-endpoint state -------------------------------------------------------------------
 
@@ -1066,13 +1065,14 @@ impl KvIndex {
         }
         let chains = &mut self.chains;
         let mut prev = parent.and_then(|p| entry.by_engine_hash.get(p));
+        for &(eh, k) in blocks.iter().take(DISTANCE) {
+            entry.by_engine_hash.prefetch(eh);
+            chains.by_key.prefetch(k);
+        }
         for (i, &(engine_hash, key)) in blocks.iter().enumerate() {
-            if i % AHEAD == 0 {
-                let mut sink = 0;
-                for &(eh, k) in blocks.iter().skip(i).take(AHEAD) {
-                    sink ^= entry.by_engine_hash.touch(eh) ^ chains.by_key.touch(k);
-                }
-                black_box(sink);
+            if let Some(&(eh, k)) = blocks.get(i + DISTANCE) {
+                entry.by_engine_hash.prefetch(eh);
+                chains.by_key.prefetch(k);
             }
             let p = match entry.by_engine_hash.get(engine_hash) {
                 Some(old) if chains.block(old).key == key => {
@@ -1148,20 +1148,20 @@ impl KvIndex {
         let mut n = 0;
         // In batches: load the batch's table slots first, so that their cache misses overlap.
         for batch in engine_hashes.chunks(AHEAD) {
-            let mut sink = 0;
             for &eh in batch {
-                sink ^= entry.by_engine_hash.touch(eh);
+                entry.by_engine_hash.prefetch(eh);
             }
-            black_box(sink);
             let mut places = [VACANT; AHEAD];
             for (p, &eh) in places.iter_mut().zip(batch) {
                 *p = entry.by_engine_hash.remove(eh).unwrap_or(VACANT);
             }
-            let mut sink = 0;
             for &p in places.iter().filter(|&&p| p != VACANT) {
-                sink ^= self.chains.by_key.touch(self.chains.block(p).key);
+                let (s, o) = split(p);
+                prefetch_index(&self.chains.segs[s], o);
             }
-            black_box(sink);
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                self.chains.by_key.prefetch(self.chains.block(p).key);
+            }
             for &p in places.iter().filter(|&&p| p != VACANT) {
                 self.chains.release(p, slot);
                 n += 1;
@@ -1226,11 +1226,9 @@ impl KvIndex {
         for batch in keys[held..].chunks(AHEAD) {
             if entry.by_engine_hash.len() > 0 {
                 // load the batch's table lines first, so that their misses overlap
-                let mut sink = 0;
                 for &key in batch {
-                    sink ^= chains.by_key.touch(key);
+                    chains.by_key.prefetch(key);
                 }
-                black_box(sink);
             }
             for &key in batch {
                 if entry.by_engine_hash.len() == 0

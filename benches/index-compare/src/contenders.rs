@@ -163,6 +163,101 @@ pub fn kvroute(w: &Workload, passes: usize) -> Run {
     }
 }
 
+/// Ingestion on one thread while another matches queries against the same index, as the
+/// service does (events on their task, picks on the request path).
+pub struct Mixed {
+    pub ingest_secs: f64,
+    /// Each query timed alone, lock wait included.
+    pub query_ns: Vec<u64>,
+    pub errors: usize,
+}
+
+/// Run `ingest` on this thread and `query(i)` over the query set, round and round, on a second
+/// thread until the ingestion is done.
+fn mixed(w: &Workload, ingest: impl FnOnce() -> usize, query: impl Fn(usize) + Sync) -> Mixed {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let mut samples = Vec::new();
+            let mut i = 0;
+            while !done.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                query(i % w.queries.len());
+                samples.push(t.elapsed().as_nanos() as u64);
+                i += 1;
+            }
+            samples
+        });
+        let t = Instant::now();
+        let errors = ingest();
+        let ingest_secs = t.elapsed().as_secs_f64();
+        done.store(true, Ordering::Relaxed);
+        Mixed {
+            ingest_secs,
+            query_ns: reader.join().unwrap_or_default(),
+            errors,
+        }
+    })
+}
+
+/// kvroute's index behind the service's lock (`parking_lot::RwLock`): a write lock per event,
+/// a read lock per query.
+pub fn kvroute_mixed(w: &Workload) -> Mixed {
+    use kvroute_routing::endpoint::EndpointId;
+    use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+    use parking_lot::RwLock;
+
+    let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
+    let mut ix = KvIndex::new(IndexConfig::default());
+    let slots: Vec<u32> = (0..w.workers)
+        .map(|i| {
+            let id = EndpointId::new(
+                IpAddr::V4(Ipv4Addr::new(10, 0, (i >> 8) as u8, i as u8)),
+                8000,
+                0,
+            );
+            ix.add_endpoint(id, IndexMode::Precise, w.capacity)
+                .expect("endpoint slot")
+        })
+        .collect();
+    let ix = RwLock::new(ix);
+    mixed(
+        w,
+        || {
+            let mut errors = 0;
+            for ev in &w.events {
+                let slot = slots[ev.worker as usize];
+                let mut ix = ix.write();
+                match ev.kind {
+                    EventKind::Stored { parent } => {
+                        if let Some(p) = parent
+                            && black_box(ix.key_for_engine_hash(slot, p)).is_none()
+                        {
+                            errors += 1;
+                        }
+                        match ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]) {
+                            Ok(StoreOutcome::Stored) => {}
+                            _ => errors += 1,
+                        }
+                    }
+                    EventKind::Removed => {
+                        errors += ev.len - ix.remove(slot, w.event_chain(ev));
+                    }
+                }
+                parking_lot::RwLockWriteGuard::unlock_fair(ix);
+            }
+            errors
+        },
+        |i| {
+            let mut found: Vec<PrefixMatch> = Vec::with_capacity(w.workers as usize);
+            let r = &w.requests[w.queries[i]];
+            ix.read().longest_prefix(w.request_chain(r), &mut found);
+            black_box(&found);
+        },
+    )
+}
+
 // ---- kv-index (SGLang gateway) ------------------------------------------------------------
 
 pub fn kv_index(w: &Workload, passes: usize) -> Run {
@@ -256,6 +351,73 @@ pub fn kv_index(w: &Workload, passes: usize) -> Run {
         query_ns,
         matches,
     }
+}
+
+/// kv-index as the SGLang gateway runs it: a shared `ChainIndex` (no outer lock), the
+/// per-worker maps owned by the event thread.
+pub fn kv_index_mixed(w: &Workload) -> Mixed {
+    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+
+    let blocks: Vec<StoredBlock> = w
+        .ev_chain
+        .iter()
+        .zip(&w.ev_content)
+        .map(|(&h, &c)| StoredBlock {
+            seq_hash: SequenceHash(h),
+            content_hash: ContentHash(c),
+        })
+        .collect();
+    let seqs: Vec<SequenceHash> = w.ev_chain.iter().map(|&h| SequenceHash(h)).collect();
+    let index = ChainIndex::with_max_workers(w.workers as usize);
+    let ids: Vec<u32> = (0..w.workers)
+        .map(|i| {
+            index
+                .intern_worker(&format!("http://10.0.{}.{}:8000", i >> 8, i & 255))
+                .expect("worker id")
+        })
+        .collect();
+    let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
+    mixed(
+        w,
+        || {
+            let mut errors = 0;
+            for ev in &w.events {
+                let (id, map) = (ids[ev.worker as usize], &mut maps[ev.worker as usize]);
+                match ev.kind {
+                    EventKind::Stored { parent } => {
+                        if index
+                            .apply_stored(
+                                id,
+                                &blocks[ev.start..ev.start + ev.len],
+                                parent.map(SequenceHash),
+                                map,
+                            )
+                            .is_err()
+                        {
+                            errors += 1;
+                        }
+                    }
+                    EventKind::Removed => {
+                        index.apply_removed(id, &seqs[ev.start..ev.start + ev.len], map);
+                    }
+                }
+            }
+            errors
+        },
+        |i| {
+            let r = &w.requests[w.queries[i]];
+            let mut n = 0;
+            index.score_into(
+                w.request_content(r),
+                |&c| c,
+                false,
+                |_, score| {
+                    n += score;
+                },
+            );
+            black_box(n);
+        },
+    )
 }
 
 // ---- dynamo-kv-router (NVIDIA Dynamo) -----------------------------------------------------

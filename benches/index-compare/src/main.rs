@@ -5,12 +5,21 @@
 //! ```text
 //! cargo run --release -- --trace /path/to/conversation_trace.jsonl [--json out.json]
 //!     [--reps 5] [--queries 2000] [--passes 5] [--workers 64] [--capacity 8192] [--only NAME]
+//!     [--mixed]
+//! cargo run --release -- --synthetic-context 1000000 [--sessions 24] --workers 8
+//!     --capacity 32768 --queries 200 [...]
 //! ```
 //!
 //! Per index and repetition: ingestion rate (stored + removed blocks per second, one thread),
 //! longest-prefix-match latency (each query timed alone), and memory per live (worker, block)
 //! pair (net bytes the build left allocated, and the RSS change). Figures are medians over the
 //! repetitions; the indexes run one after another, in a rotating order.
+//!
+//! `--synthetic-context` replaces the trace with agentic sessions whose transcripts grow to
+//! that many tokens (the long-context case: 15.6k block hashes per request at 1M tokens).
+//! `--mixed` adds the two-thread case: ingestion on one thread while a second matches queries
+//! against the same index, as the service runs them (kvroute behind its `RwLock`, kv-index
+//! shared as the SGLang gateway shares it; Dynamo's tree is single-threaded and sits it out).
 
 mod alloc;
 mod contenders;
@@ -27,6 +36,9 @@ static GLOBAL: alloc::Counting = alloc::Counting;
 
 struct Args {
     trace: PathBuf,
+    synthetic_context: Option<u64>,
+    sessions: u32,
+    mixed: bool,
     json: Option<PathBuf>,
     reps: usize,
     queries: usize,
@@ -39,6 +51,9 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         trace: PathBuf::new(),
+        synthetic_context: None,
+        sessions: 24,
+        mixed: false,
         json: None,
         reps: 5,
         queries: 2000,
@@ -53,6 +68,11 @@ fn parse_args() -> Result<Args, String> {
         let number = |v: String| v.parse::<usize>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "--trace" => args.trace = PathBuf::from(value()?),
+            "--synthetic-context" => {
+                args.synthetic_context = Some(number(value()?)?.max(512) as u64);
+            }
+            "--sessions" => args.sessions = number(value()?)?.clamp(1, 100_000) as u32,
+            "--mixed" => args.mixed = true,
             "--json" => args.json = Some(PathBuf::from(value()?)),
             "--reps" => args.reps = number(value()?)?.max(1),
             "--queries" => args.queries = number(value()?)?.max(1),
@@ -62,17 +82,18 @@ fn parse_args() -> Result<Args, String> {
             "--only" => args.only = Some(value()?),
             "-h" | "--help" => {
                 return Err(
-                    "usage: index-compare --trace FILE [--json FILE] [--reps N] \
-                            [--queries N] [--passes N] [--workers N] [--capacity N] \
-                            [--only kvroute|kv-index|dynamo]"
+                    "usage: index-compare (--trace FILE | --synthetic-context TOKENS \
+                            [--sessions N]) [--json FILE] [--reps N] [--queries N] \
+                            [--passes N] [--workers N] [--capacity N] \
+                            [--only kvroute|kv-index|dynamo] [--mixed]"
                         .into(),
                 );
             }
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    if args.trace.as_os_str().is_empty() {
-        return Err("--trace FILE is required".into());
+    if args.trace.as_os_str().is_empty() == args.synthetic_context.is_none() {
+        return Err("give one of --trace FILE and --synthetic-context TOKENS".into());
     }
     Ok(args)
 }
@@ -168,6 +189,92 @@ struct Report {
     results: Vec<Figures>,
     /// Every repetition, per index.
     runs: Vec<Vec<Figures>>,
+    /// The two-thread case (`--mixed`), medians over the repetitions.
+    mixed: Vec<MixedFigures>,
+}
+
+#[derive(Serialize, Default, Clone)]
+struct MixedFigures {
+    index: String,
+    ingest_blocks_per_sec: f64,
+    match_p50_us: f64,
+    match_p99_us: f64,
+    queries_during_ingest: f64,
+    errors: usize,
+}
+
+type MixedContender = (&'static str, fn(&workload::Workload) -> contenders::Mixed);
+
+const MIXED: [MixedContender; 2] = [
+    ("kvroute", contenders::kvroute_mixed),
+    ("kv-index", contenders::kv_index_mixed),
+];
+
+/// The two-thread case for every index that shares one between threads, in rotating order.
+fn run_mixed(w: &workload::Workload, args: &Args) -> Vec<MixedFigures> {
+    let chosen: Vec<MixedContender> = MIXED
+        .iter()
+        .copied()
+        .filter(|(name, _)| args.only.as_deref().is_none_or(|o| o == *name))
+        .collect();
+    let mut runs: Vec<Vec<MixedFigures>> = vec![Vec::new(); chosen.len()];
+    for rep in 0..args.reps {
+        for k in 0..chosen.len() {
+            let c = (k + rep) % chosen.len();
+            let (name, run_fn) = chosen[c];
+            let run = run_fn(w);
+            let mut ns = run.query_ns;
+            ns.sort_unstable();
+            let f = MixedFigures {
+                index: name.to_string(),
+                ingest_blocks_per_sec: (w.stored_blocks + w.removed_blocks) as f64
+                    / run.ingest_secs,
+                match_p50_us: percentile(&ns, 50.0) as f64 / 1e3,
+                match_p99_us: percentile(&ns, 99.0) as f64 / 1e3,
+                queries_during_ingest: ns.len() as f64,
+                errors: run.errors,
+            };
+            eprintln!(
+                "mixed rep {rep} {name:>9}: {:>6.2} M blocks/s while {} queries ran, p50 {:>6.2} us, p99 {:>6.2} us",
+                f.ingest_blocks_per_sec / 1e6,
+                ns.len(),
+                f.match_p50_us,
+                f.match_p99_us
+            );
+            runs[c].push(f);
+        }
+    }
+    let results: Vec<MixedFigures> = runs
+        .iter()
+        .map(|rs| {
+            let m = |get: fn(&MixedFigures) -> f64| median(rs.iter().map(get).collect());
+            MixedFigures {
+                index: rs[0].index.clone(),
+                ingest_blocks_per_sec: m(|f| f.ingest_blocks_per_sec),
+                match_p50_us: m(|f| f.match_p50_us),
+                match_p99_us: m(|f| f.match_p99_us),
+                queries_during_ingest: m(|f| f.queries_during_ingest),
+                errors: rs.iter().map(|f| f.errors).max().unwrap_or(0),
+            }
+        })
+        .collect();
+    println!();
+    println!(
+        "{:<10} {:>14} {:>10} {:>10} {:>9} {:>7}   (mixed: ingest and queries on two threads)",
+        "index", "ingest Mblk/s", "p50 us", "p99 us", "queries", "errors"
+    );
+    for f in &results {
+        println!(
+            "{:<10} {:>14.2} {:>10.2} {:>10.2} {:>9.0} {:>7}",
+            f.index,
+            f.ingest_blocks_per_sec / 1e6,
+            f.match_p50_us,
+            f.match_p99_us,
+            f.queries_during_ingest,
+            f.errors
+        );
+    }
+    results
 }
 
 fn main() -> ExitCode {
@@ -179,13 +286,18 @@ fn main() -> ExitCode {
         }
     };
     let t = Instant::now();
-    let w = match workload::load(&args.trace, args.workers, args.capacity, args.queries) {
-        Ok(w) => w,
-        Err(e) => {
-            eprintln!("cannot read {}: {e}", args.trace.display());
-            return ExitCode::FAILURE;
-        }
+    let records = match args.synthetic_context {
+        Some(tokens) => workload::synthetic_sessions(tokens, args.sessions, args.workers),
+        None => match workload::read_trace(&args.trace) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("cannot read {}: {e}", args.trace.display());
+                return ExitCode::FAILURE;
+            }
+        },
     };
+    let w = workload::load(&records, args.workers, args.capacity, args.queries);
+    drop(records);
     let query_blocks: usize = w.queries.iter().map(|&q| w.requests[q].len).sum();
     let mean_query_blocks = query_blocks as f64 / w.queries.len().max(1) as f64;
     println!(
@@ -308,9 +420,18 @@ fn main() -> ExitCode {
         t.elapsed().as_secs_f64()
     );
 
+    let mixed = if args.mixed {
+        run_mixed(&w, &args)
+    } else {
+        Vec::new()
+    };
+
     if let Some(path) = &args.json {
         let report = Report {
-            trace: args.trace.display().to_string(),
+            trace: match args.synthetic_context {
+                Some(tokens) => format!("synthetic: {} sessions to {tokens} tokens", args.sessions),
+                None => args.trace.display().to_string(),
+            },
             workers: w.workers,
             capacity_blocks: w.capacity,
             block_tokens: workload::BLOCK_TOKENS,
@@ -326,6 +447,7 @@ fn main() -> ExitCode {
             mean_query_blocks,
             results,
             runs,
+            mixed,
         };
         let text = match serde_json::to_string_pretty(&report) {
             Ok(t) => t,

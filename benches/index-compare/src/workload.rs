@@ -52,9 +52,51 @@ pub fn chain_hash(parent: Option<u64>, content: u64) -> u64 {
 }
 
 #[derive(Deserialize)]
-struct TraceRecord {
+pub struct TraceRecord {
     input_length: u64,
     hash_ids: Vec<u64>,
+    /// The worker it goes to (synthetic sessions); by default a hash of its first blocks.
+    #[serde(skip)]
+    worker: Option<u32>,
+}
+
+/// Agentic sessions whose contexts grow to `context_tokens`: every session starts with the
+/// same 2,048-token system prompt and each turn resends the whole transcript with 8k–24k new
+/// tokens (tool output, the model's reply, the next instruction). Sessions take turns in a
+/// fixed pseudo-random order and stick to worker `session % workers`.
+pub fn synthetic_sessions(context_tokens: u64, sessions: u32, workers: u32) -> Vec<TraceRecord> {
+    const SYSTEM_BLOCKS: u64 = 4;
+    let mut rng = 0x5eed_u64;
+    let mut next = move || {
+        rng = mix64(rng.wrapping_add(0x9e37_79b9_7f4a_7c15));
+        rng
+    };
+    let mut next_id = SYSTEM_BLOCKS;
+    let mut ids: Vec<Vec<u64>> = (0..sessions)
+        .map(|_| (0..SYSTEM_BLOCKS).collect())
+        .collect();
+    let mut records = Vec::new();
+    let cap_blocks = context_tokens.div_ceil(TRACE_BLOCK_TOKENS);
+    loop {
+        let open: Vec<u32> = (0..sessions)
+            .filter(|&s| (ids[s as usize].len() as u64) < cap_blocks)
+            .collect();
+        if open.is_empty() {
+            return records;
+        }
+        let s = open[(next() % open.len() as u64) as usize];
+        let context = &mut ids[s as usize];
+        let grow = (16 + next() % 33).min(cap_blocks - context.len() as u64);
+        for _ in 0..grow {
+            context.push(next_id);
+            next_id += 1;
+        }
+        records.push(TraceRecord {
+            input_length: context.len() as u64 * TRACE_BLOCK_TOKENS,
+            hash_ids: context.clone(),
+            worker: Some(s % workers),
+        });
+    }
 }
 
 /// One request: its worker and its blocks (a range of the flat block arrays).
@@ -130,22 +172,25 @@ fn route(hash_ids: &[u64], workers: u32) -> u32 {
     (h % u64::from(workers)) as u32
 }
 
-pub fn load(
-    trace: &Path,
-    workers: u32,
-    capacity: usize,
-    n_queries: usize,
-) -> std::io::Result<Workload> {
+/// The records of a Mooncake-format trace file.
+pub fn read_trace(trace: &Path) -> std::io::Result<Vec<TraceRecord>> {
     let reader = BufReader::new(File::open(trace)?);
-    let mut req_content = Vec::new();
-    let mut req_chain = Vec::new();
-    let mut requests = Vec::new();
+    let mut records = Vec::new();
     for line in reader.lines() {
         let line = line?;
         if line.trim().is_empty() {
             continue;
         }
-        let rec: TraceRecord = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+        records.push(serde_json::from_str(&line).map_err(std::io::Error::other)?);
+    }
+    Ok(records)
+}
+
+pub fn load(records: &[TraceRecord], workers: u32, capacity: usize, n_queries: usize) -> Workload {
+    let mut req_content = Vec::new();
+    let mut req_chain = Vec::new();
+    let mut requests = Vec::new();
+    for rec in records {
         // Only full 64-token blocks are cached; a request longer than a worker's whole cache
         // keeps the blocks that fit.
         let n = (rec.input_length / BLOCK_TOKENS)
@@ -161,7 +206,7 @@ pub fn load(
             parent = Some(chain);
         }
         requests.push(Request {
-            worker: route(&rec.hash_ids, workers),
+            worker: rec.worker.unwrap_or_else(|| route(&rec.hash_ids, workers)),
             start,
             len: n,
         });
@@ -245,7 +290,7 @@ pub fn load(
         .rev()
         .collect();
 
-    Ok(Workload {
+    Workload {
         workers,
         capacity,
         req_content,
@@ -259,5 +304,5 @@ pub fn load(
         removed_blocks,
         live_pairs,
         distinct_live: distinct.len(),
-    })
+    }
 }
