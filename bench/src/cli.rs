@@ -9,6 +9,7 @@ use kvroute_picker::config::{RoutingConfig, Strategy};
 
 use super::live::{self, Target};
 use super::report::{self, RunInfo};
+use super::scenario::Scenario;
 use super::stats::Slo;
 use super::workload::{self, Format, LoadOptions, Workload, generated::GeneratorConfig};
 use super::{
@@ -390,6 +391,16 @@ pub struct ReplayArgs {
     /// Two tenants, the heavy one with ten sessions for each of the light one's.
     #[arg(long)]
     pub two_tenants: bool,
+    /// Offline: events on a timeline, `KIND@SECONDS[:KEY=VALUE,...]` separated by `;`
+    /// (scale-out@T:n=N, replace@T:engine=E,after=S, restart@T:engine=E,down=S,
+    /// stale-metrics@T:for=S, event-delay@T:ms=M,for=S, event-loss@T:fraction=F,for=S,
+    /// picker-restart@T:replay=S); the report adds figures per phase and each event's
+    /// recovery time.
+    #[arg(long)]
+    pub scenario: Option<String>,
+    /// Offline: the `--scenario` timeline from a file, one item per line (`#` comments).
+    #[arg(long, conflicts_with = "scenario")]
+    pub scenario_file: Option<PathBuf>,
     /// `routing.disaggregation.mode` with `--prefill-engines`: `Off`, `Auto` (the decider) or
     /// `Always`.
     #[arg(long, default_value = "Auto")]
@@ -648,7 +659,25 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         "--chat needs --mode live --backend vllm (the simulator's chat tokenization is not the \
          model's)"
     );
+    let scenario = match (&a.scenario, &a.scenario_file) {
+        (Some(text), _) => Scenario::parse(text).map_err(anyhow::Error::msg)?,
+        (None, Some(path)) => Scenario::parse(
+            &std::fs::read_to_string(path)
+                .with_context(|| format!("reading --scenario-file {}", path.display()))?,
+        )
+        .map_err(anyhow::Error::msg)?,
+        (None, None) => Scenario::default(),
+    };
+    anyhow::ensure!(
+        scenario.is_empty() || a.mode == Mode::Offline,
+        "--scenario is offline only for now (live mode does not yet kill, restart or delay \
+         anything)"
+    );
+    scenario
+        .validate(cluster.engines)
+        .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?;
     Ok(BenchOptions {
+        scenario,
         cluster,
         routing: {
             let mut r = RoutingConfig::default();

@@ -17,6 +17,7 @@ pub mod live;
 pub mod offline;
 pub mod real_vllm;
 pub mod report;
+pub mod scenario;
 pub mod stats;
 pub mod workload;
 
@@ -123,6 +124,9 @@ pub struct BenchOptions {
     /// Two tenants (fairness flows), the heavy one sending ten sessions for each of
     /// the light one's.
     pub two_tenants: bool,
+    /// Offline: what happens to the cluster and the picker during the run
+    /// ([`scenario::Scenario`]); the report then gives figures per phase.
+    pub scenario: scenario::Scenario,
 }
 
 impl BenchOptions {
@@ -198,6 +202,7 @@ impl Default for BenchOptions {
             critical_percent: 0,
             two_tenants: false,
             repeat: 1,
+            scenario: scenario::Scenario::default(),
         }
     }
 }

@@ -19,7 +19,7 @@
 //! except the optional decision timing, so the same inputs give the same results.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Instant;
@@ -48,6 +48,7 @@ use rustc_hash::FxHashMap;
 use super::ceiling::Ceilings;
 use super::classes;
 use super::driver::{Driver, Issue};
+use super::scenario::{self, Action};
 use super::stats::{self, AdmissionFigures, EngineFigures, RequestRecord, RunDetail};
 use super::workload::Workload;
 use super::workload::tokens::{mix64, prompt_tokens};
@@ -58,15 +59,47 @@ const MAX_SERIES_POINTS: usize = 2_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    StepEnd(usize),
+    /// The step of engine rank `.0` started in its generation `.1` ends.
+    StepEnd(usize, u64),
     Scrape,
     /// Poll the turns session admission holds (a deadline or a session's context expiring).
     Admission,
+    /// The scenario's item `.0` takes effect.
+    Scenario(usize),
+    /// Engine rank `.0` joins the pool (cold).
+    Join(usize),
+    /// Delayed KV-event batches that are due arrive.
+    Deliver,
+}
+
+/// A KV-event batch held back by an `event-delay` item: when it arrives, from which engine
+/// rank and generation.
+struct Delayed {
+    due_ms: f64,
+    engine: usize,
+    generation: u64,
+    batch: EventBatch,
 }
 
 struct Engine {
     rank: Rank,
     id: EndpointId,
+    /// The engine (of the cluster's `--engines`) this rank belongs to; a replacement takes
+    /// the number of the engine it replaces.
+    host: usize,
+    /// How the pool sees it (role, model).
+    member: Endpoint,
+    /// In the pool's view: out before a scale-out joins it and while it restarts.
+    in_pool: bool,
+    /// Killed by a `replace` item (a replacement serves in its place).
+    dead: bool,
+    /// Bumped when the engine dies or restarts: a step or a delayed batch of an earlier
+    /// generation is dropped.
+    generation: u64,
+    /// Event batches published so far (what decides which ones an `event-loss` item drops).
+    batches: u64,
+    /// Its batches of the last `replay_keep_ms`, for a restarted picker's replay.
+    log: VecDeque<(f64, EventBatch)>,
     /// The step in progress: its results apply at its end.
     pending: Option<StepOutcome>,
     prefill_ms: f64,
@@ -77,6 +110,7 @@ struct Engine {
 struct InFlight {
     guard: InflightGuard,
     engine: usize,
+    prompt_tokens: u32,
     /// Its request class ([`Sim::class`]).
     class: usize,
     /// When the driver released it (earlier than `sent_ms` when admission held it).
@@ -109,6 +143,7 @@ fn key(t: f64) -> u64 {
 /// The simulation of one policy.
 struct Sim<'a> {
     opts: &'a BenchOptions,
+    policy: PolicySpec,
     block_tokens: u32,
     engines: Vec<Engine>,
     by_id: FxHashMap<EndpointId, usize>,
@@ -140,6 +175,34 @@ struct Sim<'a> {
     flow_shed: Vec<Issue>,
     /// The class of each record, in record order ([`Sim::class`]).
     record_class: Vec<usize>,
+    /// KV-event batches an `event-delay` item holds back, in publication order.
+    delayed: Vec<Delayed>,
+    /// How long engines keep their batches for a restarted picker's replay (the longest
+    /// `picker-restart` replay of the scenario; 0: not kept).
+    replay_keep_ms: f64,
+}
+
+/// The picker's pool for `policy`, as the service builds it from its settings.
+fn new_pool(policy: PolicySpec, opts: &BenchOptions, limits: &Limits) -> anyhow::Result<Pool> {
+    let mut routing = policy.routing(&opts.routing);
+    routing.cost_model.max_batched_tokens = opts.cluster.engine.max_num_batched_tokens;
+    routing.validate().map_err(anyhow::Error::msg)?;
+    let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
+    // the picker's own settings: index budget, in-flight cap, session pins, ejections
+    Ok(Pool::new(
+        opts.index_settings().pool_settings(limits),
+        router,
+    ))
+}
+
+fn new_flow_queue() -> FlowQueue {
+    FlowQueue::new(FlowSettings {
+        max_requests: 10_000,
+        max_bytes: u64::MAX,
+        ttl_ms: 60_000,
+        fairness: Fairness::LeastAttainedService,
+        order: Order::Fcfs,
+    })
 }
 
 impl<'a> Sim<'a> {
@@ -162,9 +225,12 @@ impl<'a> Sim<'a> {
             mc.lora_slot_wait_ms = 0;
         }
         let mc = Arc::new(mc);
+        opts.scenario
+            .validate(c.engines)
+            .map_err(anyhow::Error::msg)?;
+        let joining = opts.scenario.joining(c.engines);
         let mut engines = Vec::new();
         let mut by_id = FxHashMap::default();
-        let mut endpoints = Vec::new();
         for e in 0..c.engines {
             for r in 0..c.dp_size {
                 let port = u16::try_from(8000 + e).context("too many engines")?;
@@ -180,10 +246,16 @@ impl<'a> Sim<'a> {
                         Role::Decode
                     };
                 }
-                endpoints.push(endpoint);
                 engines.push(Engine {
                     rank: Rank::new(cfg),
                     id,
+                    host: e,
+                    member: endpoint,
+                    in_pool: !joining.iter().any(|&(j, _)| j == e),
+                    dead: false,
+                    generation: 0,
+                    batches: 0,
+                    log: VecDeque::new(),
                     pending: None,
                     prefill_ms: 0.0,
                     prefill_tokens: 0,
@@ -191,26 +263,23 @@ impl<'a> Sim<'a> {
                 });
             }
         }
-        let mut routing = policy.routing(&opts.routing);
-        routing.cost_model.max_batched_tokens = c.engine.max_num_batched_tokens;
-        routing.validate().map_err(anyhow::Error::msg)?;
-        let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
-        // the picker's own settings: index budget, in-flight cap, session pins, ejections
         let limits = Limits::default();
-        let pool = Pool::new(opts.index_settings().pool_settings(&limits), router);
-        let members = endpoints
-            .into_iter()
-            .map(|endpoint| PoolMember {
-                endpoint,
-                precise: true,
-                kv_capacity_blocks: None,
-            })
-            .collect();
-        pool.apply_view(members, || {})
+        let pool = new_pool(policy, opts, &limits)?;
+        pool.apply_view(members(&engines), || {})
             .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+        let replay_keep_ms = opts
+            .scenario
+            .events
+            .iter()
+            .map(|e| match e.action {
+                Action::PickerRestart { replay_ms } => replay_ms,
+                _ => 0.0,
+            })
+            .fold(0.0, f64::max);
         let series_every = ((1000.0 / opts.scrape_ms.max(1.0)).round() as u64).max(1);
         Ok(Self {
             opts,
+            policy,
             block_tokens: workload.block_tokens,
             engines,
             by_id,
@@ -230,18 +299,12 @@ impl<'a> Sim<'a> {
             admission_check: None,
             held_waits: Vec::new(),
             held_timeouts: 0,
-            flow: opts.flow_control.then(|| {
-                FlowQueue::new(FlowSettings {
-                    max_requests: 10_000,
-                    max_bytes: u64::MAX,
-                    ttl_ms: 60_000,
-                    fairness: Fairness::LeastAttainedService,
-                    order: Order::Fcfs,
-                })
-            }),
+            flow: opts.flow_control.then(new_flow_queue),
             flow_waiting: FxHashMap::default(),
             flow_shed: Vec::new(),
             record_class: Vec::new(),
+            delayed: Vec::new(),
+            replay_keep_ms,
         })
     }
 
@@ -332,10 +395,28 @@ impl<'a> Sim<'a> {
     }
 
     fn fail(&mut self, issue: &Issue, t: f64, error: String) {
-        self.record_class.push(self.class(issue.session));
+        self.fail_record(
+            self.class(issue.session),
+            issue.release_ms,
+            issue.input_len,
+            t,
+            error,
+        );
+    }
+
+    /// Record a request that ends without an answer at `t`.
+    fn fail_record(
+        &mut self,
+        class: usize,
+        release_ms: f64,
+        prompt_tokens: u32,
+        t: f64,
+        error: String,
+    ) {
+        self.record_class.push(class);
         self.records.push(RequestRecord {
-            release_ms: issue.release_ms,
-            prompt_tokens: issue.input_len,
+            release_ms,
+            prompt_tokens,
             ttft_ms: None,
             e2e_ms: None,
             tpot_ms: None,
@@ -594,6 +675,7 @@ impl<'a> Sim<'a> {
             InFlight {
                 guard,
                 engine: e,
+                prompt_tokens: prompt as u32,
                 class: self.class(issue.session),
                 release_ms: issue.release_ms,
                 sent_ms: t,
@@ -613,12 +695,16 @@ impl<'a> Sim<'a> {
         if let Some(out) = self.engines[e].rank.next_step() {
             let end = out.end_ms;
             self.engines[e].pending = Some(out);
-            self.push(end, Event::StepEnd(e));
+            let generation = self.engines[e].generation;
+            self.push(end, Event::StepEnd(e, generation));
         }
     }
 
     /// Apply the step that ended at `t` on engine `e`; returns the finished request ids.
-    fn step_end(&mut self, e: usize, t: f64, done: &mut Vec<u64>) {
+    fn step_end(&mut self, e: usize, generation: u64, t: f64, done: &mut Vec<u64>) {
+        if self.engines[e].generation != generation {
+            return; // a step of an engine that has died or restarted since
+        }
         let Some(out) = self.engines[e].pending.take() else {
             return;
         };
@@ -646,14 +732,7 @@ impl<'a> Sim<'a> {
                 data_parallel_rank: Some(eng.id.rank),
                 skipped_unknown: 0,
             };
-            let keys = IngestKeys {
-                hasher: self.hasher,
-                model: MODEL,
-            };
-            let stats = self.pool.state().apply_batch(&eng.id, keys, &batch);
-            if stats.is_some_and(|s| s.needs_resync()) {
-                tracing::warn!(endpoint = %eng.id, ?stats, "offline index lost track of an engine");
-            }
+            self.publish(e, t, batch);
         }
         let id_e = self.engines[e].id;
         for id in &out.first_tokens {
@@ -734,18 +813,13 @@ impl<'a> Sim<'a> {
         );
         if let Err(err) = submitted {
             drop(guard);
-            self.record_class.push(class);
-            self.records.push(RequestRecord {
+            self.fail_record(
+                class,
                 release_ms,
-                prompt_tokens: prompt as u32,
-                ttft_ms: None,
-                e2e_ms: None,
-                tpot_ms: None,
-                output_tokens: 0,
-                cached_tokens: None,
-                end_ms: t,
-                error: Some(format!("decode engine rejected the request: {err}")),
-            });
+                prompt as u32,
+                t,
+                format!("decode engine rejected the request: {err}"),
+            );
             return;
         }
         self.inflight.insert(
@@ -753,6 +827,7 @@ impl<'a> Sim<'a> {
             InFlight {
                 guard,
                 engine: leg.engine,
+                prompt_tokens: prompt as u32,
                 class,
                 release_ms,
                 sent_ms: t,
@@ -772,6 +847,9 @@ impl<'a> Sim<'a> {
         self.scrapes += 1;
         let mut samples = Vec::with_capacity(self.engines.len());
         for eng in &mut self.engines {
+            if eng.dead || !eng.in_pool {
+                continue;
+            }
             let s = eng.rank.stats();
             // what vLLM's `lora_requests_info` would say
             let l = eng.rank.lora_state();
@@ -795,9 +873,16 @@ impl<'a> Sim<'a> {
                     .push((t / 1000.0, (s.waiting + s.running) as f64));
             }
         }
-        // what the service's scraper does with a scrape
+        // what the service's scraper does with a scrape (none arrives while metrics are stale)
         let now = t as u64;
-        self.pool.observe_scrape(now, samples);
+        if self
+            .opts
+            .scenario
+            .active(t, |a| matches!(a, Action::StaleMetrics { .. }))
+            .is_none()
+        {
+            self.pool.observe_scrape(now, samples);
+        }
         if self.pool.router().config().cost_model.calibrate {
             self.pool.calibration().write().age(now);
         }
@@ -806,6 +891,248 @@ impl<'a> Sim<'a> {
     fn busy(&self) -> bool {
         self.engines.iter().any(|e| e.pending.is_some())
     }
+
+    /// Engine rank `e` publishes a KV-event batch at `t`: the picker gets it now, later
+    /// (`event-delay`, or behind earlier delayed batches of the engine) or never
+    /// (`event-loss`).
+    fn publish(&mut self, e: usize, t: f64, batch: EventBatch) {
+        let keep = self.replay_keep_ms;
+        let eng = &mut self.engines[e];
+        eng.batches += 1;
+        if keep > 0.0 {
+            eng.log.push_back((t, batch.clone()));
+            while eng.log.front().is_some_and(|(at, _)| *at < t - keep) {
+                eng.log.pop_front();
+            }
+        }
+        let scenario = &self.opts.scenario;
+        if let Some(&Action::EventLoss { fraction, .. }) =
+            scenario.active(t, |a| matches!(a, Action::EventLoss { .. }))
+        {
+            let u = (mix64(self.opts.seed ^ mix64(e as u64 + 1) ^ mix64(eng.batches)) >> 11) as f64
+                / (1u64 << 53) as f64;
+            if u < fraction {
+                return;
+            }
+        }
+        let delay = match scenario.active(t, |a| matches!(a, Action::EventDelay { .. })) {
+            Some(&Action::EventDelay { delay_ms, .. }) => delay_ms,
+            _ => 0.0,
+        };
+        // a feed keeps its order: a batch waits behind the engine's delayed ones
+        let behind = self
+            .delayed
+            .iter()
+            .filter(|d| d.engine == e)
+            .map(|d| d.due_ms)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if delay > 0.0 || behind.is_finite() {
+            let due_ms = (t + delay).max(behind);
+            let generation = self.engines[e].generation;
+            self.delayed.push(Delayed {
+                due_ms,
+                engine: e,
+                generation,
+                batch,
+            });
+            self.push(due_ms, Event::Deliver);
+            return;
+        }
+        self.apply(e, &batch);
+    }
+
+    /// The delayed batches due by `t` arrive, in publication order.
+    fn deliver(&mut self, t: f64) {
+        let (due, later): (Vec<Delayed>, Vec<Delayed>) = std::mem::take(&mut self.delayed)
+            .into_iter()
+            .partition(|d| d.due_ms <= t);
+        self.delayed = later;
+        for d in due {
+            if self.engines[d.engine].generation == d.generation {
+                self.apply(d.engine, &d.batch);
+            }
+        }
+    }
+
+    /// The picker ingests a batch of engine rank `e`, as the service does.
+    fn apply(&mut self, e: usize, batch: &EventBatch) {
+        let keys = IngestKeys {
+            hasher: self.hasher,
+            model: MODEL,
+        };
+        let id = self.engines[e].id;
+        let stats = self.pool.state().apply_batch(&id, keys, batch);
+        if stats.is_some_and(|s| s.needs_resync()) {
+            tracing::warn!(endpoint = %id, ?stats, "offline index lost track of an engine");
+        }
+    }
+
+    /// Give the pool the engines that serve now (what the controller's view would say).
+    fn refresh_view(&mut self) {
+        if let Err(err) = self.pool.apply_view(members(&self.engines), || {}) {
+            tracing::warn!(%err, "offline: the pool refused the view");
+        }
+    }
+
+    /// Item `i` of the scenario takes effect at `t`; requests it ends go to `done`.
+    fn scenario_event(&mut self, i: usize, t: f64, done: &mut Vec<u64>) -> anyhow::Result<()> {
+        let action = self.opts.scenario.events[i].action.clone();
+        let ranks = |sim: &Self, host: usize| -> Vec<usize> {
+            (0..sim.engines.len())
+                .filter(|&r| sim.engines[r].host == host && !sim.engines[r].dead)
+                .collect()
+        };
+        match action {
+            // the engines it adds are out of the view from the start and join by their own
+            // events
+            Action::ScaleOut { .. }
+            | Action::StaleMetrics { .. }
+            | Action::EventDelay { .. }
+            | Action::EventLoss { .. } => {}
+            Action::Replace { engine, after_ms } => {
+                for r in ranks(self, engine) {
+                    self.kill(r, t, "the engine died", done);
+                    self.engines[r].dead = true;
+                    let new = self.spawn_replacement(r)?;
+                    self.push(t + after_ms, Event::Join(new));
+                }
+                self.refresh_view();
+            }
+            Action::Restart { engine, down_ms } => {
+                for r in ranks(self, engine) {
+                    self.kill(r, t, "the engine restarted", done);
+                    self.push(t + down_ms, Event::Join(r));
+                }
+                self.refresh_view();
+            }
+            Action::PickerRestart { replay_ms } => self.restart_picker(t, replay_ms, done)?,
+        }
+        Ok(())
+    }
+
+    /// Engine rank `r` goes away at `t` with its cache: the requests on it (or bound for it)
+    /// fail with `why`; it leaves the pool's view (the caller refreshes it).
+    fn kill(&mut self, r: usize, t: f64, why: &str, done: &mut Vec<u64>) {
+        let eng = &mut self.engines[r];
+        eng.generation += 1;
+        eng.pending = None;
+        eng.in_pool = false;
+        eng.log.clear();
+        eng.rank.reset(false);
+        eng.rank.advance_to(t);
+        let mut ids: Vec<u64> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| f.engine == r || f.decode.as_ref().is_some_and(|d| d.engine == r))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.end_inflight(id, t, why, done);
+        }
+    }
+
+    /// Request `id` in flight ends at `t` without an answer (`why`); its engine drops it.
+    fn end_inflight(&mut self, id: u64, t: f64, why: &str, done: &mut Vec<u64>) {
+        let Some(f) = self.inflight.remove(&id) else {
+            return;
+        };
+        self.engines[f.engine].rank.abort(id);
+        self.fail_record(f.class, f.release_ms, f.prompt_tokens, t, why.to_string());
+        done.push(id);
+    }
+
+    /// A new engine rank like `r` (role, configuration), empty, out of the pool until it
+    /// joins; returns its index.
+    fn spawn_replacement(&mut self, r: usize) -> anyhow::Result<usize> {
+        let n = self.engines.len();
+        let old = &self.engines[r];
+        let port = u16::try_from(9000 + n).context("too many engine replacements")?;
+        let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port, old.id.rank);
+        let mut cfg = old.rank.config().clone();
+        cfg.hash_seed = mix64(self.opts.seed ^ mix64(n as u64 + 0x5e1a));
+        let mut member = old.member.clone();
+        member.id = id;
+        let engine = Engine {
+            rank: Rank::new(cfg),
+            id,
+            host: old.host,
+            member,
+            in_pool: false,
+            dead: false,
+            generation: 0,
+            batches: 0,
+            log: VecDeque::new(),
+            pending: None,
+            prefill_ms: 0.0,
+            prefill_tokens: 0,
+            series: Vec::new(),
+        };
+        self.by_id.insert(id, n);
+        self.engines.push(engine);
+        Ok(n)
+    }
+
+    /// The picker restarts at `t`: the requests it held (in flight through it, or waiting in
+    /// its admission or flow-control queues) fail; its index, loads, pins and calibration
+    /// start empty, and each engine replays the batches of its last `replay_ms`.
+    fn restart_picker(
+        &mut self,
+        t: f64,
+        replay_ms: f64,
+        done: &mut Vec<u64>,
+    ) -> anyhow::Result<()> {
+        let mut ids: Vec<u64> = self.inflight.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.end_inflight(id, t, "the picker restarted", done);
+        }
+        for (issue, _, _) in std::mem::take(&mut self.held) {
+            self.fail(&issue, t, "the picker restarted".into());
+            done.push(issue.id);
+        }
+        let mut waiting: Vec<Issue> = self.flow_waiting.drain().map(|(_, i)| i).collect();
+        waiting.append(&mut self.flow_shed);
+        waiting.sort_by_key(|i| i.id);
+        for issue in waiting {
+            self.fail(&issue, t, "the picker restarted".into());
+            done.push(issue.id);
+        }
+        self.flow = self.opts.flow_control.then(new_flow_queue);
+        self.admission_check = None;
+        self.pool = new_pool(self.policy, self.opts, &self.limits)?;
+        self.refresh_view();
+        // what the new subscriptions get replayed; a batch still delayed was never seen
+        self.delayed.clear();
+        for e in 0..self.engines.len() {
+            if self.engines[e].dead || !self.engines[e].in_pool {
+                continue;
+            }
+            let replay: Vec<EventBatch> = self.engines[e]
+                .log
+                .iter()
+                .filter(|(at, _)| *at >= t - replay_ms)
+                .map(|(_, b)| b.clone())
+                .collect();
+            for batch in &replay {
+                self.apply(e, batch);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The pool members the engines make: those in the view.
+fn members(engines: &[Engine]) -> Vec<PoolMember> {
+    engines
+        .iter()
+        .filter(|e| e.in_pool && !e.dead)
+        .map(|e| PoolMember {
+            endpoint: e.member.clone(),
+            precise: true,
+            kv_capacity_blocks: None,
+        })
+        .collect()
 }
 
 /// Replay `workload` through `strategy` on a fresh simulated cluster. `progress` is called
@@ -818,6 +1145,16 @@ pub fn run(
 ) -> anyhow::Result<PolicyRun> {
     let policy = policy.into();
     let mut sim = Sim::new(workload, policy, opts)?;
+    for (i, e) in opts.scenario.events.iter().enumerate() {
+        sim.push(e.at_ms, Event::Scenario(i));
+    }
+    for (host, at) in opts.scenario.joining(opts.cluster.engines) {
+        for r in 0..sim.engines.len() {
+            if sim.engines[r].host == host {
+                sim.push(at, Event::Join(r));
+            }
+        }
+    }
     let mut driver = Driver::new(workload, opts.max_requests).with_deadline(opts.max_duration_ms);
     let total = driver.total_requests();
     let mut issues: Vec<Issue> = Vec::new();
@@ -846,7 +1183,13 @@ pub fn run(
                 };
                 let t = f64::from_bits(k);
                 match ev {
-                    Event::StepEnd(e) => sim.step_end(e, t, &mut done),
+                    Event::StepEnd(e, generation) => sim.step_end(e, generation, t, &mut done),
+                    Event::Scenario(i) => sim.scenario_event(i, t, &mut done)?,
+                    Event::Join(r) => {
+                        sim.engines[r].in_pool = true;
+                        sim.refresh_view();
+                    }
+                    Event::Deliver => sim.deliver(t),
                     Event::Scrape => {
                         sim.scrape(t);
                         if !driver.finished() || sim.busy() {
@@ -975,6 +1318,14 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
         figures,
         sim.opts.slo,
     );
+    let (phases, recoveries) = if sim.opts.scenario.is_empty() {
+        (Vec::new(), Vec::new())
+    } else {
+        (
+            scenario::phases(&sim.opts.scenario, &sim.records, sim.opts.slo),
+            scenario::recoveries(&sim.opts.scenario, &sim.records),
+        )
+    };
     let load_series = sim
         .engines
         .iter()
@@ -996,6 +1347,8 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
                     (q + s.lora_requests, r + s.lora_resident, l + s.lora_loads)
                 })
             }),
+            phases,
+            recoveries,
             admission: sim
                 .pool
                 .router()

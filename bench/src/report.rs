@@ -126,6 +126,13 @@ pub fn notes(runs: &[PolicyRun]) -> String {
     }
     for r in runs {
         let d = &r.detail;
+        if !d.phases.is_empty() {
+            out.push_str(&crate::scenario::text(
+                &r.summary.policy,
+                &d.phases,
+                &d.recoveries,
+            ));
+        }
         if let Some(p) = &d.picker {
             let pct =
                 |x: Option<f64>| x.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0));

@@ -74,6 +74,10 @@ pub struct RunDetail {
     /// Per request class (offline runs with bands or tenants): its name, requests, the ones
     /// answered without being served, and the served ones' TTFT p50 and p90 (ms).
     pub classes: Vec<(String, usize, usize, f64, f64)>,
+    /// Offline runs with a scenario: the figures of each phase, and when each event's TTFT
+    /// came back.
+    pub phases: Vec<crate::scenario::Phase>,
+    pub recoveries: Vec<crate::scenario::Recovery>,
 }
 
 /// What session admission held: how many first turns and how long (their TTFTs include it).
@@ -162,7 +166,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+pub fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(f64::total_cmp);
     v
 }

@@ -702,6 +702,8 @@ pub async fn replay(
             admission: None,
             lora: None,
             classes,
+            phases: Vec::new(),
+            recoveries: Vec::new(),
         },
     })
 }
