@@ -401,6 +401,10 @@ pub struct ReplayArgs {
     /// Offline: the `--scenario` timeline from a file, one item per line (`#` comments).
     #[arg(long, conflicts_with = "scenario")]
     pub scenario_file: Option<PathBuf>,
+    /// Offline: this many pickers side by side, requests spread over them in turn, each fed
+    /// every engine's events and scrapes (a `picker-restart` item restarts the first).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub pickers: u16,
     /// `routing.disaggregation.mode` with `--prefill-engines`: `Off`, `Auto` (the decider) or
     /// `Always`.
     #[arg(long, default_value = "Auto")]
@@ -676,8 +680,14 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
     scenario
         .validate(cluster.engines)
         .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?;
+    anyhow::ensure!(
+        a.pickers == 1 || (a.mode == Mode::Offline && !a.flow_control),
+        "--pickers is offline only, without --flow-control (each picker would have a queue of \
+         its own)"
+    );
     Ok(BenchOptions {
         scenario,
+        pickers: usize::from(a.pickers),
         cluster,
         routing: {
             let mut r = RoutingConfig::default();

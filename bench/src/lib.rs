@@ -127,6 +127,10 @@ pub struct BenchOptions {
     /// Offline: what happens to the cluster and the picker during the run
     /// ([`scenario::Scenario`]); the report then gives figures per phase.
     pub scenario: scenario::Scenario,
+    /// Offline: pickers side by side, each routing every `pickers`-th request (by request
+    /// id, as a client spreading requests over replicas), all fed every engine's events and
+    /// scrapes.
+    pub pickers: usize,
 }
 
 impl BenchOptions {
@@ -203,6 +207,7 @@ impl Default for BenchOptions {
             two_tenants: false,
             repeat: 1,
             scenario: scenario::Scenario::default(),
+            pickers: 1,
         }
     }
 }

@@ -110,6 +110,8 @@ struct Engine {
 struct InFlight {
     guard: InflightGuard,
     engine: usize,
+    /// The picker that routed it (its guard, calibration and pins are that picker's).
+    picker: usize,
     prompt_tokens: u32,
     /// Its request class ([`Sim::class`]).
     class: usize,
@@ -148,8 +150,11 @@ struct Sim<'a> {
     engines: Vec<Engine>,
     by_id: FxHashMap<EndpointId, usize>,
     model_config: Arc<ModelConfig>,
-    /// Every table the service's decision reads, and its policy.
-    pool: Pool,
+    /// The pickers (`--pickers`), each with every table the service's decision reads and its
+    /// policy; all of them get every engine's events and scrapes, each routes its share of
+    /// the requests. The first is the one admission, flow control and a `picker-restart`
+    /// item act on.
+    pickers: Vec<Pool>,
     hasher: BlockHasher,
     /// The service's bounds on a request (prompt length, in-flight per endpoint).
     limits: Limits,
@@ -264,9 +269,13 @@ impl<'a> Sim<'a> {
             }
         }
         let limits = Limits::default();
-        let pool = new_pool(policy, opts, &limits)?;
-        pool.apply_view(members(&engines), || {})
-            .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+        let mut pickers = Vec::new();
+        for _ in 0..opts.pickers.max(1) {
+            let pool = new_pool(policy, opts, &limits)?;
+            pool.apply_view(members(&engines), || {})
+                .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+            pickers.push(pool);
+        }
         let replay_keep_ms = opts
             .scenario
             .events
@@ -284,7 +293,7 @@ impl<'a> Sim<'a> {
             engines,
             by_id,
             model_config: mc,
-            pool,
+            pickers,
             hasher: BlockHasher::new(block),
             limits,
             queue: BinaryHeap::new(),
@@ -326,8 +335,8 @@ impl<'a> Sim<'a> {
         };
         let class = self.class(issue.session);
         let band = classes::priority(class);
-        let saturation = self.pool.router().config().saturation.for_band(band);
-        if q.is_empty() && self.pool.free_slots(&self.model_config.name, &saturation) > 0 {
+        let saturation = self.pickers[0].router().config().saturation.for_band(band);
+        if q.is_empty() && self.pickers[0].free_slots(&self.model_config.name, &saturation) > 0 {
             return false;
         }
         let w = Waiting {
@@ -371,11 +380,10 @@ impl<'a> Sim<'a> {
         for w in q.expire(t as u64) {
             gone.extend(self.flow_waiting.remove(&w.id));
         }
-        let saturation = self.pool.router().config().saturation;
-        let mut room = self.pool.free_slots(&self.model_config.name, &saturation);
-        let mut low_room = self
-            .pool
-            .free_slots(&self.model_config.name, &saturation.for_band(-1));
+        let saturation = self.pickers[0].router().config().saturation;
+        let mut room = self.pickers[0].free_slots(&self.model_config.name, &saturation);
+        let mut low_room =
+            self.pickers[0].free_slots(&self.model_config.name, &saturation.for_band(-1));
         let mut send = Vec::new();
         while room > 0 {
             let Some(q) = self.flow.as_mut() else { break };
@@ -481,7 +489,7 @@ impl<'a> Sim<'a> {
 
     /// Whether the gate holds `issue` (it then waits in the pool's admission queue).
     fn admission_holds(&mut self, issue: &Issue, t: f64) -> bool {
-        if !self.pool.router().config().admission.enabled {
+        if !self.pickers[0].router().config().admission.enabled {
             return false;
         }
         let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
@@ -490,10 +498,10 @@ impl<'a> Sim<'a> {
             return false;
         };
         let req = plan.route_request(&self.model_config, Scope::default(), false);
-        if !matches!(self.pool.gate(&req, t as u64), Gate::Hold(_)) {
+        if !matches!(self.pickers[0].gate(&req, t as u64), Gate::Hold(_)) {
             return false;
         }
-        let Some(ticket) = self.pool.join_admission(t as u64) else {
+        let Some(ticket) = self.pickers[0].join_admission(t as u64) else {
             return false;
         };
         self.held.push((issue.clone(), ticket, plan));
@@ -502,7 +510,7 @@ impl<'a> Sim<'a> {
     }
 
     fn schedule_admission_check(&mut self) {
-        if let Some(at) = self.pool.next_admission_check() {
+        if let Some(at) = self.pickers[0].next_admission_check() {
             let at = at as f64;
             if self.admission_check.is_none_or(|s| at < s) {
                 self.admission_check = Some(at);
@@ -520,7 +528,7 @@ impl<'a> Sim<'a> {
         let held = std::mem::take(&mut self.held);
         for (issue, ticket, plan) in held {
             let req = plan.route_request(&self.model_config, Scope::default(), false);
-            let turn = self.pool.poll_admission(ticket, &req, t as u64);
+            let turn = self.pickers[0].poll_admission(ticket, &req, t as u64);
             match turn {
                 Turn::Admit(why) => {
                     self.held_waits.push(t - issue.release_ms);
@@ -542,7 +550,7 @@ impl<'a> Sim<'a> {
     fn send(&mut self, issue: &Issue, t: f64, admitted: Option<Ticket>) -> bool {
         let sent = self.route_and_submit(issue, t);
         if let Some(ticket) = admitted {
-            self.pool.admission().lock().release(ticket);
+            self.pickers[0].admission().lock().release(ticket);
         }
         sent
     }
@@ -554,15 +562,17 @@ impl<'a> Sim<'a> {
         let started = self.opts.time_decisions.then(Instant::now);
         let plan = self.plan(issue, &tokens, session.as_deref());
         let now = t as u64;
+        // the client spreads requests over the pickers
+        let k = (issue.id % self.pickers.len() as u64) as usize;
         // flow control places a request on an endpoint with room for its band, when one has
-        let router = self.pool.router();
+        let router = self.pickers[k].router();
         let routing = router.config();
         let room: Option<Vec<EndpointId>> = (self.flow.is_some()
             && routing.flow_control.placement == FlowPlacement::WithRoom)
             .then(|| {
                 let band = classes::priority(self.class(issue.session));
                 let s = routing.saturation.for_band(band);
-                self.pool
+                self.pickers[k]
                     .rooms(&self.model_config.name, &s)
                     .into_iter()
                     .map(|(e, _)| e)
@@ -578,15 +588,13 @@ impl<'a> Sim<'a> {
         };
         let placed = plan.and_then(|plan| {
             let req = plan.route_request(&self.model_config, scope, false);
-            let split = self
-                .pool
-                .place_split(&req, now)
-                .map_err(|e| e.to_string())?;
+            let pool = &self.pickers[k];
+            let split = pool.place_split(&req, now).map_err(|e| e.to_string())?;
             // what the service records for a forwarded request
             if let Some(prefill) = &split.prefill {
-                self.pool.record(prefill, &plan.keys, now);
+                pool.record(prefill, &plan.keys, now);
             }
-            self.pool.record(&split.placement, &plan.keys, now);
+            pool.record(&split.placement, &plan.keys, now);
             Ok((split, plan))
         });
         if let Some(s) = started {
@@ -615,7 +623,7 @@ impl<'a> Sim<'a> {
             return false;
         };
         let prompt = tokens.len() as u64;
-        let guard = self.pool.begin(
+        let guard = self.pickers[k].begin(
             d.endpoint,
             prompt,
             prompt.saturating_sub(u64::from(d.cached_tokens)),
@@ -630,7 +638,7 @@ impl<'a> Sim<'a> {
                     return false;
                 };
                 // nothing to prefill there: its KV arrives (as the service counts it)
-                let guard = self.pool.begin(
+                let guard = self.pickers[k].begin(
                     placement.decision.endpoint,
                     prompt,
                     0,
@@ -668,13 +676,13 @@ impl<'a> Sim<'a> {
         }
         // the simulated engine serves it where it goes: the session is pinned there (where
         // it decodes)
-        self.pool
-            .served(&placement, placement.decision.endpoint, t as u64);
+        self.pickers[k].served(&placement, placement.decision.endpoint, t as u64);
         self.inflight.insert(
             issue.id,
             InFlight {
                 guard,
                 engine: e,
+                picker: k,
                 prompt_tokens: prompt as u32,
                 class: self.class(issue.session),
                 release_ms: issue.release_ms,
@@ -739,7 +747,7 @@ impl<'a> Sim<'a> {
             if let Some(f) = self.inflight.get_mut(id) {
                 f.guard.first_token();
                 if let Some(basis) = f.basis {
-                    let mut calibration = self.pool.calibration().write();
+                    let mut calibration = self.pickers[f.picker].calibration().write();
                     calibration.age_endpoint(&id_e, t as u64);
                     calibration.observe_ttft(&id_e, basis, t - f.sent_ms);
                 }
@@ -789,6 +797,7 @@ impl<'a> Sim<'a> {
             guard,
             class,
             release_ms,
+            picker,
             ..
         } = fl;
         drop(guard);
@@ -827,6 +836,7 @@ impl<'a> Sim<'a> {
             InFlight {
                 guard,
                 engine: leg.engine,
+                picker,
                 prompt_tokens: prompt as u32,
                 class,
                 release_ms,
@@ -881,10 +891,14 @@ impl<'a> Sim<'a> {
             .active(t, |a| matches!(a, Action::StaleMetrics { .. }))
             .is_none()
         {
-            self.pool.observe_scrape(now, samples);
+            for pool in &self.pickers {
+                pool.observe_scrape(now, samples.clone());
+            }
         }
-        if self.pool.router().config().cost_model.calibrate {
-            self.pool.calibration().write().age(now);
+        for pool in &self.pickers {
+            if pool.router().config().cost_model.calibrate {
+                pool.calibration().write().age(now);
+            }
         }
     }
 
@@ -961,16 +975,20 @@ impl<'a> Sim<'a> {
             model: MODEL,
         };
         let id = self.engines[e].id;
-        let stats = self.pool.state().apply_batch(&id, keys, batch);
-        if stats.is_some_and(|s| s.needs_resync()) {
-            tracing::warn!(endpoint = %id, ?stats, "offline index lost track of an engine");
+        for pool in &self.pickers {
+            let stats = pool.state().apply_batch(&id, keys, batch);
+            if stats.is_some_and(|s| s.needs_resync()) {
+                tracing::warn!(endpoint = %id, ?stats, "offline index lost track of an engine");
+            }
         }
     }
 
     /// Give the pool the engines that serve now (what the controller's view would say).
     fn refresh_view(&mut self) {
-        if let Err(err) = self.pool.apply_view(members(&self.engines), || {}) {
-            tracing::warn!(%err, "offline: the pool refused the view");
+        for pool in &self.pickers {
+            if let Err(err) = pool.apply_view(members(&self.engines), || {}) {
+                tracing::warn!(%err, "offline: the pool refused the view");
+            }
         }
     }
 
@@ -1073,16 +1091,21 @@ impl<'a> Sim<'a> {
         Ok(n)
     }
 
-    /// The picker restarts at `t`: the requests it held (in flight through it, or waiting in
-    /// its admission or flow-control queues) fail; its index, loads, pins and calibration
-    /// start empty, and each engine replays the batches of its last `replay_ms`.
+    /// The (first) picker restarts at `t`: the requests it held (in flight through it, or
+    /// waiting in its admission or flow-control queues) fail; its index, loads, pins and
+    /// calibration start empty, and each engine replays the batches of its last `replay_ms`.
     fn restart_picker(
         &mut self,
         t: f64,
         replay_ms: f64,
         done: &mut Vec<u64>,
     ) -> anyhow::Result<()> {
-        let mut ids: Vec<u64> = self.inflight.keys().copied().collect();
+        let mut ids: Vec<u64> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| f.picker == 0)
+            .map(|(&id, _)| id)
+            .collect();
         ids.sort_unstable();
         for id in ids {
             self.end_inflight(id, t, "the picker restarted", done);
@@ -1100,10 +1123,12 @@ impl<'a> Sim<'a> {
         }
         self.flow = self.opts.flow_control.then(new_flow_queue);
         self.admission_check = None;
-        self.pool = new_pool(self.policy, self.opts, &self.limits)?;
-        self.refresh_view();
-        // what the new subscriptions get replayed; a batch still delayed was never seen
-        self.delayed.clear();
+        let pool = new_pool(self.policy, self.opts, &self.limits)?;
+        pool.apply_view(members(&self.engines), || {})
+            .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+        self.pickers[0] = pool;
+        // what the new subscriptions get replayed (a batch still delayed reaches the others
+        // and, after the replay, the new one too)
         for e in 0..self.engines.len() {
             if self.engines[e].dead || !self.engines[e].in_pool {
                 continue;
@@ -1114,8 +1139,14 @@ impl<'a> Sim<'a> {
                 .filter(|(at, _)| *at >= t - replay_ms)
                 .map(|(_, b)| b.clone())
                 .collect();
+            let keys = IngestKeys {
+                hasher: self.hasher,
+                model: MODEL,
+            };
             for batch in &replay {
-                self.apply(e, batch);
+                self.pickers[0]
+                    .state()
+                    .apply_batch(&self.engines[e].id, keys, batch);
             }
         }
         Ok(())
@@ -1349,8 +1380,7 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             }),
             phases,
             recoveries,
-            admission: sim
-                .pool
+            admission: sim.pickers[0]
                 .router()
                 .config()
                 .admission

@@ -201,3 +201,28 @@ fn a_picker_restart_fails_what_it_held_and_replay_brings_back_hits() {
         after(&none)
     );
 }
+
+fn run_pickers(strategy: Strategy, pickers: usize, scenario: &str) -> PolicyRun {
+    let opts = BenchOptions {
+        pickers,
+        ..options(scenario)
+    };
+    offline::run(&workload(), strategy, &opts, &mut |_, _| {}).expect("runs")
+}
+
+#[test]
+fn several_pickers_share_the_requests_and_each_indexes_every_engine() {
+    let one = run_pickers(Strategy::CostModel, 1, "");
+    let four = run_pickers(Strategy::CostModel, 4, "");
+    assert_eq!(four.summary.requests, one.summary.requests);
+    assert_eq!(four.summary.errors, 0);
+    assert_ne!(four.summary, one.summary, "four pickers decide apart");
+    // a picker that saw no events would route its share blind to the caches
+    let blind = run_pickers(Strategy::CostModel, 4, "event-loss@0:fraction=1,for=1000");
+    assert!(four.summary.hit_rate > blind.summary.hit_rate);
+    // a restart of one of two pickers cuts off only the requests that one held
+    let restart_one = run_pickers(Strategy::CostModel, 1, "picker-restart@10");
+    let restart_two = run_pickers(Strategy::CostModel, 2, "picker-restart@10");
+    assert!(restart_two.summary.errors > 0);
+    assert!(restart_two.summary.errors < restart_one.summary.errors);
+}
