@@ -811,6 +811,12 @@ struct EndpointEntry {
     /// and reports the eviction of each copy: the block leaves the index with its last one.
     /// At most the block budget of hashes is tracked.
     copies: HashMap<u64, u32, FxBuildHasher>,
+    /// Precise mode: the engine has stored blocks after ones the index never saw (the picker
+    /// subscribed, or restarted, after the engine's replay window): its view has a gap that
+    /// no later event fills (a cached prefix the engine keeps hitting is never stored again),
+    /// so blocks routed here are credited for as long as an approximate endpoint's, until the
+    /// engine's cache is cleared ([`KvIndex::mark_gap`]).
+    gap: bool,
 }
 
 impl EndpointEntry {
@@ -937,6 +943,7 @@ impl KvIndex {
             residency: Residency::default(),
             provisional: LinkedHashMap::default(),
             copies: HashMap::default(),
+            gap: false,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -1190,7 +1197,30 @@ impl KvIndex {
         self.provisional -= entry.provisional.len();
         entry.provisional = LinkedHashMap::default();
         entry.copies = HashMap::default();
+        entry.gap = false;
         n
+    }
+
+    /// Precise mode: `slot`'s engine stored blocks whose parents the index never saw (its
+    /// view has a gap; see [`EndpointEntry::gap`]); returns whether that is news. Until the
+    /// endpoint is cleared, [`KvIndex::has_gap`] says so and the routing record credits it.
+    pub fn mark_gap(&mut self, slot: Slot) -> bool {
+        match self
+            .endpoints
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        {
+            Some(e) if e.mode == IndexMode::Precise && !e.gap => {
+                e.gap = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether `slot`'s view has a gap (see [`KvIndex::mark_gap`]).
+    pub fn has_gap(&self, slot: Slot) -> bool {
+        self.entry(slot).is_some_and(|e| e.gap)
     }
 
     /// Precise mode: the blocks `keys` of a request just routed to `slot` count as held there

@@ -910,6 +910,124 @@ mod tests {
         assert_eq!(cold, 32, "without it every request of the burst is cold");
     }
 
+    /// Issue 34, item 3: a picker that subscribes after the engine's replay window gets
+    /// `BlockStored` events whose parents it never saw (orphans). The endpoint's view has a gap
+    /// no event fills, so the picker's own routing record credits it for the approximate TTL
+    /// (not the 2 s provisional one) until the engine's cache is cleared.
+    #[test]
+    fn a_view_with_a_gap_credits_the_routing_record_until_the_cache_is_cleared() {
+        use crate::block_keys::{BlockHasher, ChainRoot};
+        use crate::kv_events::ingest::IngestKeys;
+        use crate::kv_events::{EventBatch, KvEvent};
+        let tokens: Vec<u32> = (0..1024).collect();
+        // 64 blocks, the last of which is computed again (one prompt token always is)
+        const SERVABLE: u32 = 63;
+        let keys = BlockHasher::new(16).keys(ChainRoot::new("m", None, None), &tokens);
+        let mc = Arc::new(ModelConfig::new("c", "m"));
+        let pool = Pool::new(
+            PoolSettings::default(),
+            Router::new(RoutingConfig {
+                strategy: Strategy::CostModel,
+                ..RoutingConfig::default()
+            }),
+        );
+        let members = (1..=2)
+            .map(|i| PoolMember {
+                endpoint: Endpoint::new(id(i), mc.clone()),
+                precise: true,
+                kv_capacity_blocks: Some(100_000),
+            })
+            .collect();
+        pool.apply_view(members, || {}).expect("view");
+        let batch = |events| EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+            skipped_unknown: 0,
+        };
+        let ingest = IngestKeys {
+            hasher: BlockHasher::new(16),
+            model: "m",
+        };
+        let stored = |parent| KvEvent::BlockStored {
+            block_hashes: vec![77],
+            parent_block_hash: parent,
+            token_ids: (5000..5016).collect(),
+            block_size: 16,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            cache_salt: None,
+            place: Default::default(),
+        };
+        let credited = |endpoint: EndpointId, now: u64| {
+            let req = RouteRequest {
+                keys: &keys,
+                prompt_tokens: 1024,
+                explain: true,
+                ..request(&mc, None)
+            };
+            let p = pool.place(&req, now).expect("placed");
+            let name = endpoint.to_string();
+            p.decision
+                .candidates
+                .iter()
+                .find(|c| c.endpoint == name)
+                .map_or(0, |c| c.features.matched_blocks)
+        };
+        // endpoint 1 without a gap: the routing record lasts the provisional TTL
+        let route = |endpoint: EndpointId, now: u64| {
+            let p = pool
+                .place(
+                    &RouteRequest {
+                        keys: &keys,
+                        prompt_tokens: 1024,
+                        ..request(&mc, None)
+                    },
+                    now,
+                )
+                .expect("placed");
+            let mut p = p;
+            p.decision.endpoint = endpoint;
+            pool.record(&p, &keys, now);
+        };
+        route(id(1), 0);
+        assert_eq!(
+            credited(id(1), 1_000),
+            SERVABLE,
+            "provisional while the events are due"
+        );
+        assert_eq!(credited(id(1), 10_000), 0, "the provisional TTL has passed");
+        // an orphan store on endpoint 2: a gap, and its routing record lasts
+        let s = pool
+            .state()
+            .apply_batch(&id(2), ingest, &batch(vec![stored(Some(12345))]))
+            .expect("tracked");
+        assert_eq!(s.orphan_blocks, 1);
+        let s = pool
+            .state()
+            .apply_batch(&id(1), ingest, &batch(vec![stored(None)]))
+            .expect("tracked");
+        assert_eq!(s.orphan_blocks, 0, "a parentless store is no gap");
+        route(id(2), 10_000);
+        assert_eq!(credited(id(2), 11_000), SERVABLE);
+        assert_eq!(
+            credited(id(2), 300_000),
+            SERVABLE,
+            "credited for the approximate TTL, not the provisional one"
+        );
+        assert_eq!(credited(id(2), 700_000), 0, "but not for ever");
+        // the engine's cache is cleared (a restart, `reset_prefix_cache`): the gap is closed
+        route(id(2), 700_000);
+        pool.state()
+            .apply_batch(&id(2), ingest, &batch(vec![KvEvent::AllBlocksCleared]))
+            .expect("tracked");
+        route(id(2), 700_000);
+        assert_eq!(credited(id(2), 701_000), SERVABLE);
+        assert_eq!(credited(id(2), 710_000), 0, "the provisional TTL again");
+    }
+
     /// A routing edit replaces the policy only: pins and the turn count are the pool's. An
     /// endpoint that leaves is forgotten by every table.
     #[test]

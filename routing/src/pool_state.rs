@@ -316,6 +316,13 @@ impl PoolState {
             return None;
         }
         let stats = apply_batch(&mut inner.index, slot, keys, batch);
+        if stats.orphan_blocks > 0 && inner.index.mark_gap(slot) {
+            tracing::info!(
+                %endpoint,
+                "the engine stores blocks after ones this picker never saw (its replay window \
+                 had passed): crediting the requests routed there until its cache is cleared"
+            );
+        }
         // Hand the lock to a waiting pick, if any, rather than to the next batch: with a
         // backlog of events a plain unlock lets this thread take the lock straight back, and
         // the picks waiting on it only get their turn after half a millisecond
@@ -426,22 +433,26 @@ impl PoolState {
     /// `keys` were routed to `endpoint`: an approximate index learns that they live there; a
     /// precise one credits them provisionally for `index.provisionalTtl`, until the engine's
     /// own events say so ([`KvIndex::record_provisional`]).
+    ///
+    /// A precise endpoint whose view has a gap ([`KvIndex::mark_gap`]: this picker came after
+    /// the engine's replay window) is credited for `index.approximateTtl` instead: the
+    /// engine's events cannot tell the picker about the prefixes it held before, so the
+    /// picker's own routing record stands in for them.
     pub fn record_routed(&self, endpoint: &EndpointId, keys: &[BlockKey], now_ms: u64) {
-        let ttl_ms = self.budget.provisional_ttl_ms;
+        let provisional_ttl_ms = self.budget.provisional_ttl_ms;
         if keys.is_empty() {
             return;
         }
-        if ttl_ms == 0 {
-            // only an approximate endpoint learns then: a precise one costs a read lock
-            let inner = self.inner.read();
-            let approximate = inner
-                .index
-                .slot(endpoint)
-                .and_then(|slot| inner.index.mode(slot))
-                .is_some_and(|m| matches!(m, IndexMode::Approximate { .. }));
-            if !approximate {
-                return;
-            }
+        let learns = |inner: &Inner| {
+            inner.index.slot(endpoint).is_some_and(|slot| {
+                matches!(inner.index.mode(slot), Some(IndexMode::Approximate { .. }))
+                    || inner.index.has_gap(slot)
+            })
+        };
+        if provisional_ttl_ms == 0 && !learns(&self.inner.read()) {
+            // only an approximate endpoint or one with a gap learns then: a precise one costs
+            // a read lock
+            return;
         }
         let mut inner = self.inner.write();
         if let Some(slot) = inner.index.slot(endpoint) {
@@ -449,8 +460,15 @@ impl PoolState {
                 Some(IndexMode::Approximate { .. }) => {
                     inner.index.record_routed(slot, keys, now_ms);
                 }
-                Some(IndexMode::Precise) if ttl_ms > 0 => {
-                    inner.index.record_provisional(slot, keys, now_ms, ttl_ms);
+                Some(IndexMode::Precise) => {
+                    let ttl_ms = if inner.index.has_gap(slot) {
+                        self.budget.approximate_ttl_ms
+                    } else {
+                        provisional_ttl_ms
+                    };
+                    if ttl_ms > 0 {
+                        inner.index.record_provisional(slot, keys, now_ms, ttl_ms);
+                    }
                 }
                 _ => {}
             }
