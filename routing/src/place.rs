@@ -1012,6 +1012,37 @@ mod tests {
         assert_eq!(s.orphan_blocks, 0, "a parentless store is no gap");
         route(id(2), 10_000);
         assert_eq!(credited(id(2), 11_000), SERVABLE);
+        let explained = pool
+            .place(
+                &RouteRequest {
+                    keys: &keys,
+                    prompt_tokens: 1024,
+                    explain: true,
+                    ..request(&mc, None)
+                },
+                11_000,
+            )
+            .expect("placed");
+        let gaps: Vec<(String, bool, u32)> = explained
+            .decision
+            .candidates
+            .iter()
+            .map(|c| {
+                (
+                    c.endpoint.clone(),
+                    c.features.index_gap,
+                    c.features.provisional_blocks,
+                )
+            })
+            .collect();
+        assert_eq!(
+            gaps,
+            vec![
+                (id(1).to_string(), false, 0),
+                (id(2).to_string(), true, SERVABLE)
+            ],
+            "/v1/pick marks the credit that rests on the routing record"
+        );
         assert_eq!(
             credited(id(2), 300_000),
             SERVABLE,

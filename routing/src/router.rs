@@ -510,6 +510,7 @@ fn features(
                 features: Features {
                     matched_blocks: matched,
                     provisional_blocks: credit.map_or(0, |c| c.provisional).min(matched),
+                    index_gap: slot.is_some_and(|s| ctx.index.has_gap(s)),
                     cached_tokens: cached,
                     uncached_tokens: req.prompt_tokens - cached - loaded,
                     offloaded,

@@ -55,8 +55,13 @@ pub struct Features {
     /// engine: the prefix every KV-cache group would hit).
     pub matched_blocks: u32,
     /// How many of `matched_blocks` are provisional: recently routed here, the engine's
-    /// events for them not arrived yet (`index.provisionalTtl`).
+    /// events for them not arrived yet (`index.provisionalTtl`), or, on an endpoint whose view
+    /// has a gap (`index_gap`), routed here within `index.approximateTtl`.
     pub provisional_blocks: u32,
+    /// The endpoint's engine stored blocks after ones this picker never saw (it came after
+    /// the engine's replay window): its credit rests partly on the picker's routing record
+    /// until the engine's cache is cleared.
+    pub index_gap: bool,
     pub cached_tokens: u32,
     /// Tokens to prefill: neither cached nor loadable from a lower tier.
     pub uncached_tokens: u32,
