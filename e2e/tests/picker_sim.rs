@@ -161,6 +161,61 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
     a.shutdown();
 }
 
+/// Issue 34, item 3: a picker that starts after the engine's replay window has passed gets
+/// `BlockStored` events for the blocks the engine adds to a context it cached before (their
+/// parents are blocks the picker never saw). It marks the gap and credits the requests it
+/// routes there from its own record for the approximate TTL, past the 2 s provisional one,
+/// and `/v1/pick` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picker_that_came_after_the_replay_window_credits_its_routing_record() {
+    let mut cfg = SimConfig {
+        host: "127.0.0.9".parse().unwrap(),
+        model: "llama".into(),
+        speedup: 50.0,
+        kv_events: PortSpec::Auto,
+        kv_replay: PortSpec::Auto,
+        // the publisher keeps one batch for replay
+        replay_buffer: 1,
+        ..SimConfig::default()
+    };
+    cfg.engine.num_blocks = 4096;
+    let a = start_sim(cfg).await.expect("simulator starts");
+    let engine_url = format!("http://{}/v1/completions", a.addrs()[0].http);
+    // a context cached before any picker runs, then pushed out of the replay buffer
+    let context = prompt(30, 512);
+    complete(engine_url.clone(), &context).await;
+    complete(engine_url, &prompt(31, 64)).await;
+
+    let p = picker(&[&a], "CostModel").await;
+    let proxy_url = format!("http://{}/v1/completions", p.addrs.http);
+    let mut turn = context.clone();
+    turn.extend(prompt(32, 256));
+    let out = complete(proxy_url, &turn).await;
+    let cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 500, "the engine had the context: {out}");
+    eventually("the orphan stores are seen", || {
+        problems(&p, "orphan_blocks") > 0
+    })
+    .await;
+    // past `index.provisionalTtl` (2 s): without the gap rule the credit would be gone
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let r = pick(&p, &turn).await;
+    assert!(
+        r["matched_blocks"].as_u64().unwrap() >= 47,
+        "the routed turn is credited: {r}"
+    );
+    let candidate = &r["candidates"][0]["features"];
+    assert_eq!(candidate["index_gap"], true, "{r}");
+    assert!(
+        candidate["provisional_blocks"].as_u64().unwrap() >= 16,
+        "{r}"
+    );
+    p.shutdown().await;
+    a.shutdown();
+}
+
 /// A counter of `kvroute_picker_kv_event_problems_total` by kind, from the picker's registry.
 fn problems(p: &Running, kind: &str) -> u64 {
     p.state

@@ -1204,7 +1204,9 @@ impl KvIndex {
     /// Precise mode: `slot`'s engine stored blocks whose parents the index never saw (its
     /// view has a gap; see [`EndpointEntry::gap`]); returns whether that is news. Until the
     /// endpoint is cleared, [`KvIndex::has_gap`] says so and the routing record credits it.
-    pub fn mark_gap(&mut self, slot: Slot) -> bool {
+    /// The provisional credits it holds already (the requests whose stores revealed the gap
+    /// among them: those stores name no key the index can confirm) last `extend_ms` longer.
+    pub fn mark_gap(&mut self, slot: Slot, extend_ms: u64) -> bool {
         match self
             .endpoints
             .get_mut(slot as usize)
@@ -1212,6 +1214,10 @@ impl KvIndex {
         {
             Some(e) if e.mode == IndexMode::Precise && !e.gap => {
                 e.gap = true;
+                // the same shift for all keeps them in expiry order
+                for (_, until) in e.provisional.iter_mut() {
+                    *until = until.saturating_add(extend_ms);
+                }
                 true
             }
             _ => false,

@@ -999,7 +999,10 @@ mod tests {
             "provisional while the events are due"
         );
         assert_eq!(credited(id(1), 10_000), 0, "the provisional TTL has passed");
-        // an orphan store on endpoint 2: a gap, and its routing record lasts
+        // a request routed to endpoint 2, then an orphan store there (the request's own: the
+        // engine extends a context the picker never saw): a gap, and the routing record lasts,
+        // the credit given before the gap was known included
+        route(id(2), 9_000);
         let s = pool
             .state()
             .apply_batch(&id(2), ingest, &batch(vec![stored(Some(12345))]))
@@ -1010,6 +1013,11 @@ mod tests {
             .apply_batch(&id(1), ingest, &batch(vec![stored(None)]))
             .expect("tracked");
         assert_eq!(s.orphan_blocks, 0, "a parentless store is no gap");
+        assert_eq!(
+            credited(id(2), 12_000),
+            SERVABLE,
+            "past the provisional TTL"
+        );
         route(id(2), 10_000);
         assert_eq!(credited(id(2), 11_000), SERVABLE);
         let explained = pool

@@ -316,7 +316,11 @@ impl PoolState {
             return None;
         }
         let stats = apply_batch(&mut inner.index, slot, keys, batch);
-        if stats.orphan_blocks > 0 && inner.index.mark_gap(slot) {
+        let extend_ms = self
+            .budget
+            .approximate_ttl_ms
+            .saturating_sub(self.budget.provisional_ttl_ms);
+        if stats.orphan_blocks > 0 && inner.index.mark_gap(slot, extend_ms) {
             tracing::info!(
                 %endpoint,
                 "the engine stores blocks after ones this picker never saw (its replay window \
