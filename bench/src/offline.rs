@@ -138,6 +138,27 @@ struct DecodeLeg {
     lora: Option<String>,
 }
 
+impl Engine {
+    /// A fresh rank serving as `member` (its endpoint id is the member's) for engine `host`.
+    fn new(rank: Rank, host: usize, member: Endpoint, in_pool: bool) -> Self {
+        Self {
+            rank,
+            id: member.id,
+            host,
+            member,
+            in_pool,
+            dead: false,
+            generation: 0,
+            batches: 0,
+            log: VecDeque::new(),
+            pending: None,
+            prefill_ms: 0.0,
+            prefill_tokens: 0,
+            series: Vec::new(),
+        }
+    }
+}
+
 fn key(t: f64) -> u64 {
     t.max(0.0).to_bits()
 }
@@ -251,21 +272,8 @@ impl<'a> Sim<'a> {
                         Role::Decode
                     };
                 }
-                engines.push(Engine {
-                    rank: Rank::new(cfg),
-                    id,
-                    host: e,
-                    member: endpoint,
-                    in_pool: !joining.iter().any(|&(j, _)| j == e),
-                    dead: false,
-                    generation: 0,
-                    batches: 0,
-                    log: VecDeque::new(),
-                    pending: None,
-                    prefill_ms: 0.0,
-                    prefill_tokens: 0,
-                    series: Vec::new(),
-                });
+                let in_pool = !joining.iter().any(|&(j, _)| j == e);
+                engines.push(Engine::new(Rank::new(cfg), e, endpoint, in_pool));
             }
         }
         let limits = Limits::default();
@@ -1071,21 +1079,7 @@ impl<'a> Sim<'a> {
         cfg.hash_seed = mix64(self.opts.seed ^ mix64(n as u64 + 0x5e1a));
         let mut member = old.member.clone();
         member.id = id;
-        let engine = Engine {
-            rank: Rank::new(cfg),
-            id,
-            host: old.host,
-            member,
-            in_pool: false,
-            dead: false,
-            generation: 0,
-            batches: 0,
-            log: VecDeque::new(),
-            pending: None,
-            prefill_ms: 0.0,
-            prefill_tokens: 0,
-            series: Vec::new(),
-        };
+        let engine = Engine::new(Rank::new(cfg), old.host, member, false);
         self.by_id.insert(id, n);
         self.engines.push(engine);
         Ok(n)

@@ -284,30 +284,14 @@ fn figures(label: String, from_ms: f64, to_ms: f64, rs: &[&RequestRecord], slo: 
     let ok: Vec<&&RequestRecord> = rs.iter().filter(|r| r.error.is_none()).collect();
     let ttft = stats::sorted(ok.iter().filter_map(|r| r.ttft_ms).collect());
     let e2e = stats::sorted(ok.iter().filter_map(|r| r.e2e_ms).collect());
-    let prompt: u64 = ok.iter().map(|r| u64::from(r.prompt_tokens)).sum();
-    let cached: u64 = ok
-        .iter()
-        .filter_map(|r| r.cached_tokens)
-        .map(u64::from)
-        .sum();
-    let attained = ok
-        .iter()
-        .filter(|r| {
-            r.ttft_ms.is_some_and(|t| t <= slo.ttft_ms)
-                && r.tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
-        })
-        .count();
+    let attained = ok.iter().filter(|r| slo.met(r)).count();
     Phase {
         label,
         from_s: from_ms / 1000.0,
         to_s: to_ms / 1000.0,
         requests: rs.len(),
         errors: rs.len() - ok.len(),
-        hit_rate: if prompt == 0 {
-            0.0
-        } else {
-            cached as f64 / prompt as f64
-        },
+        hit_rate: stats::cached_fraction(ok.iter().map(|r| **r)),
         ttft_ms_p50: stats::percentile(&ttft, 50.0),
         ttft_ms_p90: stats::percentile(&ttft, 90.0),
         ttft_ms_p99: stats::percentile(&ttft, 99.0),

@@ -27,6 +27,24 @@ pub struct Slo {
     pub tpot_ms: f64,
 }
 
+impl Slo {
+    /// Whether an answered request met both targets.
+    pub fn met(&self, r: &RequestRecord) -> bool {
+        r.ttft_ms.is_some_and(|t| t <= self.ttft_ms) && r.tpot_ms.is_none_or(|t| t <= self.tpot_ms)
+    }
+}
+
+/// Prompt tokens the engines had cached over the prompt tokens of `rs` (0 without prompts).
+pub fn cached_fraction<'a>(rs: impl Iterator<Item = &'a RequestRecord> + Clone) -> f64 {
+    let prompt: u64 = rs.clone().map(|r| u64::from(r.prompt_tokens)).sum();
+    let cached: u64 = rs.filter_map(|r| r.cached_tokens).map(u64::from).sum();
+    if prompt == 0 {
+        0.0
+    } else {
+        cached as f64 / prompt as f64
+    }
+}
+
 /// One policy's figures. The JSON keys are fixed (`--json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -225,26 +243,10 @@ pub fn summarize(
         0.0
     };
     let out_tokens: u64 = ok.iter().map(|r| u64::from(r.output_tokens)).sum();
-    let attained = ok
-        .iter()
-        .filter(|r| {
-            r.ttft_ms.is_some_and(|t| t <= slo.ttft_ms)
-                && r.tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
-        })
-        .count();
-    let hit_rate = engines.hit_rate.unwrap_or_else(|| {
-        let prompt: u64 = ok.iter().map(|r| u64::from(r.prompt_tokens)).sum();
-        let cached: u64 = ok
-            .iter()
-            .filter_map(|r| r.cached_tokens)
-            .map(u64::from)
-            .sum();
-        if prompt == 0 {
-            0.0
-        } else {
-            cached as f64 / prompt as f64
-        }
-    });
+    let attained = ok.iter().filter(|r| slo.met(r)).count();
+    let hit_rate = engines
+        .hit_rate
+        .unwrap_or_else(|| cached_fraction(ok.iter().copied()));
     let errors_seen: Vec<String> = records
         .iter()
         .filter_map(|r| r.error.clone())

@@ -1,41 +1,22 @@
 //! Scenario events in the offline replay: each kind does what it says to the engines, the
 //! picker's view and its inputs, and the per-phase report counts what it cost.
 
+mod common;
+
+use common::{small_options, small_workload};
 use kvroute_bench::scenario::Scenario;
-use kvroute_bench::workload::generated::{GeneratorConfig, generate};
-use kvroute_bench::{BenchOptions, ClusterConfig, PolicyRun, offline};
+use kvroute_bench::{BenchOptions, PolicyRun, offline};
 use kvroute_picker::config::Strategy;
 
 fn options(scenario: &str) -> BenchOptions {
-    let mut cluster = ClusterConfig {
-        engines: 4,
-        ..ClusterConfig::default()
-    };
-    cluster.engine.num_blocks = 20_000;
     BenchOptions {
-        cluster,
-        time_decisions: false,
-        seed: 3,
         scenario: Scenario::parse(scenario).expect("scenario"),
-        ..BenchOptions::default()
+        ..small_options()
     }
 }
 
 fn workload() -> kvroute_bench::workload::Workload {
-    generate(
-        &GeneratorConfig {
-            groups: 4,
-            system_tokens: 1_500,
-            session_rate: 6.0,
-            duration_s: 20.0,
-            turns: 4.0,
-            user_tokens: 400,
-            output_tokens: 24,
-            think_ms: 1_000.0,
-            ..GeneratorConfig::default()
-        },
-        11,
-    )
+    small_workload()
 }
 
 fn run(strategy: Strategy, scenario: &str) -> PolicyRun {

@@ -81,9 +81,27 @@ fn time_queries<T>(
 
 // ---- kvroute ------------------------------------------------------------------------------
 
-pub fn kvroute(w: &Workload, passes: usize) -> Run {
+/// kvroute's index with one precise endpoint per worker, and their slots.
+fn kvroute_index(w: &Workload) -> (kvroute_routing::index::KvIndex, Vec<u32>) {
     use kvroute_routing::endpoint::EndpointId;
-    use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+    use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex};
+    let mut ix = KvIndex::new(IndexConfig::default());
+    let slots = (0..w.workers)
+        .map(|i| {
+            let id = EndpointId::new(
+                IpAddr::V4(Ipv4Addr::new(10, 0, (i >> 8) as u8, i as u8)),
+                8000,
+                0,
+            );
+            ix.add_endpoint(id, IndexMode::Precise, w.capacity)
+                .expect("endpoint slot")
+        })
+        .collect();
+    (ix, slots)
+}
+
+pub fn kvroute(w: &Workload, passes: usize) -> Run {
+    use kvroute_routing::index::{PrefixMatch, StoreOutcome};
 
     // Engine hash and block key are the same u64 here (the chain hash).
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
@@ -91,18 +109,7 @@ pub fn kvroute(w: &Workload, passes: usize) -> Run {
     let mut ingest_secs = 0.0;
     let mut ingest_cpu_secs = 0.0;
     let ((ix, slots), alloc_bytes, rss_bytes, rss_trimmed_bytes) = measured(|| {
-        let mut ix = KvIndex::new(IndexConfig::default());
-        let slots: Vec<u32> = (0..w.workers)
-            .map(|i| {
-                let id = EndpointId::new(
-                    IpAddr::V4(Ipv4Addr::new(10, 0, (i >> 8) as u8, i as u8)),
-                    8000,
-                    0,
-                );
-                ix.add_endpoint(id, IndexMode::Precise, w.capacity)
-                    .expect("endpoint slot")
-            })
-            .collect();
+        let (mut ix, slots) = kvroute_index(w);
         let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
         for ev in &w.events {
             let slot = slots[ev.worker as usize];
@@ -204,23 +211,11 @@ fn mixed(w: &Workload, ingest: impl FnOnce() -> usize, query: impl Fn(usize) + S
 /// kvroute's index behind the service's lock (`parking_lot::RwLock`): a write lock per event,
 /// a read lock per query.
 pub fn kvroute_mixed(w: &Workload) -> Mixed {
-    use kvroute_routing::endpoint::EndpointId;
-    use kvroute_routing::index::{IndexConfig, IndexMode, KvIndex, PrefixMatch, StoreOutcome};
+    use kvroute_routing::index::{PrefixMatch, StoreOutcome};
     use parking_lot::RwLock;
 
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
-    let mut ix = KvIndex::new(IndexConfig::default());
-    let slots: Vec<u32> = (0..w.workers)
-        .map(|i| {
-            let id = EndpointId::new(
-                IpAddr::V4(Ipv4Addr::new(10, 0, (i >> 8) as u8, i as u8)),
-                8000,
-                0,
-            );
-            ix.add_endpoint(id, IndexMode::Precise, w.capacity)
-                .expect("endpoint slot")
-        })
-        .collect();
+    let (ix, slots) = kvroute_index(w);
     let ix = RwLock::new(ix);
     mixed(
         w,
@@ -260,10 +255,10 @@ pub fn kvroute_mixed(w: &Workload) -> Mixed {
 
 // ---- kv-index (SGLang gateway) ------------------------------------------------------------
 
-pub fn kv_index(w: &Workload, passes: usize) -> Run {
-    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
-
-    let blocks: Vec<StoredBlock> = w
+/// The event blocks in kv-index's types: stored blocks and sequence hashes.
+fn kv_index_events(w: &Workload) -> (Vec<kv_index::StoredBlock>, Vec<kv_index::SequenceHash>) {
+    use kv_index::{ContentHash, SequenceHash, StoredBlock};
+    let blocks = w
         .ev_chain
         .iter()
         .zip(&w.ev_content)
@@ -272,20 +267,34 @@ pub fn kv_index(w: &Workload, passes: usize) -> Run {
             content_hash: ContentHash(c),
         })
         .collect();
-    let seqs: Vec<SequenceHash> = w.ev_chain.iter().map(|&h| SequenceHash(h)).collect();
+    let seqs = w.ev_chain.iter().map(|&h| SequenceHash(h)).collect();
+    (blocks, seqs)
+}
+
+/// A `ChainIndex` sized for the workers (one coverage word for up to 64, the peer's best
+/// case), and their interned ids.
+fn kv_index_new(w: &Workload) -> (kv_index::ChainIndex, Vec<u32>) {
+    let index = kv_index::ChainIndex::with_max_workers(w.workers as usize);
+    let ids = (0..w.workers)
+        .map(|i| {
+            index
+                .intern_worker(&format!("http://10.0.{}.{}:8000", i >> 8, i & 255))
+                .expect("worker id")
+        })
+        .collect();
+    (index, ids)
+}
+
+pub fn kv_index(w: &Workload, passes: usize) -> Run {
+    use kv_index::{ChainBlockMap, SequenceHash};
+
+    let (blocks, seqs) = kv_index_events(w);
     let mut errors = 0;
     let mut ingest_secs = 0.0;
     let mut ingest_cpu_secs = 0.0;
     let ((index, ids, maps), alloc_bytes, rss_bytes, rss_trimmed_bytes) = measured(|| {
         // Coverage is sized for the fleet at hand (one 64-bit word), the peer's best case.
-        let index = ChainIndex::with_max_workers(w.workers as usize);
-        let ids: Vec<u32> = (0..w.workers)
-            .map(|i| {
-                index
-                    .intern_worker(&format!("http://10.0.{}.{}:8000", i >> 8, i & 255))
-                    .expect("worker id")
-            })
-            .collect();
+        let (index, ids) = kv_index_new(w);
         let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
         let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
         for ev in &w.events {
@@ -356,26 +365,10 @@ pub fn kv_index(w: &Workload, passes: usize) -> Run {
 /// kv-index as the SGLang gateway runs it: a shared `ChainIndex` (no outer lock), the
 /// per-worker maps owned by the event thread.
 pub fn kv_index_mixed(w: &Workload) -> Mixed {
-    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+    use kv_index::{ChainBlockMap, SequenceHash};
 
-    let blocks: Vec<StoredBlock> = w
-        .ev_chain
-        .iter()
-        .zip(&w.ev_content)
-        .map(|(&h, &c)| StoredBlock {
-            seq_hash: SequenceHash(h),
-            content_hash: ContentHash(c),
-        })
-        .collect();
-    let seqs: Vec<SequenceHash> = w.ev_chain.iter().map(|&h| SequenceHash(h)).collect();
-    let index = ChainIndex::with_max_workers(w.workers as usize);
-    let ids: Vec<u32> = (0..w.workers)
-        .map(|i| {
-            index
-                .intern_worker(&format!("http://10.0.{}.{}:8000", i >> 8, i & 255))
-                .expect("worker id")
-        })
-        .collect();
+    let (blocks, seqs) = kv_index_events(w);
+    let (index, ids) = kv_index_new(w);
     let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
     mixed(
         w,
