@@ -738,20 +738,28 @@ mod tests {
     }
 
     fn pool(strategy: Strategy, failure_mode: FailureMode, n: u8) -> (Pool, Arc<ModelConfig>) {
+        let routing = RoutingConfig {
+            strategy,
+            failure_mode,
+            ..RoutingConfig::default()
+        };
+        pool_with(PoolSettings::default(), routing, n, None)
+    }
+
+    /// `n` precise endpoints `id(1..=n)` of model config `c`, with `capacity` blocks each.
+    fn pool_with(
+        settings: PoolSettings,
+        routing: RoutingConfig,
+        n: u8,
+        capacity: Option<u64>,
+    ) -> (Pool, Arc<ModelConfig>) {
         let mc = Arc::new(ModelConfig::new("c", "m"));
-        let pool = Pool::new(
-            PoolSettings::default(),
-            Router::new(RoutingConfig {
-                strategy,
-                failure_mode,
-                ..RoutingConfig::default()
-            }),
-        );
+        let pool = Pool::new(settings, Router::new(routing));
         let members = (1..=n)
             .map(|i| PoolMember {
                 endpoint: Endpoint::new(id(i), mc.clone()),
                 precise: true,
-                kv_capacity_blocks: None,
+                kv_capacity_blocks: capacity,
             })
             .collect();
         pool.apply_view(members, || {}).expect("view");
@@ -846,24 +854,13 @@ mod tests {
         let tokens: Vec<u32> = (0..8192).collect();
         let keys = BlockHasher::new(16).keys(ChainRoot::new("m", None, None), &tokens);
         let burst = |ttl_ms: u64| {
-            let mc = Arc::new(ModelConfig::new("c", "m"));
             let mut settings = PoolSettings::default();
             settings.budget.provisional_ttl_ms = ttl_ms;
-            let pool = Pool::new(
-                settings,
-                Router::new(RoutingConfig {
-                    strategy: Strategy::CostModel,
-                    ..RoutingConfig::default()
-                }),
-            );
-            let members = (1..=4)
-                .map(|i| PoolMember {
-                    endpoint: Endpoint::new(id(i), mc.clone()),
-                    precise: true,
-                    kv_capacity_blocks: Some(100_000),
-                })
-                .collect();
-            pool.apply_view(members, || {}).expect("view");
+            let routing = RoutingConfig {
+                strategy: Strategy::CostModel,
+                ..RoutingConfig::default()
+            };
+            let (pool, mc) = pool_with(settings, routing, 4, Some(100_000));
             pool.observe_scrape(0, (1..=4).map(|i| (id(i), load(0.0, 0))));
             let mut guards = Vec::new();
             let mut cold = 0;
@@ -923,22 +920,11 @@ mod tests {
         // 64 blocks, the last of which is computed again (one prompt token always is)
         const SERVABLE: u32 = 63;
         let keys = BlockHasher::new(16).keys(ChainRoot::new("m", None, None), &tokens);
-        let mc = Arc::new(ModelConfig::new("c", "m"));
-        let pool = Pool::new(
-            PoolSettings::default(),
-            Router::new(RoutingConfig {
-                strategy: Strategy::CostModel,
-                ..RoutingConfig::default()
-            }),
-        );
-        let members = (1..=2)
-            .map(|i| PoolMember {
-                endpoint: Endpoint::new(id(i), mc.clone()),
-                precise: true,
-                kv_capacity_blocks: Some(100_000),
-            })
-            .collect();
-        pool.apply_view(members, || {}).expect("view");
+        let routing = RoutingConfig {
+            strategy: Strategy::CostModel,
+            ..RoutingConfig::default()
+        };
+        let (pool, mc) = pool_with(PoolSettings::default(), routing, 2, Some(100_000));
         let batch = |events| EventBatch {
             ts: 0.0,
             events,

@@ -271,6 +271,41 @@ fn kv_index_events(w: &Workload) -> (Vec<kv_index::StoredBlock>, Vec<kv_index::S
     (blocks, seqs)
 }
 
+/// Apply the workload's events to a `ChainIndex` as the gateway's event thread does; returns
+/// the stores it refused.
+fn kv_index_replay(
+    w: &Workload,
+    index: &kv_index::ChainIndex,
+    ids: &[u32],
+    maps: &mut [kv_index::ChainBlockMap],
+    blocks: &[kv_index::StoredBlock],
+    seqs: &[kv_index::SequenceHash],
+) -> usize {
+    let mut errors = 0;
+    for ev in &w.events {
+        let (id, map) = (ids[ev.worker as usize], &mut maps[ev.worker as usize]);
+        match ev.kind {
+            EventKind::Stored { parent } => {
+                if index
+                    .apply_stored(
+                        id,
+                        &blocks[ev.start..ev.start + ev.len],
+                        parent.map(kv_index::SequenceHash),
+                        map,
+                    )
+                    .is_err()
+                {
+                    errors += 1;
+                }
+            }
+            EventKind::Removed => {
+                index.apply_removed(id, &seqs[ev.start..ev.start + ev.len], map);
+            }
+        }
+    }
+    errors
+}
+
 /// A `ChainIndex` sized for the workers (one coverage word for up to 64, the peer's best
 /// case), and their interned ids.
 fn kv_index_new(w: &Workload) -> (kv_index::ChainIndex, Vec<u32>) {
@@ -286,7 +321,7 @@ fn kv_index_new(w: &Workload) -> (kv_index::ChainIndex, Vec<u32>) {
 }
 
 pub fn kv_index(w: &Workload, passes: usize) -> Run {
-    use kv_index::{ChainBlockMap, SequenceHash};
+    use kv_index::ChainBlockMap;
 
     let (blocks, seqs) = kv_index_events(w);
     let mut errors = 0;
@@ -297,27 +332,7 @@ pub fn kv_index(w: &Workload, passes: usize) -> Run {
         let (index, ids) = kv_index_new(w);
         let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
         let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
-        for ev in &w.events {
-            let (id, map) = (ids[ev.worker as usize], &mut maps[ev.worker as usize]);
-            match ev.kind {
-                EventKind::Stored { parent } => {
-                    if index
-                        .apply_stored(
-                            id,
-                            &blocks[ev.start..ev.start + ev.len],
-                            parent.map(SequenceHash),
-                            map,
-                        )
-                        .is_err()
-                    {
-                        errors += 1;
-                    }
-                }
-                EventKind::Removed => {
-                    index.apply_removed(id, &seqs[ev.start..ev.start + ev.len], map);
-                }
-            }
-        }
+        errors += kv_index_replay(w, &index, &ids, &mut maps, &blocks, &seqs);
         ingest_secs = t.elapsed().as_secs_f64();
         ingest_cpu_secs = alloc::thread_cpu_secs() - c;
         (index, ids, maps)
@@ -365,38 +380,14 @@ pub fn kv_index(w: &Workload, passes: usize) -> Run {
 /// kv-index as the SGLang gateway runs it: a shared `ChainIndex` (no outer lock), the
 /// per-worker maps owned by the event thread.
 pub fn kv_index_mixed(w: &Workload) -> Mixed {
-    use kv_index::{ChainBlockMap, SequenceHash};
+    use kv_index::ChainBlockMap;
 
     let (blocks, seqs) = kv_index_events(w);
     let (index, ids) = kv_index_new(w);
     let mut maps: Vec<ChainBlockMap> = (0..w.workers).map(|_| ChainBlockMap::new()).collect();
     mixed(
         w,
-        || {
-            let mut errors = 0;
-            for ev in &w.events {
-                let (id, map) = (ids[ev.worker as usize], &mut maps[ev.worker as usize]);
-                match ev.kind {
-                    EventKind::Stored { parent } => {
-                        if index
-                            .apply_stored(
-                                id,
-                                &blocks[ev.start..ev.start + ev.len],
-                                parent.map(SequenceHash),
-                                map,
-                            )
-                            .is_err()
-                        {
-                            errors += 1;
-                        }
-                    }
-                    EventKind::Removed => {
-                        index.apply_removed(id, &seqs[ev.start..ev.start + ev.len], map);
-                    }
-                }
-            }
-            errors
-        },
+        || kv_index_replay(w, &index, &ids, &mut maps, &blocks, &seqs),
         |i| {
             let r = &w.requests[w.queries[i]];
             let mut n = 0;
