@@ -81,6 +81,30 @@ fn time_queries<T>(
 
 // ---- kvroute ------------------------------------------------------------------------------
 
+/// Apply one event to kvroute's index as the service does; returns the blocks it refused.
+fn kvroute_apply(
+    w: &Workload,
+    ix: &mut kvroute_routing::index::KvIndex,
+    slot: u32,
+    ev: &crate::workload::Event,
+    pairs: &[(u64, u64)],
+) -> usize {
+    use kvroute_routing::index::StoreOutcome;
+    match ev.kind {
+        EventKind::Stored { parent } => {
+            // The service resolves the parent's key to chain the new blocks' keys.
+            let orphan =
+                parent.is_some_and(|p| black_box(ix.key_for_engine_hash(slot, p)).is_none());
+            let refused = !matches!(
+                ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]),
+                Ok(StoreOutcome::Stored)
+            );
+            usize::from(orphan) + usize::from(refused)
+        }
+        EventKind::Removed => ev.len - ix.remove(slot, w.event_chain(ev)),
+    }
+}
+
 /// kvroute's index with one precise endpoint per worker, and their slots.
 fn kvroute_index(w: &Workload) -> (kvroute_routing::index::KvIndex, Vec<u32>) {
     use kvroute_routing::endpoint::EndpointId;
@@ -101,7 +125,7 @@ fn kvroute_index(w: &Workload) -> (kvroute_routing::index::KvIndex, Vec<u32>) {
 }
 
 pub fn kvroute(w: &Workload, passes: usize) -> Run {
-    use kvroute_routing::index::{PrefixMatch, StoreOutcome};
+    use kvroute_routing::index::PrefixMatch;
 
     // Engine hash and block key are the same u64 here (the chain hash).
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
@@ -112,25 +136,7 @@ pub fn kvroute(w: &Workload, passes: usize) -> Run {
         let (mut ix, slots) = kvroute_index(w);
         let (t, c) = (Instant::now(), alloc::thread_cpu_secs());
         for ev in &w.events {
-            let slot = slots[ev.worker as usize];
-            match ev.kind {
-                EventKind::Stored { parent } => {
-                    // The service resolves the parent's key to chain the new blocks' keys.
-                    if let Some(p) = parent
-                        && black_box(ix.key_for_engine_hash(slot, p)).is_none()
-                    {
-                        errors += 1;
-                    }
-                    match ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]) {
-                        Ok(StoreOutcome::Stored) => {}
-                        _ => errors += 1,
-                    }
-                }
-                EventKind::Removed => {
-                    let n = ix.remove(slot, w.event_chain(ev));
-                    errors += ev.len - n;
-                }
-            }
+            errors += kvroute_apply(w, &mut ix, slots[ev.worker as usize], ev, &pairs);
         }
         ingest_secs = t.elapsed().as_secs_f64();
         ingest_cpu_secs = alloc::thread_cpu_secs() - c;
@@ -211,7 +217,7 @@ fn mixed(w: &Workload, ingest: impl FnOnce() -> usize, query: impl Fn(usize) + S
 /// kvroute's index behind the service's lock (`parking_lot::RwLock`): a write lock per event,
 /// a read lock per query.
 pub fn kvroute_mixed(w: &Workload) -> Mixed {
-    use kvroute_routing::index::{PrefixMatch, StoreOutcome};
+    use kvroute_routing::index::PrefixMatch;
     use parking_lot::RwLock;
 
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
@@ -222,25 +228,9 @@ pub fn kvroute_mixed(w: &Workload) -> Mixed {
         || {
             let mut errors = 0;
             for ev in &w.events {
-                let slot = slots[ev.worker as usize];
-                let mut ix = ix.write();
-                match ev.kind {
-                    EventKind::Stored { parent } => {
-                        if let Some(p) = parent
-                            && black_box(ix.key_for_engine_hash(slot, p)).is_none()
-                        {
-                            errors += 1;
-                        }
-                        match ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]) {
-                            Ok(StoreOutcome::Stored) => {}
-                            _ => errors += 1,
-                        }
-                    }
-                    EventKind::Removed => {
-                        errors += ev.len - ix.remove(slot, w.event_chain(ev));
-                    }
-                }
-                parking_lot::RwLockWriteGuard::unlock_fair(ix);
+                let mut guard = ix.write();
+                errors += kvroute_apply(w, &mut guard, slots[ev.worker as usize], ev, &pairs);
+                parking_lot::RwLockWriteGuard::unlock_fair(guard);
             }
             errors
         },
