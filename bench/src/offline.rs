@@ -960,7 +960,7 @@ impl<'a> Sim<'a> {
             self.push(due_ms, Event::Deliver);
             return;
         }
-        self.apply(e, &batch);
+        self.apply(e, &batch, 0..self.pickers.len());
     }
 
     /// The delayed batches due by `t` arrive, in publication order.
@@ -971,21 +971,22 @@ impl<'a> Sim<'a> {
         self.delayed = later;
         for d in due {
             if self.engines[d.engine].generation == d.generation {
-                self.apply(d.engine, &d.batch);
+                self.apply(d.engine, &d.batch, 0..self.pickers.len());
             }
         }
     }
 
-    /// The picker ingests a batch of engine rank `e`, as the service does.
-    fn apply(&mut self, e: usize, batch: &EventBatch) {
+    /// The pickers `pickers` ingest a batch of engine rank `e`, as the service does.
+    fn apply(&self, e: usize, batch: &EventBatch, pickers: std::ops::Range<usize>) {
         let keys = IngestKeys {
             hasher: self.hasher,
             model: MODEL,
         };
         let id = self.engines[e].id;
-        for pool in &self.pickers {
+        for pool in &self.pickers[pickers] {
             let stats = pool.state().apply_batch(&id, keys, batch);
-            if stats.is_some_and(|s| s.needs_resync()) {
+            // (orphan stores are expected after a picker restart: they mark the view's gap)
+            if stats.is_some_and(|s| s.overflowed) {
                 tracing::warn!(endpoint = %id, ?stats, "offline index lost track of an engine");
             }
         }
@@ -1133,14 +1134,8 @@ impl<'a> Sim<'a> {
                 .filter(|(at, _)| *at >= t - replay_ms)
                 .map(|(_, b)| b.clone())
                 .collect();
-            let keys = IngestKeys {
-                hasher: self.hasher,
-                model: MODEL,
-            };
             for batch in &replay {
-                self.pickers[0]
-                    .state()
-                    .apply_batch(&self.engines[e].id, keys, batch);
+                self.apply(e, batch, 0..1);
             }
         }
         Ok(())

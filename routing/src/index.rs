@@ -777,7 +777,7 @@ const PRESIZE_BLOCKS: usize = 1 << 16;
 /// Keys the global table is presized for at most, whatever the endpoints' budgets (52 MB).
 const PRESIZE_KEYS: usize = 1 << 21;
 
-/// How many blocks ahead a batch loads table slots so that their cache misses overlap.
+/// Blocks a batch asks the table lines of at once, so that their cache misses overlap.
 const AHEAD: usize = 32;
 /// How many blocks ahead a store asks for the table lines it will read: enough to cover a
 /// memory round trip (8 and 16 measure alike, 4 is slower; `benches/index-compare`).
@@ -1153,7 +1153,7 @@ impl KvIndex {
             &kept
         };
         let mut n = 0;
-        // In batches: load the batch's table slots first, so that their cache misses overlap.
+        // In batches: ask for the batch's table lines first, so that their misses overlap.
         for batch in engine_hashes.chunks(AHEAD) {
             for &eh in batch {
                 entry.by_engine_hash.prefetch(eh);
@@ -1261,7 +1261,7 @@ impl KvIndex {
         };
         for batch in keys[held..].chunks(AHEAD) {
             if entry.by_engine_hash.len() > 0 {
-                // load the batch's table lines first, so that their misses overlap
+                // ask for the batch's table lines first, so that their misses overlap
                 for &key in batch {
                     chains.by_key.prefetch(key);
                 }

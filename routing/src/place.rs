@@ -947,37 +947,47 @@ mod tests {
             cache_salt: None,
             place: Default::default(),
         };
-        let credited = |endpoint: EndpointId, now: u64| {
+        // where the pool would place the request at `now`, every candidate explained
+        let placed = |now: u64| {
             let req = RouteRequest {
                 keys: &keys,
                 prompt_tokens: 1024,
                 explain: true,
                 ..request(&mc, None)
             };
-            let p = pool.place(&req, now).expect("placed");
-            let name = endpoint.to_string();
-            p.decision
+            pool.place(&req, now).expect("placed")
+        };
+        // per candidate: (endpoint, matched blocks, provisional blocks, gap), as /v1/pick shows
+        let candidates = |now: u64| -> Vec<(String, u32, u32, bool)> {
+            placed(now)
+                .decision
                 .candidates
                 .iter()
-                .find(|c| c.endpoint == name)
-                .map_or(0, |c| c.features.matched_blocks)
+                .map(|c| {
+                    let f = &c.features;
+                    (
+                        c.endpoint.clone(),
+                        f.matched_blocks,
+                        f.provisional_blocks,
+                        f.index_gap,
+                    )
+                })
+                .collect()
         };
-        // endpoint 1 without a gap: the routing record lasts the provisional TTL
+        let credited = |endpoint: EndpointId, now: u64| {
+            let name = endpoint.to_string();
+            candidates(now)
+                .into_iter()
+                .find(|c| c.0 == name)
+                .map_or(0, |c| c.1)
+        };
+        // the request recorded as sent to `endpoint`, wherever the policy would put it
         let route = |endpoint: EndpointId, now: u64| {
-            let p = pool
-                .place(
-                    &RouteRequest {
-                        keys: &keys,
-                        prompt_tokens: 1024,
-                        ..request(&mc, None)
-                    },
-                    now,
-                )
-                .expect("placed");
-            let mut p = p;
+            let mut p = placed(now);
             p.decision.endpoint = endpoint;
             pool.record(&p, &keys, now);
         };
+        // endpoint 1 without a gap: the routing record lasts the provisional TTL
         route(id(1), 0);
         assert_eq!(
             credited(id(1), 1_000),
@@ -1006,34 +1016,11 @@ mod tests {
         );
         route(id(2), 10_000);
         assert_eq!(credited(id(2), 11_000), SERVABLE);
-        let explained = pool
-            .place(
-                &RouteRequest {
-                    keys: &keys,
-                    prompt_tokens: 1024,
-                    explain: true,
-                    ..request(&mc, None)
-                },
-                11_000,
-            )
-            .expect("placed");
-        let gaps: Vec<(String, bool, u32)> = explained
-            .decision
-            .candidates
-            .iter()
-            .map(|c| {
-                (
-                    c.endpoint.clone(),
-                    c.features.index_gap,
-                    c.features.provisional_blocks,
-                )
-            })
-            .collect();
         assert_eq!(
-            gaps,
+            candidates(11_000),
             vec![
-                (id(1).to_string(), false, 0),
-                (id(2).to_string(), true, SERVABLE)
+                (id(1).to_string(), 0, 0, false),
+                (id(2).to_string(), SERVABLE, SERVABLE, true)
             ],
             "/v1/pick marks the credit that rests on the routing record"
         );
