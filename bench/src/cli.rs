@@ -391,18 +391,19 @@ pub struct ReplayArgs {
     /// Two tenants, the heavy one with ten sessions for each of the light one's.
     #[arg(long)]
     pub two_tenants: bool,
-    /// Offline: events on a timeline, `KIND@SECONDS[:KEY=VALUE,...]` separated by `;`
+    /// Events on a timeline, `KIND@SECONDS[:KEY=VALUE,...]` separated by `;`
     /// (scale-out@T:n=N, replace@T:engine=E,after=S, restart@T:engine=E,down=S,
     /// stale-metrics@T:for=S, event-delay@T:ms=M,for=S, event-loss@T:fraction=F,for=S,
     /// picker-restart@T:replay=S); the report adds figures per phase and each event's
-    /// recovery time.
+    /// recovery time. Live mode plays restart, event-loss and picker-restart (without replay).
     #[arg(long)]
     pub scenario: Option<String>,
-    /// Offline: the `--scenario` timeline from a file, one item per line (`#` comments).
+    /// The `--scenario` timeline from a file, one item per line (`#` comments).
     #[arg(long, conflicts_with = "scenario")]
     pub scenario_file: Option<PathBuf>,
-    /// Offline: this many pickers side by side, requests spread over them in turn, each fed
-    /// every engine's events and scrapes (a `picker-restart` item restarts the first).
+    /// This many pickers side by side, requests spread over them in turn, each fed every
+    /// engine's events and scrapes (a `picker-restart` item restarts the first); live: each
+    /// its own process.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pickers: u16,
     /// `routing.disaggregation.mode` with `--prefill-engines`: `Off`, `Auto` (the decider) or
@@ -672,18 +673,18 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         .map_err(anyhow::Error::msg)?,
         (None, None) => Scenario::default(),
     };
-    anyhow::ensure!(
-        scenario.is_empty() || a.mode == Mode::Offline,
-        "--scenario is offline only for now (live mode does not yet kill, restart or delay \
-         anything)"
-    );
     scenario
         .validate(cluster.engines)
         .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?;
+    if a.mode == Mode::Live {
+        let sim_engines = matches!(a.vllm.backend, BackendArg::Sim);
+        super::live::events::check(&scenario, a.router.is_none(), sim_engines)
+            .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?;
+    }
     anyhow::ensure!(
-        a.pickers == 1 || (a.mode == Mode::Offline && !a.flow_control),
-        "--pickers is offline only, without --flow-control (each picker would have a queue of \
-         its own)"
+        a.pickers == 1 || (a.router.is_none() && !a.flow_control),
+        "--pickers starts that many pickers of ours: not with --router, nor with \
+         --flow-control (each picker would have a queue of its own)"
     );
     Ok(BenchOptions {
         scenario,
@@ -898,21 +899,12 @@ pub async fn run_policies_jobs(
                 let cluster = match &real {
                     Some(r) => {
                         r.reset(&http).await?;
-                        let picker = live::start_picker(exe, opts, &p, &r.info, &http).await?;
-                        live::Cluster::with_picker(r.info.clone(), picker)
+                        live::Cluster::with_pickers(exe, opts, &p, r.info.clone(), &http).await?
                     }
                     None => live::start_cluster(exe, opts, &p, &http).await?,
                 };
                 pb.set_message("");
-                let target = Target {
-                    router: format!(
-                        "http://{}",
-                        cluster.picker.context("the picker has no HTTP address")?
-                    ),
-                    name: name.clone(),
-                    picker_metrics: cluster.picker_metrics,
-                    engines: cluster.engines.engines.clone(),
-                };
+                let target = cluster.target(name.clone());
                 let pbc = pb.clone();
                 let r = live::replay(workload, &target, opts, &http, &move |done, _, errors| {
                     pbc.set_position(done as u64);
@@ -1036,6 +1028,7 @@ async fn replay(a: ReplayArgs, command: String) -> anyhow::Result<()> {
             };
             let target = Target {
                 router: router.clone(),
+                pickers: None,
                 name: a.router_name.clone(),
                 picker_metrics,
                 engines,

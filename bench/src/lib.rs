@@ -124,12 +124,13 @@ pub struct BenchOptions {
     /// Two tenants (fairness flows), the heavy one sending ten sessions for each of
     /// the light one's.
     pub two_tenants: bool,
-    /// Offline: what happens to the cluster and the picker during the run
-    /// ([`scenario::Scenario`]); the report then gives figures per phase.
+    /// What happens to the cluster and the picker during the run ([`scenario::Scenario`]);
+    /// the report then gives figures per phase. Live mode plays some kinds
+    /// ([`live::events`]).
     pub scenario: scenario::Scenario,
-    /// Offline: pickers side by side, each routing every `pickers`-th request (by request
-    /// id, as a client spreading requests over replicas), all fed every engine's events and
-    /// scrapes.
+    /// Pickers side by side, each routing every `pickers`-th request (by request id, as a
+    /// client spreading requests over replicas), all fed every engine's events and scrapes
+    /// (live: each its own process).
     pub pickers: usize,
 }
 

@@ -271,6 +271,11 @@ pub struct Recovery {
     /// first [`WINDOW_MS`] window whose p90 is within [`RECOVERED`] of the steady p90;
     /// `None` when none is before the end of the run.
     pub recovered_after_s: Option<f64>,
+    /// Hit rate of the requests answered in the [`STEADY_MS`] before the event.
+    pub steady_hit_rate: f64,
+    /// Seconds from the event (or its end) to the end of the first [`WINDOW_MS`] window
+    /// whose hit rate is at least [`RECOVERED_HIT`] of the steady one; `None` when none is.
+    pub hit_recovered_after_s: Option<f64>,
 }
 
 /// The steady state an event is measured against: the requests released this long before it.
@@ -279,6 +284,8 @@ pub const STEADY_MS: f64 = 60_000.0;
 pub const WINDOW_MS: f64 = 10_000.0;
 /// Back to steady: a window's p90 at most this multiple of the steady p90.
 pub const RECOVERED: f64 = 1.2;
+/// Back to steady: a window's hit rate at least this fraction of the steady hit rate.
+pub const RECOVERED_HIT: f64 = 0.9;
 
 fn figures(label: String, from_ms: f64, to_ms: f64, rs: &[&RequestRecord], slo: Slo) -> Phase {
     let ok: Vec<&&RequestRecord> = rs.iter().filter(|r| r.error.is_none()).collect();
@@ -367,6 +374,13 @@ pub fn recoveries(scenario: &Scenario, records: &[RequestRecord]) -> Vec<Recover
                 .collect(),
         )
     };
+    let hit_between = |from: f64, to: f64| {
+        stats::cached_fraction(
+            records
+                .iter()
+                .filter(|r| r.release_ms >= from && r.release_ms < to && r.error.is_none()),
+        )
+    };
     let end = records.iter().map(|r| r.release_ms).fold(0.0, f64::max);
     scenario
         .events
@@ -376,17 +390,28 @@ pub fn recoveries(scenario: &Scenario, records: &[RequestRecord]) -> Vec<Recover
             // were released before it too)
             let steady = ttft_between((e.at_ms - STEADY_MS).max(0.0), e.at_ms, false);
             let steady_p90 = stats::percentile(&steady, 90.0);
+            let steady_hit = hit_between((e.at_ms - STEADY_MS).max(0.0), e.at_ms);
             let from = e.at_ms + e.action.span_ms();
             let mut start = from;
             let mut recovered_after_s = None;
-            while start + WINDOW_MS <= end {
+            let mut hit_recovered_after_s = None;
+            while start + WINDOW_MS <= end
+                && (recovered_after_s.is_none() || hit_recovered_after_s.is_none())
+            {
+                let after_s = (start + WINDOW_MS - from) / 1000.0;
                 let w = ttft_between(start, start + WINDOW_MS, true);
-                if !w.is_empty()
+                if recovered_after_s.is_none()
+                    && !w.is_empty()
                     && steady_p90.is_finite()
                     && stats::percentile(&w, 90.0) <= RECOVERED * steady_p90
                 {
-                    recovered_after_s = Some((start + WINDOW_MS - from) / 1000.0);
-                    break;
+                    recovered_after_s = Some(after_s);
+                }
+                if hit_recovered_after_s.is_none()
+                    && !w.is_empty()
+                    && hit_between(start, start + WINDOW_MS) >= RECOVERED_HIT * steady_hit
+                {
+                    hit_recovered_after_s = Some(after_s);
                 }
                 start += WINDOW_MS / 10.0;
             }
@@ -394,6 +419,8 @@ pub fn recoveries(scenario: &Scenario, records: &[RequestRecord]) -> Vec<Recover
                 event: e.text.clone(),
                 steady_p90_ms: steady_p90,
                 recovered_after_s,
+                steady_hit_rate: steady_hit,
+                hit_recovered_after_s,
             }
         })
         .collect()
@@ -428,15 +455,18 @@ pub fn text(policy: &str, phases: &[Phase], recoveries: &[Recovery]) -> String {
         );
     }
     for r in recoveries {
+        let back = |after: Option<f64>, within: String| match after {
+            Some(s) => format!("back within {within} of it {s:.0} s on"),
+            None => "not back before the end of the run".into(),
+        };
         let _ = writeln!(
             out,
-            "  after {}: steady p90 {:.0} ms; {}",
+            "  after {}: steady p90 {:.0} ms; {}; steady hit rate {:.1}%; {}",
             r.event,
             r.steady_p90_ms,
-            match r.recovered_after_s {
-                Some(s) => format!("back within {RECOVERED}x of it {s:.0} s on"),
-                None => "not back before the end of the run".into(),
-            }
+            back(r.recovered_after_s, format!("{RECOVERED}x")),
+            r.steady_hit_rate * 100.0,
+            back(r.hit_recovered_after_s, format!("{RECOVERED_HIT}x")),
         );
     }
     out
@@ -578,7 +608,14 @@ mod tests {
         // the first window whose p90 is back: [149 s, 159 s), one slow request of ten (the
         // nearest-rank p90 of ten is the ninth), ending 39 s after the restart's end
         assert_eq!(r[0].recovered_after_s, Some(39.0));
+        // every answered request had half its prompt cached: the hit rate is back at once
+        assert!((r[0].steady_hit_rate - 0.5).abs() < 1e-9);
+        assert_eq!(r[0].hit_recovered_after_s, Some(10.0));
         let text = text("cost-model", &ph, &r);
         assert!(text.contains("back within 1.2x of it 39 s on"), "{text}");
+        assert!(
+            text.contains("steady hit rate 50.0%; back within 0.9x of it 10 s on"),
+            "{text}"
+        );
     }
 }

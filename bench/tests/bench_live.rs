@@ -104,6 +104,7 @@ async fn direct_replay_spreads_requests_over_the_engines_without_a_router() {
         .expect("engines start");
     let target = live::Target {
         router: live::DIRECT.into(),
+        pickers: None,
         name: "direct".into(),
         picker_metrics: None,
         engines: engines.engines.clone(),
@@ -164,4 +165,97 @@ async fn live_replay_reports_bands_and_tenants_through_flow_control() {
         ),
         "{classes:?}"
     );
+}
+
+/// A live timeline: two pickers, the first killed and started again with an empty state (no
+/// replay), then an engine closed and back empty. The run goes on through both, every item
+/// is played (a fault the engines refuse or a picker that does not come back fails the run),
+/// and the report cuts the run at the items.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_timeline_restarts_a_picker_and_an_engine_and_reports_each_phase() {
+    let w = small_workload();
+    let scenario =
+        kvroute_bench::scenario::Scenario::parse("picker-restart@1; restart@2:engine=1,down=1")
+            .unwrap();
+    let opts = BenchOptions {
+        cluster: small_cluster(),
+        max_requests: Some(60),
+        pickers: 2,
+        scenario,
+        ..BenchOptions::default()
+    };
+    let runs = live_cost_model(&w, &opts).await;
+    let d = &runs[0].detail;
+    let labels: Vec<&str> = d.phases.iter().map(|p| p.label.as_str()).collect();
+    assert_eq!(
+        labels,
+        vec![
+            "start",
+            "picker-restart@1",
+            "restart@2:engine=1,down=1",
+            "end of restart"
+        ],
+        "{:?}",
+        d.phases
+    );
+    let released: usize = d.phases.iter().map(|p| p.requests).sum();
+    let released = released as u64;
+    assert_eq!(released, runs[0].summary.requests);
+    // after the restarts the cluster serves again, from caches the new picker learns anew
+    let last = d.phases.last().unwrap();
+    assert!(last.requests > last.errors, "{last:?}");
+    assert!(last.hit_rate > 0.0, "{last:?}");
+    assert_eq!(d.recoveries.len(), 2);
+    assert!(
+        runs[0].summary.errors * 2 < runs[0].summary.requests,
+        "only what was in flight fails: {:?}",
+        d.error_samples
+    );
+}
+
+/// A picker restart kills the process and starts another: a new address, metrics from zero,
+/// and it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_picker_is_a_new_process_that_serves() {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-bench"));
+    let cluster = small_cluster();
+    let opts = BenchOptions {
+        cluster: cluster.clone(),
+        ..BenchOptions::default()
+    };
+    let (guard, engines) = live::start_engines(exe, &cluster, 3, "restart")
+        .await
+        .expect("engines start");
+    let http = live::http_client().unwrap();
+    let pickers = live::pickers::LivePickers::start(
+        exe.to_path_buf(),
+        &opts,
+        Strategy::CostModel.into(),
+        engines,
+        &http,
+        1,
+    )
+    .await
+    .expect("picker starts");
+    let before = pickers.url(0).await.expect("up");
+    assert_eq!(pickers.metrics(0).await.map(|m| m.1), Some(false));
+    pickers.restart(0, false).await.expect("restarts");
+    let after = pickers.url(0).await.expect("up again");
+    assert_ne!(before, after, "a new process on a new port");
+    assert_eq!(pickers.metrics(0).await.map(|m| m.1), Some(true));
+    let old = http
+        .get(format!("{before}/v1/models"))
+        .send()
+        .await
+        .map(|r| r.status());
+    assert!(old.is_err(), "the old picker is gone: {old:?}");
+    let resp = http
+        .post(format!("{after}/v1/completions"))
+        .json(&serde_json::json!({"model": kvroute_bench::MODEL, "prompt": [1, 2, 3], "max_tokens": 2}))
+        .send()
+        .await
+        .expect("the new picker answers");
+    assert!(resp.status().is_success(), "{}", resp.status());
+    pickers.stop().await;
+    guard.stop().await;
 }

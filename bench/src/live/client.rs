@@ -72,7 +72,7 @@ pub struct Send<'a> {
     pub timeout: Duration,
 }
 
-fn failed(s: &Send<'_>, clock: &SimClock, error: String) -> RequestRecord {
+pub fn failed(s: &Send<'_>, clock: &SimClock, error: String) -> RequestRecord {
     RequestRecord {
         release_ms: s.release_ms,
         prompt_tokens: s.prompt_tokens,

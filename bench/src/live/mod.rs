@@ -13,6 +13,8 @@
 
 pub mod chat;
 pub mod client;
+pub mod events;
+pub mod pickers;
 pub mod procs;
 pub mod prom;
 pub mod vllm;
@@ -43,6 +45,7 @@ use super::workload::Workload;
 use super::workload::tokens::prompt_tokens;
 use super::{BenchOptions, ClusterConfig, MODEL, PolicyRun, PolicySpec};
 use client::SimClock;
+use pickers::LivePickers;
 use procs::ChildGuard;
 
 /// Requests in flight from the runner at most (beyond, releases wait).
@@ -225,15 +228,18 @@ pub fn picker_config(
 }
 
 /// Where to send requests and what to scrape.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Target {
     /// Base URL of the router (`http://127.0.0.1:8080`), or [`DIRECT`]: no router, each
     /// request goes straight to one of `engines`, round robin by request id (the baseline
-    /// for the latency a router adds).
+    /// for the latency a router adds). Ignored when `pickers` is set.
     pub router: String,
+    /// Our own pickers: requests go to them in turn, and a scenario can restart them.
+    pub pickers: Option<Arc<LivePickers>>,
     /// Name in the report.
     pub name: String,
-    /// The picker's metrics address, for its decision latency.
+    /// The picker's metrics address, for its decision latency (with `pickers`: the last
+    /// picker's).
     pub picker_metrics: Option<SocketAddr>,
     /// The engines behind it, for their counters (may be empty).
     pub engines: Vec<EngineAddrs>,
@@ -242,23 +248,48 @@ pub struct Target {
 /// A running cluster of child processes for one policy.
 pub struct Cluster {
     pub engines: EnginesInfo,
-    pub picker: Option<SocketAddr>,
-    pub picker_metrics: Option<SocketAddr>,
+    pub pickers: Arc<LivePickers>,
     guards: Vec<ChildGuard>,
 }
 
 impl Cluster {
-    /// Engines that run elsewhere (real ones) and only a picker of ours.
-    pub fn with_picker(engines: EnginesInfo, picker: Picker) -> Self {
-        Self {
+    /// Engines that run elsewhere (real ones) and `opts.pickers` pickers of ours.
+    pub async fn with_pickers(
+        exe: &Path,
+        opts: &BenchOptions,
+        policy: &PolicySpec,
+        engines: EnginesInfo,
+        http: &reqwest::Client,
+    ) -> anyhow::Result<Self> {
+        let pickers = LivePickers::start(
+            exe.to_path_buf(),
+            opts,
+            *policy,
+            engines.clone(),
+            http,
+            opts.pickers,
+        )
+        .await?;
+        Ok(Self {
             engines,
-            picker: Some(picker.http),
-            picker_metrics: Some(picker.metrics),
-            guards: vec![picker.guard],
+            pickers: Arc::new(pickers),
+            guards: Vec::new(),
+        })
+    }
+
+    /// Where the replay sends requests: through these pickers.
+    pub fn target(&self, name: String) -> Target {
+        Target {
+            router: String::new(),
+            pickers: Some(self.pickers.clone()),
+            name,
+            picker_metrics: None,
+            engines: self.engines.engines.clone(),
         }
     }
 
     pub async fn stop(self) {
+        self.pickers.stop().await;
         for g in self.guards {
             g.stop().await;
         }
@@ -304,7 +335,7 @@ pub async fn start_engines(
     Err(last_err.unwrap_or_else(|| anyhow::anyhow!("engines did not start")))
 }
 
-/// Start engines and a picker running `policy`, and wait until the picker is ready.
+/// Start engines and `opts.pickers` pickers running `policy`, and wait until they are ready.
 pub async fn start_cluster(
     exe: &Path,
     opts: &BenchOptions,
@@ -313,13 +344,9 @@ pub async fn start_cluster(
 ) -> anyhow::Result<Cluster> {
     let tag = policy.name().replace(':', "-");
     let (eng_guard, engines) = start_engines(exe, &opts.cluster, opts.seed, &tag).await?;
-    let picker = start_picker(exe, opts, policy, &engines, http).await?;
-    Ok(Cluster {
-        engines,
-        picker: Some(picker.http),
-        picker_metrics: Some(picker.metrics),
-        guards: vec![picker.guard, eng_guard],
-    })
+    let mut cluster = Cluster::with_pickers(exe, opts, policy, engines, http).await?;
+    cluster.guards.push(eng_guard);
+    Ok(cluster)
 }
 
 /// A picker child process.
@@ -330,14 +357,16 @@ pub struct Picker {
 }
 
 /// Start a picker running `policy` in front of `engines`, and wait until it is ready.
-pub async fn start_picker(
+/// `suffix` tells its config and log apart from the other pickers'.
+pub async fn start_picker_with(
     exe: &Path,
     opts: &BenchOptions,
     policy: &PolicySpec,
     engines: &EnginesInfo,
     http: &reqwest::Client,
+    suffix: &str,
 ) -> anyhow::Result<Picker> {
-    let tag = policy.name().replace(':', "-");
+    let tag = format!("{}-{suffix}", policy.name().replace(':', "-"));
     let routing = policy.routing(&opts.routing);
     // chat mode: the picker tokenizes conversations as the engines do
     let tokenizer = opts.chat_tokenizer.as_ref().map(|dir| TokenizerSpec {
@@ -456,7 +485,9 @@ pub async fn replay(
     } else {
         "v1/completions"
     };
-    let urls: Vec<Arc<str>> = if target.router == DIRECT {
+    let urls: Vec<Arc<str>> = if target.pickers.is_some() {
+        Vec::new()
+    } else if target.router == DIRECT {
         anyhow::ensure!(
             !target.engines.is_empty(),
             "--router direct needs the engines (--engines-json)"
@@ -473,7 +504,18 @@ pub async fn replay(
         ))]
     };
     let before = engine_counters(http, &target.engines).await;
-    let picker_before = match target.picker_metrics {
+    // with our pickers: the last one's (a scenario restarts the first)
+    let metrics_of = |pickers: Option<Arc<LivePickers>>| async move {
+        match pickers {
+            Some(p) => p.metrics(p.len().saturating_sub(1)).await,
+            None => None,
+        }
+    };
+    let picker_metrics = match metrics_of(target.pickers.clone()).await {
+        Some((m, _)) => Some(m),
+        None => target.picker_metrics,
+    };
+    let picker_before = match picker_metrics {
         Some(m) => fetch(http, &format!("http://{m}/metrics")).await,
         None => None,
     };
@@ -486,6 +528,15 @@ pub async fn replay(
         start: Instant::now(),
         speedup,
     };
+    let scenario = (!opts.scenario.is_empty()).then(|| {
+        tokio::spawn(events::play(
+            opts.scenario.clone(),
+            target.engines.clone(),
+            target.pickers.clone(),
+            clock,
+            http.clone(),
+        ))
+    });
     // per-engine load samples for the report
     let sampler_stop = tokio_util::sync::CancellationToken::new();
     let sampler = {
@@ -546,7 +597,9 @@ pub async fn replay(
                 .context("client slots closed")?;
             let tx = tx.clone();
             let http = http.clone();
-            let url = urls[(issue.id % urls.len() as u64) as usize].clone();
+            let fixed_url =
+                (!urls.is_empty()).then(|| urls[(issue.id % urls.len() as u64) as usize].clone());
+            let pickers = target.pickers.clone();
             let class = classes::of(opts, issue.session);
             let class_headers = classes::headers(opts, class);
             let session_header = session_header.clone();
@@ -570,21 +623,34 @@ pub async fn replay(
                     Some(m) => client::Input::Messages(m),
                     None => client::Input::Prompt(&prompt),
                 };
-                let (rec, reply) = client::send(
-                    &http,
-                    client::Send {
-                        url: &url,
-                        model: MODEL,
-                        input,
-                        prompt_tokens: prompt.len() as u32,
-                        max_tokens: issue.output_len,
-                        headers,
-                        release_ms: issue.release_ms,
-                        timeout: REQUEST_TIMEOUT,
-                    },
-                    clock,
-                )
-                .await;
+                // our pickers: the one whose turn it is, waiting while it restarts
+                let url = match (fixed_url, &pickers) {
+                    (Some(u), _) => Some(u),
+                    (None, Some(p)) => p
+                        .url((issue.id % p.len().max(1) as u64) as usize)
+                        .await
+                        .map(|base| Arc::from(format!("{base}/{api}"))),
+                    (None, None) => None,
+                };
+                let send = client::Send {
+                    url: url.as_deref().unwrap_or(""),
+                    model: MODEL,
+                    input,
+                    prompt_tokens: prompt.len() as u32,
+                    max_tokens: issue.output_len,
+                    headers,
+                    release_ms: issue.release_ms,
+                    timeout: REQUEST_TIMEOUT,
+                };
+                let (rec, reply) = if url.is_some() {
+                    client::send(&http, send, clock).await
+                } else {
+                    let error = format!(
+                        "no picker to send to within {} s",
+                        pickers::WAIT_FOR_PICKER.as_secs()
+                    );
+                    (client::failed(&send, &clock, error), None)
+                };
                 if let Some(c) = &chats {
                     c.lock().reply(issue.session, reply);
                 }
@@ -624,6 +690,19 @@ pub async fn replay(
     }
     progress(records.len(), total, errors);
     sampler_stop.cancel();
+    if let Some(task) = scenario {
+        if task.is_finished() {
+            let failures = task.await.context("the scenario's task")?;
+            anyhow::ensure!(
+                failures.is_empty(),
+                "scenario items failed, so the figures would not show them: {}",
+                failures.join("; ")
+            );
+        } else {
+            task.abort();
+            tracing::warn!("the run ended before the scenario's last item");
+        }
+    }
     let series = sampler.await.unwrap_or_default();
 
     // the engines' own accounting
@@ -660,7 +739,17 @@ pub async fn replay(
     } else {
         0.0
     };
-    let picker_after = match target.picker_metrics {
+    let (picker_metrics, picker_restarted) = match metrics_of(target.pickers.clone()).await {
+        Some((m, restarted)) => (Some(m), restarted),
+        None => (target.picker_metrics, false),
+    };
+    // a restarted picker's histograms start from zero
+    let (picker_before, hist_before) = if picker_restarted {
+        (None, Default::default())
+    } else {
+        (picker_before, hist_before)
+    };
+    let picker_after = match picker_metrics {
         Some(m) => fetch(http, &format!("http://{m}/metrics")).await,
         None => None,
     };
@@ -702,8 +791,12 @@ pub async fn replay(
             admission: None,
             lora: None,
             classes,
-            phases: Vec::new(),
-            recoveries: Vec::new(),
+            phases: if opts.scenario.is_empty() {
+                Vec::new()
+            } else {
+                crate::scenario::phases(&opts.scenario, &records, opts.slo)
+            },
+            recoveries: crate::scenario::recoveries(&opts.scenario, &records),
         },
     })
 }

@@ -1,0 +1,149 @@
+//! The pickers of a live run (`--pickers N`), each its own process subscribed to every
+//! engine, and what starts one again when a scenario's `picker-restart` kills it.
+//!
+//! The client spreads requests over the pickers by request id, as a load balancer in front
+//! of picker replicas would. While a picker is down its requests wait for it (a gateway
+//! retrying a refused connection) for at most [`WAIT_FOR_PICKER`]; the requests it held when
+//! it was killed fail.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::{EnginesInfo, Picker, start_picker_with};
+use crate::{BenchOptions, PolicySpec};
+
+/// Longest a request waits for a restarting picker before it counts as failed.
+pub const WAIT_FOR_PICKER: Duration = Duration::from_secs(60);
+
+/// What starts a picker: the same configuration every time.
+struct Spawner {
+    exe: PathBuf,
+    opts: BenchOptions,
+    policy: PolicySpec,
+    engines: EnginesInfo,
+    http: reqwest::Client,
+}
+
+/// See the module documentation.
+pub struct LivePickers {
+    spawner: Spawner,
+    /// Each picker's base URL (`http://host:port`); `None` while it restarts.
+    urls: Vec<watch::Sender<Option<Arc<str>>>>,
+    running: tokio::sync::Mutex<Vec<Option<Picker>>>,
+    /// Picker `i` was restarted (its metrics start from zero again).
+    restarted: Vec<AtomicBool>,
+}
+
+impl LivePickers {
+    /// Start `n` pickers running `policy` in front of `engines`, each ready before it returns.
+    pub async fn start(
+        exe: PathBuf,
+        opts: &BenchOptions,
+        policy: PolicySpec,
+        engines: EnginesInfo,
+        http: &reqwest::Client,
+        n: usize,
+    ) -> anyhow::Result<Self> {
+        let spawner = Spawner {
+            exe,
+            opts: opts.clone(),
+            policy,
+            engines,
+            http: http.clone(),
+        };
+        let mut running = Vec::new();
+        let mut urls = Vec::new();
+        for i in 0..n.max(1) {
+            let p = spawner.start(i, true).await?;
+            urls.push(watch::Sender::new(Some(Arc::from(format!(
+                "http://{}",
+                p.http
+            )))));
+            running.push(Some(p));
+        }
+        Ok(Self {
+            restarted: (0..running.len()).map(|_| AtomicBool::new(false)).collect(),
+            spawner,
+            urls,
+            running: tokio::sync::Mutex::new(running),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.urls.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.urls.is_empty()
+    }
+
+    /// The base URL of picker `i`, waiting while it restarts (`None` after
+    /// [`WAIT_FOR_PICKER`]).
+    pub async fn url(&self, i: usize) -> Option<Arc<str>> {
+        let mut rx = self.urls.get(i)?.subscribe();
+        let got = tokio::time::timeout(WAIT_FOR_PICKER, rx.wait_for(Option::is_some)).await;
+        match got {
+            Ok(Ok(u)) => u.clone(),
+            _ => None,
+        }
+    }
+
+    /// Picker `i`'s metrics address, and whether it restarted during the run.
+    pub async fn metrics(&self, i: usize) -> Option<(SocketAddr, bool)> {
+        let running = self.running.lock().await;
+        let p = running.get(i)?.as_ref()?;
+        Some((p.metrics, self.restarted[i].load(Ordering::Relaxed)))
+    }
+
+    /// Kill picker `i` (the requests it holds fail) and start it again with an empty state.
+    /// `replay`: the new picker asks the engines for their buffered events; without it the
+    /// replay window has passed.
+    pub async fn restart(&self, i: usize, replay: bool) -> anyhow::Result<()> {
+        let mut running = self.running.lock().await;
+        let slot = running
+            .get_mut(i)
+            .ok_or_else(|| anyhow::anyhow!("there is no picker {i}"))?;
+        self.urls[i].send_replace(None);
+        if let Some(old) = slot.take() {
+            old.guard.stop().await;
+        }
+        self.restarted[i].store(true, Ordering::Relaxed);
+        let p = self.spawner.start(i, replay).await?;
+        self.urls[i].send_replace(Some(Arc::from(format!("http://{}", p.http))));
+        *slot = Some(p);
+        Ok(())
+    }
+
+    /// Stop every picker.
+    pub async fn stop(&self) {
+        let mut running = self.running.lock().await;
+        for p in running.iter_mut().filter_map(Option::take) {
+            p.guard.stop().await;
+        }
+    }
+}
+
+impl Spawner {
+    async fn start(&self, i: usize, replay: bool) -> anyhow::Result<Picker> {
+        let mut engines = self.engines.clone();
+        if !replay {
+            for e in &mut engines.engines {
+                e.replay.clear();
+            }
+        }
+        start_picker_with(
+            &self.exe,
+            &self.opts,
+            &self.policy,
+            &engines,
+            &self.http,
+            &format!("{i}"),
+        )
+        .await
+    }
+}
