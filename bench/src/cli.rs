@@ -351,6 +351,10 @@ pub struct ReplayArgs {
     /// Router load-view refresh: simulated ms offline, the picker's scrape interval live.
     #[arg(long, default_value_t = 100.0)]
     pub scrape_ms: f64,
+    /// With --pickers: how often each picker publishes its in-flight counts to the others
+    /// (simulated ms offline, wall ms live); 0: they do not.
+    #[arg(long, default_value_t = kvroute_picker::inflight::DEFAULT_PEER_INTERVAL_MS)]
+    pub peer_sync_ms: f64,
     /// Send each request's session id in the session header (sticky sessions).
     #[arg(long)]
     pub session_header: bool,
@@ -660,6 +664,11 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         "--scrape-ms must be positive"
     );
     anyhow::ensure!(
+        a.peer_sync_ms >= 0.0 && a.peer_sync_ms.is_finite(),
+        "--peer-sync-ms must be a non-negative number of ms, got {}",
+        a.peer_sync_ms
+    );
+    anyhow::ensure!(
         !a.chat || (a.mode == Mode::Live && matches!(a.vllm.backend, BackendArg::Vllm)),
         "--chat needs --mode live --backend vllm (the simulator's chat tokenization is not the \
          model's)"
@@ -732,6 +741,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             r
         },
         scrape_ms: a.scrape_ms,
+        peer_sync_ms: a.peer_sync_ms,
         slo: Slo {
             ttft_ms: a.slo_ttft_ms,
             tpot_ms: a.slo_tpot_ms,

@@ -85,6 +85,9 @@ pub struct BenchOptions {
     /// How often engine metrics are sampled into the router's load view (ms of simulated
     /// time in offline mode; the picker's scrape interval in live mode).
     pub scrape_ms: f64,
+    /// Several pickers: how often each publishes its in-flight counts to the others (ms of
+    /// simulated time offline, the pickers' `peers.intervalMs` live); 0: they do not.
+    pub peer_sync_ms: f64,
     pub slo: Slo,
     pub max_requests: Option<usize>,
     /// Release no request after this many simulated ms.
@@ -186,6 +189,7 @@ impl Default for BenchOptions {
             cluster: ClusterConfig::default(),
             routing: RoutingConfig::default(),
             scrape_ms: 100.0,
+            peer_sync_ms: kvroute_picker::inflight::DEFAULT_PEER_INTERVAL_MS,
             slo: Slo {
                 ttft_ms: 2_000.0,
                 tpot_ms: 100.0,

@@ -70,6 +70,8 @@ enum Event {
     Join(usize),
     /// Delayed KV-event batches that are due arrive.
     Deliver,
+    /// Every picker publishes its in-flight counts to the others (`--peer-sync-ms`).
+    PeerSync,
 }
 
 /// A KV-event batch held back by an `event-delay` item: when it arrives, from which engine
@@ -976,6 +978,24 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Every picker publishes its own in-flight counts to every other one, and forgets what
+    /// a peer has not refreshed within the peer TTL (as the service's `peers` feed does).
+    fn peer_sync(&self, t: f64) {
+        let now = t as u64;
+        let ttl = kvroute_picker::inflight::peer_ttl_ms(self.opts.peer_sync_ms as u64);
+        for (k, from) in self.pickers.iter().enumerate() {
+            let counts = from.inflight().own_counts();
+            for (j, to) in self.pickers.iter().enumerate() {
+                if j != k {
+                    to.inflight().apply_peer(k as u64, &counts, now);
+                }
+            }
+        }
+        for p in &self.pickers {
+            p.inflight().expire_peers(now.saturating_sub(ttl));
+        }
+    }
+
     /// The pickers `pickers` ingest a batch of engine rank `e`, as the service does.
     fn apply(&self, e: usize, batch: &EventBatch, pickers: std::ops::Range<usize>) {
         let keys = IngestKeys {
@@ -1181,6 +1201,9 @@ pub fn run(
     let mut done: Vec<u64> = Vec::new();
     let mut completed = 0usize;
     sim.push(0.0, Event::Scrape);
+    if sim.pickers.len() > 1 && opts.peer_sync_ms > 0.0 {
+        sim.push(0.0, Event::PeerSync);
+    }
     loop {
         let tq = sim
             .queue
@@ -1217,6 +1240,12 @@ pub fn run(
                         }
                     }
                     Event::Admission => sim.admission_check = None,
+                    Event::PeerSync => {
+                        sim.peer_sync(t);
+                        if !driver.finished() || sim.busy() {
+                            sim.push(t + opts.peer_sync_ms, Event::PeerSync);
+                        }
+                    }
                 }
                 t
             }
@@ -1278,7 +1307,7 @@ pub fn run(
             && sim
                 .queue
                 .iter()
-                .all(|Reverse((_, _, e))| *e == Event::Scrape)
+                .all(|Reverse((_, _, e))| matches!(e, Event::Scrape | Event::PeerSync))
         {
             break;
         }

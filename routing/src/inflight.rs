@@ -45,10 +45,123 @@ pub struct InflightCounts {
     pub pending_prompt_tokens: u64,
 }
 
+impl InflightCounts {
+    fn add(&mut self, o: &Self) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.tokens = self.tokens.saturating_add(o.tokens);
+        self.pending_requests = self.pending_requests.saturating_add(o.pending_requests);
+        self.pending_tokens = self.pending_tokens.saturating_add(o.pending_tokens);
+        self.pending_prompt_tokens = self
+            .pending_prompt_tokens
+            .saturating_add(o.pending_prompt_tokens);
+    }
+
+    fn sub(&mut self, o: &Self) {
+        self.requests = self.requests.saturating_sub(o.requests);
+        self.tokens = self.tokens.saturating_sub(o.tokens);
+        self.pending_requests = self.pending_requests.saturating_sub(o.pending_requests);
+        self.pending_tokens = self.pending_tokens.saturating_sub(o.pending_tokens);
+        self.pending_prompt_tokens = self
+            .pending_prompt_tokens
+            .saturating_sub(o.pending_prompt_tokens);
+    }
+
+    fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// How often a replica publishes its in-flight counts to its peers unless `peers.intervalMs`
+/// says otherwise.
+pub const DEFAULT_PEER_INTERVAL_MS: f64 = 20.0;
+
+/// How long a peer's entry counts without a refresh: ten publications, at least 500 ms (a
+/// lost datagram or two does not drop a peer; a replica that stopped is forgotten soon).
+pub fn peer_ttl_ms(interval_ms: u64) -> u64 {
+    interval_ms.saturating_mul(10).max(500)
+}
+
+/// Picker replicas whose counts are kept at most.
+pub const MAX_PEERS: usize = 64;
+/// Endpoints kept per peer at most.
+pub const MAX_PEER_ENTRIES: usize = 16_384;
+
+/// What one peer replica last published for one endpoint, and when it arrived.
+#[derive(Debug, Clone, Copy)]
+struct PeerEntry {
+    counts: InflightCounts,
+    at_ms: u64,
+}
+
+/// Other picker replicas' in-flight counts as they published them, and their sum per endpoint.
+#[derive(Debug, Default)]
+struct Peers {
+    by_peer: HashMap<u64, HashMap<EndpointId, PeerEntry>>,
+    totals: HashMap<EndpointId, InflightCounts>,
+}
+
+impl Peers {
+    fn set(&mut self, peer: u64, id: EndpointId, counts: InflightCounts, now_ms: u64) -> bool {
+        if !self.by_peer.contains_key(&peer) && self.by_peer.len() >= MAX_PEERS {
+            return false;
+        }
+        let entries = self.by_peer.entry(peer).or_default();
+        if !entries.contains_key(&id) && entries.len() >= MAX_PEER_ENTRIES {
+            return false;
+        }
+        let old = entries.insert(
+            id,
+            PeerEntry {
+                counts,
+                at_ms: now_ms,
+            },
+        );
+        let total = self.totals.entry(id).or_default();
+        if let Some(old) = old {
+            total.sub(&old.counts);
+        }
+        total.add(&counts);
+        if total.is_zero() {
+            self.totals.remove(&id);
+        }
+        true
+    }
+
+    fn expire(&mut self, older_than_ms: u64) {
+        let totals = &mut self.totals;
+        self.by_peer.retain(|_, entries| {
+            entries.retain(|id, e| {
+                let keep = e.at_ms >= older_than_ms;
+                if !keep && let Some(t) = totals.get_mut(id) {
+                    t.sub(&e.counts);
+                    if t.is_zero() {
+                        totals.remove(id);
+                    }
+                }
+                keep
+            });
+            !entries.is_empty()
+        });
+    }
+
+    fn remove_endpoint(&mut self, id: &EndpointId) {
+        for entries in self.by_peer.values_mut() {
+            entries.remove(id);
+        }
+        self.by_peer.retain(|_, e| !e.is_empty());
+        self.totals.remove(id);
+    }
+}
+
 /// Per-endpoint in-flight counters; one entry per endpoint in the set (bounded by it).
+///
+/// Besides this replica's own counts it keeps what other replicas of the same pool published
+/// of theirs (`peers`, [`InflightTracker::apply_peer`]): a request another replica sent a
+/// moment ago is queued work here too, and the scrape shows it only as a count, not its size.
 #[derive(Debug, Default)]
 pub struct InflightTracker {
     by_endpoint: RwLock<HashMap<EndpointId, Arc<Counters>>>,
+    peers: RwLock<Peers>,
 }
 
 impl InflightTracker {
@@ -112,9 +225,64 @@ impl InflightTracker {
             })
     }
 
+    /// This replica's counts and the fresh ones its peers published, summed: the requests
+    /// in flight on `id` that placement prices.
+    pub fn get_with_peers(&self, id: &EndpointId) -> InflightCounts {
+        let mut c = self.get(id);
+        if let Some(p) = self.peers.read().totals.get(id) {
+            c.add(p);
+        }
+        c
+    }
+
+    /// What the peers published for `id`, summed.
+    pub fn peers_total(&self, id: &EndpointId) -> InflightCounts {
+        self.peers
+            .read()
+            .totals
+            .get(id)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// This replica's counts of every endpoint it tracks: what it publishes to its peers
+    /// (zeros included, so that a peer's view of a drained endpoint goes back to zero).
+    pub fn own_counts(&self) -> Vec<(EndpointId, InflightCounts)> {
+        let ids: Vec<EndpointId> = self.by_endpoint.read().keys().copied().collect();
+        ids.into_iter().map(|id| (id, self.get(&id))).collect()
+    }
+
+    /// A peer replica `peer` published `counts` (arrived at `now_ms`): each entry replaces
+    /// that peer's previous one for its endpoint. Beyond [`MAX_PEERS`] peers or
+    /// [`MAX_PEER_ENTRIES`] entries per peer, new ones are dropped. Returns the entries taken.
+    pub fn apply_peer(
+        &self,
+        peer: u64,
+        counts: &[(EndpointId, InflightCounts)],
+        now_ms: u64,
+    ) -> usize {
+        let mut peers = self.peers.write();
+        counts
+            .iter()
+            .filter(|&&(id, c)| peers.set(peer, id, c, now_ms))
+            .count()
+    }
+
+    /// Forget peers' entries that were not refreshed since `older_than_ms` (a replica that
+    /// stopped, or a lost feed).
+    pub fn expire_peers(&self, older_than_ms: u64) {
+        self.peers.write().expire(older_than_ms);
+    }
+
+    /// Peer replicas with fresh entries.
+    pub fn peer_count(&self) -> usize {
+        self.peers.read().by_peer.len()
+    }
+
     /// Forget an endpoint that left the set (its outstanding guards still decrement safely).
     pub fn remove(&self, id: &EndpointId) {
         self.by_endpoint.write().remove(id);
+        self.peers.write().remove_endpoint(id);
     }
 }
 
@@ -202,6 +370,61 @@ mod tests {
         drop(a);
         drop(b); // finished without a first token (error / disconnect)
         assert_eq!(t.get(&id), InflightCounts::default());
+    }
+
+    #[test]
+    fn peers_counts_add_to_the_own_until_they_expire_or_the_endpoint_leaves() {
+        let t = InflightTracker::new();
+        let a = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 1, 0);
+        let b = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 2, 0);
+        let _g = t.begin(a, 100, 60);
+        let two = |pending_tokens| InflightCounts {
+            requests: 2,
+            tokens: 2_000,
+            pending_requests: 2,
+            pending_tokens,
+            pending_prompt_tokens: 2_000,
+        };
+        // two peers; the second one's b is an endpoint this replica never sent to
+        assert_eq!(t.apply_peer(7, &[(a, two(1_500))], 1_000), 1);
+        assert_eq!(t.apply_peer(9, &[(a, two(500)), (b, two(800))], 1_010), 2);
+        assert_eq!(t.get(&a).pending_tokens, 60, "get is this replica's own");
+        assert_eq!(t.get_with_peers(&a).pending_tokens, 60 + 1_500 + 500);
+        assert_eq!(t.get_with_peers(&a).requests, 5);
+        assert_eq!(t.get_with_peers(&b).pending_tokens, 800);
+        // a newer entry replaces the peer's previous one, it does not add to it
+        t.apply_peer(7, &[(a, InflightCounts::default())], 1_020);
+        assert_eq!(t.peers_total(&a).pending_tokens, 500);
+        assert_eq!(t.peer_count(), 2);
+        // peer 9 goes silent: its entries expire
+        t.apply_peer(7, &[(a, two(100))], 1_500);
+        t.expire_peers(1_200);
+        assert_eq!(t.peers_total(&a).pending_tokens, 100);
+        assert_eq!(t.peers_total(&b), InflightCounts::default());
+        assert_eq!(t.peer_count(), 1);
+        // an endpoint that leaves takes its peers' entries with it
+        t.remove(&a);
+        assert_eq!(t.get_with_peers(&a), InflightCounts::default());
+        assert_eq!(t.peer_count(), 0);
+    }
+
+    #[test]
+    fn peers_and_their_entries_are_bounded() {
+        let t = InflightTracker::new();
+        let one = InflightCounts {
+            requests: 1,
+            ..InflightCounts::default()
+        };
+        let id = |port| EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port, 0);
+        for p in 0..(MAX_PEERS as u64 + 5) {
+            t.apply_peer(p, &[(id(1), one)], 0);
+        }
+        assert_eq!(t.peer_count(), MAX_PEERS);
+        assert_eq!(t.get_with_peers(&id(1)).requests, MAX_PEERS as u64);
+        let many: Vec<_> = (0..=MAX_PEER_ENTRIES as u16)
+            .map(|p| (id(p), one))
+            .collect();
+        assert_eq!(t.apply_peer(0, &many, 0), MAX_PEER_ENTRIES);
     }
 
     #[test]

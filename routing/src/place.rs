@@ -265,8 +265,8 @@ impl Pool {
                 if load.kv_usage >= s.kv_cache_usage {
                     return None;
                 }
-                let waiting =
-                    (load.waiting.max(0.0) as u64).max(self.inflight.get(&e.id).pending_requests);
+                let waiting = (load.waiting.max(0.0) as u64)
+                    .max(self.inflight.get_with_peers(&e.id).pending_requests);
                 let room = u64::from(s.queue_depth).saturating_sub(waiting);
                 (room > 0).then_some((e.id, room))
             })

@@ -504,7 +504,7 @@ fn features(
             let cached = (matched * block_size).min(req.prompt_tokens);
             let loaded = (offloaded.total() * block_size).min(req.prompt_tokens - cached);
             let load = ctx.loads.get(&e.id).copied().unwrap_or_default();
-            let inflight = ctx.inflight.get(&e.id);
+            let inflight = ctx.inflight.get_with_peers(&e.id);
             Candidate {
                 endpoint: e.id,
                 features: Features {
