@@ -108,6 +108,13 @@ pub fn picker_name(pool: &str) -> String {
     format!("{pool}-picker")
 }
 
+/// Name of the headless Service whose addresses are the pool's picker pods: how replicas find
+/// each other for the in-flight exchange (`peers`). Shorter than [`picker_name`], so it fits
+/// wherever that does.
+pub fn picker_peers_name(pool: &str) -> String {
+    format!("{pool}-peers")
+}
+
 /// Name of EndpointSlice number `index` of a (pool, model config).
 pub fn slice_name(pool: &str, model_config: &str, index: usize) -> String {
     format!("{pool}-{model_config}-{index}")
@@ -125,6 +132,8 @@ pub const MAX_POOL_NAME_LEN: usize = 63 - "-picker".len();
 pub const PICKER_HTTP_PORT: u16 = 8080;
 pub const PICKER_EXT_PROC_PORT: u16 = 9002;
 pub const PICKER_METRICS_PORT: u16 = 9090;
+/// UDP port of the in-flight exchange between picker replicas.
+pub const PICKER_PEER_PORT: u16 = 9190;
 /// The admin listener stays on loopback inside the picker pod.
 pub const PICKER_ADMIN_PORT: u16 = 9091;
 

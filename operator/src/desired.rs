@@ -46,6 +46,8 @@ pub struct Desired {
     pub rbac: Option<(ServiceAccount, Role, RoleBinding)>,
     pub deployment: Deployment,
     pub service: Service,
+    /// The headless Service through which picker replicas find each other (`peers`).
+    pub peer_service: Service,
     /// Gateway API Inference Extension pools, when the pool asks for them.
     pub gateway_pools: Vec<DynamicObject>,
     /// Slice names per model config, for the status.
@@ -249,19 +251,34 @@ pub fn render_picker_config(pool: &KVRoutePool) -> Result<(String, String)> {
         "admin": format!("127.0.0.1:{}", contract::PICKER_ADMIN_PORT),
         "extProc": format!("0.0.0.0:{}", contract::PICKER_EXT_PROC_PORT),
     });
+    let name = pool.name_any();
+    let namespace = pool
+        .namespace()
+        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
+    // replicas find each other through the headless Service of the picker pods
+    let peers = json!({
+        "listen": format!("0.0.0.0:{}", contract::PICKER_PEER_PORT),
+        "dns": format!(
+            "{}.{namespace}.svc:{}",
+            contract::picker_peers_name(&name),
+            contract::PICKER_PEER_PORT
+        ),
+        "group": format!("{namespace}/{name}"),
+    });
     let doc = json!({
         "listen": listen,
         "modelConfigs": to_value("modelConfigs", &model_configs)?,
         "routing": to_value("routing", &pool.spec.routing)?,
         "tenancy": to_value("tenancy", &tenancy)?,
+        "peers": peers,
     });
     // what a picker reads only at startup: a change rolls the pickers
-    let static_hash = hash_of(&json!({ "listen": doc["listen"] }))?;
+    let static_hash = hash_of(&json!({ "listen": doc["listen"], "peers": doc["peers"] }))?;
     let yaml = serde_yaml_ng::to_string(&doc).map_err(Error::RenderYaml)?;
     Ok((
         format!(
             "# Rendered by kvroute-operator for KVRoutePool {}; edits are overwritten.\n{yaml}",
-            pool.name_any()
+            name
         ),
         static_hash,
     ))
@@ -330,6 +347,7 @@ fn picker_deployment(
             {"name": "http", "containerPort": contract::PICKER_HTTP_PORT, "protocol": "TCP"},
             {"name": "ext-proc", "containerPort": contract::PICKER_EXT_PROC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": contract::PICKER_METRICS_PORT, "protocol": "TCP"},
+            {"name": "peers", "containerPort": contract::PICKER_PEER_PORT, "protocol": "UDP"},
         ],
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": "metrics"},
@@ -405,6 +423,30 @@ fn picker_service(pool: &KVRoutePool, namespace: &str, owner: &OwnerReference) -
         },
     });
     stamp(from_json("picker Service", service)?)
+}
+
+/// The headless Service of the picker pods, for the replicas' in-flight exchange: its DNS
+/// name returns every pod, ready or not (a replica that starts hears its peers at once).
+fn picker_peers_service(
+    pool: &KVRoutePool,
+    namespace: &str,
+    owner: &OwnerReference,
+) -> Result<Service> {
+    let name = pool.name_any();
+    let service = json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(contract::picker_peers_name(&name), namespace, picker_labels(&name), owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": true,
+            "selector": picker_selector(&name),
+            "ports": [
+                {"name": "peers", "port": contract::PICKER_PEER_PORT, "targetPort": "peers", "protocol": "UDP"},
+            ],
+        },
+    });
+    stamp(from_json("picker peers Service", service)?)
 }
 
 fn picker_rbac(
@@ -556,6 +598,7 @@ pub fn build(
         rbac,
         deployment: picker_deployment(pool, &namespace, &owner, settings, &config_hash)?,
         service: picker_service(pool, &namespace, &owner)?,
+        peer_service: picker_peers_service(pool, &namespace, &owner)?,
         gateway_pools: gateway_pools(pool, &namespace, &owner)?,
         slice_names,
     })

@@ -333,7 +333,8 @@ async fn apply_desired(
     );
     m.wrote(
         "Service",
-        usize::from(apply::apply(client, &s.services, &d.service).await?),
+        usize::from(apply::apply(client, &s.services, &d.service).await?)
+            + usize::from(apply::apply(client, &s.services, &d.peer_service).await?),
     );
     m.wrote(
         "Deployment",

@@ -192,6 +192,16 @@ fn rendered_config_is_a_valid_picker_config() {
         c.endpoints.is_empty(),
         "endpoints come from the EndpointSlices"
     );
+    // replicas exchange their in-flight counts through the headless Service of their pods
+    assert_eq!(
+        c.peers.listen.map(|a| a.port()),
+        Some(contract::PICKER_PEER_PORT)
+    );
+    assert_eq!(
+        c.peers.dns.as_deref(),
+        Some(format!("llama-peers.{NS}.svc:9190").as_str())
+    );
+    assert_eq!(c.peers.group, format!("{NS}/llama"));
 }
 
 #[test]
@@ -209,6 +219,21 @@ fn picker_deployment_and_service() {
     let d = desired_for(spec, &[]);
     let dep = serde_json::to_value(&d.deployment).expect("json");
     assert_eq!(dep["metadata"]["name"], "llama-picker");
+    let peers = serde_json::to_value(&d.peer_service).expect("json");
+    assert_eq!(peers["metadata"]["name"], "llama-peers");
+    assert_eq!(
+        peers["spec"]["clusterIP"], "None",
+        "headless: its name lists the pods"
+    );
+    assert_eq!(peers["spec"]["publishNotReadyAddresses"], true);
+    assert_eq!(
+        peers["spec"]["ports"],
+        json!([{"name": "peers", "port": 9190, "targetPort": "peers", "protocol": "UDP"}])
+    );
+    assert_eq!(
+        peers["spec"]["selector"],
+        serde_json::to_value(&d.service).expect("json")["spec"]["selector"]
+    );
     assert_eq!(dep["spec"]["replicas"], 3);
     let pod = &dep["spec"]["template"]["spec"];
     let c = &pod["containers"][0];

@@ -74,8 +74,11 @@ impl Live {
                 "PATCH" if p.contains("/rolebindings/") => put(&mut self.role_bindings, &r.body),
                 "PATCH" if p.contains("/roles/") => put(&mut self.roles, &r.body),
                 "PATCH" if p.contains("/services/") => {
+                    // the API server allocates an address unless the Service is headless
                     let mut b = r.body.clone();
-                    b["spec"]["clusterIP"] = json!("10.96.0.10");
+                    if b["spec"]["clusterIP"].is_null() {
+                        b["spec"]["clusterIP"] = json!("10.96.0.10");
+                    }
                     put(&mut self.services, &b);
                 }
                 "PATCH" if p.contains("/deployments/") => {
@@ -188,6 +191,7 @@ async fn first_reconcile_applies_everything_then_the_status() {
             "PATCH /apis/rbac.authorization.k8s.io/v1/namespaces/serving/rolebindings/llama-picker",
             "PATCH /api/v1/namespaces/serving/configmaps/llama-picker",
             "PATCH /api/v1/namespaces/serving/services/llama-picker",
+            "PATCH /api/v1/namespaces/serving/services/llama-peers",
             "PATCH /apis/apps/v1/namespaces/serving/deployments/llama-picker",
             "PATCH /apis/discovery.k8s.io/v1/namespaces/serving/endpointslices/llama-llama-0",
             &format!("PATCH {BASE}/status"),
@@ -209,13 +213,14 @@ async fn first_reconcile_applies_everything_then_the_status() {
         serde_json::to_value(&binding),
         serde_json::to_value(&desired.config_map),
         serde_json::to_value(&desired.service),
+        serde_json::to_value(&desired.peer_service),
         serde_json::to_value(&desired.deployment),
         serde_json::to_value(&desired.slices[0]),
     ];
     for (r, e) in reqs.iter().zip(expected) {
         assert_eq!(r.body, e.expect("json"), "{}", r.uri);
     }
-    let slice = &reqs[6].body;
+    let slice = &reqs[7].body;
     assert_eq!(
         slice["ports"][1],
         json!({"name": "rank-1", "port": 8000, "protocol": "TCP", "appProtocol": "http"})
@@ -223,7 +228,7 @@ async fn first_reconcile_applies_everything_then_the_status() {
     assert_eq!(slice["endpoints"][1]["addresses"], json!(["10.0.0.2"]));
 
     // status: two eligible pods, four ranks; the picker does not exist yet
-    let status = &reqs[7].body;
+    let status = &reqs[8].body;
     assert_eq!(status["apiVersion"], "kvroute.dev/v1alpha1");
     assert_eq!(status["kind"], "KVRoutePool");
     let s: KVRoutePoolStatus = serde_json::from_value(status["status"].clone()).expect("status");

@@ -31,7 +31,7 @@ use kvroute_picker::pool::{
     DataParallel, KvEventsSpec, ModelConfigSpec, RankSelection, TokenizerSpec,
 };
 use kvroute_picker::service::settings::{
-    IndexSettings, Limits, Listen, PickerConfig, ScrapeSettings, StaticEndpoint,
+    IndexSettings, Limits, Listen, PeerSettings, PickerConfig, ScrapeSettings, StaticEndpoint,
 };
 use kvroute_sim::server::{PortSpec, SimConfig};
 use serde::Deserialize;
@@ -221,6 +221,7 @@ pub fn picker_config(
             default_kv_capacity_blocks: u64::from(cluster.engine.num_blocks),
             ..IndexSettings::default()
         },
+        peers: PeerSettings::default(),
     };
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("generated picker config: {e}"))?;
@@ -356,8 +357,9 @@ pub struct Picker {
     pub metrics: SocketAddr,
 }
 
-/// Start a picker running `policy` in front of `engines`, and wait until it is ready.
-/// `suffix` tells its config and log apart from the other pickers'.
+/// Start a picker running `policy` in front of `engines`, exchanging in-flight counts with
+/// `peers`, and wait until it is ready. `suffix` tells its config and log apart from the
+/// other pickers'.
 pub async fn start_picker_with(
     exe: &Path,
     opts: &BenchOptions,
@@ -365,6 +367,7 @@ pub async fn start_picker_with(
     engines: &EnginesInfo,
     http: &reqwest::Client,
     suffix: &str,
+    peers: PeerSettings,
 ) -> anyhow::Result<Picker> {
     let tag = format!("{}-{suffix}", policy.name().replace(':', "-"));
     let routing = policy.routing(&opts.routing);
@@ -376,6 +379,9 @@ pub async fn start_picker_with(
     });
     let mut cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
     cfg.index.provisional_ttl = opts.index_settings().provisional_ttl;
+    cfg.peers = peers;
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("generated picker config: {e}"))?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
     std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
         .with_context(|| format!("writing {}", path.display()))?;

@@ -4,7 +4,8 @@
 //! The client spreads requests over the pickers by request id, as a load balancer in front
 //! of picker replicas would. While a picker is down its requests wait for it (a gateway
 //! retrying a refused connection) for at most [`WAIT_FOR_PICKER`]; the requests it held when
-//! it was killed fail.
+//! it was killed fail. With `--peer-sync-ms` above 0 (the default) the pickers exchange
+//! their in-flight counts over UDP on loopback (`peers`), as the service's replicas do.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,6 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::watch;
+
+use kvroute_picker::service::settings::PeerSettings;
 
 use super::{EnginesInfo, Picker, start_picker_with};
 use crate::{BenchOptions, PolicySpec};
@@ -27,6 +30,20 @@ struct Spawner {
     policy: PolicySpec,
     engines: EnginesInfo,
     http: reqwest::Client,
+    /// Each picker's UDP port for the peer exchange (empty: no exchange).
+    peer_ports: Vec<u16>,
+}
+
+/// `n` free UDP ports on loopback (bound and released: a picker binds its own a moment
+/// later).
+fn free_udp_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let sockets = (0..n)
+        .map(|_| std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    Ok(sockets
+        .iter()
+        .map(|s| s.local_addr().map(|a| a.port()))
+        .collect::<std::io::Result<Vec<_>>>()?)
 }
 
 /// See the module documentation.
@@ -49,12 +66,19 @@ impl LivePickers {
         http: &reqwest::Client,
         n: usize,
     ) -> anyhow::Result<Self> {
+        // several pickers exchange their in-flight counts, as the service's replicas do
+        let peer_ports = if n > 1 && opts.peer_sync_ms > 0.0 {
+            free_udp_ports(n)?
+        } else {
+            Vec::new()
+        };
         let spawner = Spawner {
             exe,
             opts: opts.clone(),
             policy,
             engines,
             http: http.clone(),
+            peer_ports,
         };
         let mut running = Vec::new();
         let mut urls = Vec::new();
@@ -136,6 +160,20 @@ impl Spawner {
                 e.replay.clear();
             }
         }
+        let lo = |p: u16| SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, p));
+        let peers = match self.peer_ports.get(i) {
+            Some(&own) => PeerSettings {
+                listen: Some(lo(own)),
+                addresses: (self.peer_ports.iter())
+                    .filter(|&&p| p != own)
+                    .map(|&p| lo(p))
+                    .collect(),
+                interval: Duration::from_millis(self.opts.peer_sync_ms.round().max(5.0) as u64),
+                group: "bench".into(),
+                ..PeerSettings::default()
+            },
+            None => PeerSettings::default(),
+        };
         start_picker_with(
             &self.exe,
             &self.opts,
@@ -143,6 +181,7 @@ impl Spawner {
             &engines,
             &self.http,
             &format!("{i}"),
+            peers,
         )
         .await
     }

@@ -849,6 +849,7 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "labels": e.labels,
                 "load": loads.get(&e.id),
                 "inflight": picker.pool.inflight().get(&e.id),
+                "peer_inflight": picker.pool.inflight().peers_total(&e.id),
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
                 "diagnostics": picker.diagnostics.lock().get(&e.id),

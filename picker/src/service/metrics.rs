@@ -85,6 +85,11 @@ pub struct Metrics {
     pub event_problems: Family<KindLabels, Counter>,
     /// By `kind` (`ScrapeError::kind`).
     pub scrape_failures: Family<KindLabels, Counter>,
+    /// Peer replicas whose in-flight counts are fresh (`peers`).
+    pub peer_replicas: Gauge,
+    /// Datagrams of the peer exchange, by kind (sent, received, send_failed, unknown_source,
+    /// malformed, other_group).
+    pub peer_datagrams: Family<KindLabels, Counter>,
     pub config_rejections: Family<ErrorLabels, Counter>,
     pub stale_endpoints: Gauge,
     pub endpoints: Gauge,
@@ -202,6 +207,18 @@ impl Metrics {
             "scrape_failures",
             "Failed engine metrics scrapes, by kind (request, http_status, too_large, not_utf8, timeout, parse)",
             scrape_failures.clone(),
+        );
+        let peer_replicas = Gauge::default();
+        registry.register(
+            "peer_replicas",
+            "Peer picker replicas whose in-flight counts are fresh",
+            peer_replicas.clone(),
+        );
+        let peer_datagrams = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "peer_datagrams",
+            "Datagrams of the in-flight exchange with peer replicas, by kind (sent, received, send_failed, unknown_source, malformed, other_group)",
+            peer_datagrams.clone(),
         );
         let config_rejections = Family::<ErrorLabels, Counter>::default();
         registry.register(
@@ -382,6 +399,8 @@ impl Metrics {
             event_lag_seconds,
             event_problems,
             scrape_failures,
+            peer_replicas,
+            peer_datagrams,
             config_rejections,
             stale_endpoints,
             endpoints,

@@ -53,6 +53,8 @@ pub struct BoundAddrs {
     pub admin: SocketAddr,
     pub metrics: SocketAddr,
     pub ext_proc: Option<SocketAddr>,
+    /// The UDP address of the peer exchange (`peers.listen`).
+    pub peers: Option<SocketAddr>,
 }
 
 /// A running picker.
@@ -173,11 +175,21 @@ pub async fn start(
         }
         None => (None, None),
     };
+    let peer_socket = match config.peers.listen {
+        Some(addr) => {
+            let listen = |source| PickerError::Listen { addr, source };
+            let s = tokio::net::UdpSocket::bind(addr).await.map_err(listen)?;
+            let bound = s.local_addr().map_err(listen)?;
+            Some((s, bound))
+        }
+        None => None,
+    };
     let addrs = BoundAddrs {
         http: http_addr,
         admin: admin_addr,
         metrics: metrics_addr,
         ext_proc: ext_addr,
+        peers: peer_socket.as_ref().map(|(_, a)| *a),
     };
     let state = AppState {
         picker: picker.clone(),
@@ -333,6 +345,14 @@ pub async fn start(
         }
     });
     tasks.spawn(flow::run_dispatcher(picker.clone(), cancel.clone()));
+    if let Some((socket, _)) = peer_socket {
+        tasks.spawn(feeds::peers::run_peers(
+            picker.clone(),
+            config.peers.clone(),
+            socket,
+            cancel.clone(),
+        ));
+    }
     tasks.spawn(feeds::scraper::run_scraper(
         picker.clone(),
         config.scrape.clone(),

@@ -308,6 +308,94 @@ pub struct PickerConfig {
     pub scrape: ScrapeSettings,
     #[serde(default)]
     pub index: IndexSettings,
+    #[serde(default)]
+    pub peers: PeerSettings,
+}
+
+/// The exchange of in-flight counts with the pool's other picker replicas (`peers`): each
+/// replica publishes, every `interval`, how many requests (and prompt tokens) it has in flight
+/// on each endpoint, over UDP to every peer, and adds the fresh counts it receives to its own
+/// when it places a request. Without it a replica prices only the queue its own requests make
+/// between scrapes, and the scrape shows others' only as a count.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PeerSettings {
+    /// UDP address to receive peers' counts on (and send from); absent: no exchange.
+    pub listen: Option<SocketAddr>,
+    /// Peers by address (`ip:port`).
+    pub addresses: Vec<SocketAddr>,
+    /// Peers by DNS name (`name:port`, e.g. a headless Service), resolved again every
+    /// `resolveInterval`: every address it returns is a peer.
+    pub dns: Option<String>,
+    #[serde(with = "duration_str")]
+    pub interval: Duration,
+    #[serde(with = "duration_str")]
+    pub resolve_interval: Duration,
+    /// Only datagrams of this group count (the operator sets `namespace/pool`), so that a
+    /// replica of another pool on a reused address is not mixed in.
+    pub group: String,
+}
+
+impl Default for PeerSettings {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            addresses: Vec::new(),
+            dns: None,
+            interval: Duration::from_millis(crate::inflight::DEFAULT_PEER_INTERVAL_MS as u64),
+            resolve_interval: Duration::from_secs(5),
+            group: String::new(),
+        }
+    }
+}
+
+/// Peers listed at most (addresses plus what the DNS name returns).
+pub const MAX_PEER_ADDRESSES: usize = crate::inflight::MAX_PEERS;
+
+impl PeerSettings {
+    pub fn validate(&self) -> Result<(), PickerError> {
+        if self.listen.is_none() {
+            if !self.addresses.is_empty() || self.dns.is_some() {
+                return Err("peers.addresses and peers.dns need peers.listen".into());
+            }
+            return Ok(());
+        }
+        if self.addresses.is_empty() && self.dns.is_none() {
+            return Err("peers.listen needs peers.addresses or peers.dns".into());
+        }
+        if self.addresses.len() > MAX_PEER_ADDRESSES {
+            return Err(PickerError::Invalid(format!(
+                "peers.addresses lists {} peers, at most {MAX_PEER_ADDRESSES}",
+                self.addresses.len()
+            )));
+        }
+        if let Some(d) = &self.dns {
+            let ok = d.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+            });
+            if !ok {
+                return Err(PickerError::Invalid(format!(
+                    "peers.dns must be name:port, got {d:?}"
+                )));
+            }
+        }
+        if !(Duration::from_millis(5)..=Duration::from_secs(10)).contains(&self.interval) {
+            return Err(PickerError::Invalid(format!(
+                "peers.interval must be within 5ms-10s, got {:?}",
+                self.interval
+            )));
+        }
+        if self.resolve_interval < Duration::from_millis(100) {
+            return Err(PickerError::Invalid(format!(
+                "peers.resolveInterval must be at least 100ms, got {:?}",
+                self.resolve_interval
+            )));
+        }
+        if self.group.len() > 256 {
+            return Err("peers.group must be at most 256 bytes".into());
+        }
+        Ok(())
+    }
 }
 
 impl PickerConfig {
@@ -363,6 +451,7 @@ impl PickerConfig {
             .check_rewrite_targets(&self.model_configs)
             .map_err(PickerError::Invalid)?;
         self.tenancy.validate()?;
+        self.peers.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("limits.maxBodyBytes", l.max_body_bytes),

@@ -5,8 +5,10 @@
 //! - [`kv_subscriber`]: one endpoint's ZMQ SUB socket and replay client, sequence-checked.
 //! - [`zmtp_guard`]: the loopback frame guard in front of each subscriber.
 //! - [`scraper`]: the engines' Prometheus metrics (load, capacity, activity, calibration).
+//! - [`peers`]: the in-flight counts exchanged with the pool's other picker replicas.
 
 pub mod kv_subscriber;
+pub mod peers;
 pub mod scraper;
 pub mod subscriptions;
 pub mod zmtp_guard;

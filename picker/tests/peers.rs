@@ -1,0 +1,172 @@
+//! Two picker replicas exchanging their in-flight counts over UDP on loopback (`peers`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use kvroute_picker::endpoint::EndpointId;
+use support::*;
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn replica_yaml(engine: u16, own: u16, peer: u16) -> String {
+    format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {engine}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+peers:
+  listen: 127.0.0.1:{own}
+  addresses: [127.0.0.1:{peer}]
+  interval: 20ms
+  group: ns/pool
+"#
+    )
+}
+
+/// Poll `cond` every 10 ms for up to 5 s.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("not within 5 s: {what}");
+}
+
+#[tokio::test]
+async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let (pa, pb) = (free_udp_port(), free_udp_port());
+    let a = start_picker(&replica_yaml(engine.addr.port(), pa, pb)).await;
+    let b = start_picker(&replica_yaml(engine.addr.port(), pb, pa)).await;
+    assert_eq!(
+        a.addrs.peers,
+        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, pa)))
+    );
+    let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), engine.addr.port(), 0);
+
+    // a request replica A sent, not yet at its first token
+    let guard = a.state.pool.inflight().begin(id, 1_000, 600);
+    eventually("B sees A's request", || {
+        b.state.pool.inflight().get_with_peers(&id).pending_tokens == 600
+    })
+    .await;
+    assert_eq!(
+        b.state.pool.inflight().get(&id).requests,
+        0,
+        "B sent nothing"
+    );
+    assert_eq!(b.state.pool.inflight().peer_count(), 1);
+    // and B's placement reads it: the pick API shows the candidate's in-flight count
+    let pick: serde_json::Value = client()
+        .post(format!("http://{}/v1/pick", b.addrs.admin))
+        .json(&serde_json::json!({"model": "llama", "prompt": "hello"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let text = pick.to_string();
+    assert!(text.contains("\"inflight_requests\":1"), "{text}");
+    // the gauge follows at B's next publication
+    let mut metrics = String::new();
+    for _ in 0..250 {
+        metrics = metrics_text(b.addrs.metrics).await;
+        if metrics.contains("kvroute_picker_peer_replicas 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        metrics.contains("kvroute_picker_peer_replicas 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvroute_picker_peer_datagrams_total{kind=\"received\"}"),
+        "{metrics}"
+    );
+
+    // it ends at A: B's view goes back to zero
+    drop(guard);
+    eventually("B sees it end", || {
+        b.state.pool.inflight().get_with_peers(&id).requests == 0
+    })
+    .await;
+
+    // a datagram from an address that is not a peer does not count
+    let stranger = tokio::net::UdpSocket::bind((Ipv4Addr::new(127, 0, 0, 2), 0))
+        .await
+        .unwrap();
+    stranger
+        .send_to(
+            br#"{"v":1,"group":"ns/pool","replica":5,"counts":[["127.0.0.1",1,0,9,9,9,9,9]]}"#,
+            SocketAddr::from((Ipv4Addr::LOCALHOST, pb)),
+        )
+        .await
+        .unwrap();
+    let mut seen = false;
+    for _ in 0..100 {
+        if metrics_text(b.addrs.metrics)
+            .await
+            .contains("kvroute_picker_peer_datagrams_total{kind=\"unknown_source\"} 1")
+        {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(seen, "the stranger's datagram was counted as such");
+    assert_eq!(b.state.pool.inflight().peer_count(), 1, "only A is a peer");
+
+    // A stops: B forgets it once its counts are older than the TTL
+    a.shutdown().await;
+    eventually("B forgets A", || b.state.pool.inflight().peer_count() == 0).await;
+    b.shutdown().await;
+}
+
+#[test]
+fn peer_settings_errors_name_the_field() {
+    use kvroute_picker::service::settings::PickerConfig;
+    let base = "modelConfigs: [{name: m, model: m, port: 8000}]\n";
+    for (peers, want) in [
+        ("peers: {addresses: [127.0.0.1:9]}", "need peers.listen"),
+        (
+            "peers: {listen: 127.0.0.1:9}",
+            "peers.addresses or peers.dns",
+        ),
+        (
+            "peers: {listen: 127.0.0.1:9, dns: nameonly}",
+            "peers.dns must be name:port",
+        ),
+        (
+            "peers: {listen: 127.0.0.1:9, dns: 'a:1', interval: 1ms}",
+            "peers.interval must be within",
+        ),
+        ("peers: {listen: 127.0.0.1:9, bogus: 1}", "bogus"),
+    ] {
+        let err = PickerConfig::from_yaml(&format!("{base}{peers}\n"))
+            .expect_err(peers)
+            .to_string();
+        assert!(err.contains(want), "{peers}: {err}");
+    }
+    PickerConfig::from_yaml(&format!(
+        "{base}peers: {{listen: 0.0.0.0:9190, dns: 'picker-peers.ns.svc:9190', group: ns/p}}\n"
+    ))
+    .expect("valid");
+}
