@@ -80,6 +80,14 @@ async fn sample_pool_and_servers_become_eligibility_sets_and_a_picker() {
         .get(&name)
         .await
         .unwrap();
+    // and the headless Service through which its replicas find each other
+    let peers = Api::<Service>::namespaced(client.clone(), &ns.name)
+        .get(&contract::picker_peers_name("llama"))
+        .await
+        .unwrap();
+    let spec = peers.spec.unwrap();
+    assert_eq!(spec.cluster_ip.as_deref(), Some("None"), "headless");
+    assert_eq!(spec.ports.unwrap()[0].protocol.as_deref(), Some("UDP"));
     Api::<ConfigMap>::namespaced(client.clone(), &ns.name)
         .get(&name)
         .await

@@ -17,8 +17,8 @@ use crate::service::start;
 #[command(name = "kvroute-picker", version)]
 pub struct Args {
     /// Picker config file (YAML). Endpoints, routing weights and model configs reload live
-    /// when it changes. With `--pool`, only its listener, limits, scrape and index settings
-    /// are used (optional: defaults otherwise).
+    /// when it changes. With `--pool`, only its listener, limits, scrape, index and peers
+    /// settings are used (optional: defaults otherwise).
     #[arg(long, env = "KVROUTE_CONFIG", required_unless_present = "pool")]
     pub config: Option<PathBuf>,
     /// Cluster mode: serve this KVRoutePool. Model configs, routing and tenancy come live
@@ -46,6 +46,9 @@ pub struct Args {
     /// Override the ext_proc listen address.
     #[arg(long)]
     pub ext_proc: Option<std::net::SocketAddr>,
+    /// Override the peer exchange's UDP address (`peers.listen`), when the config has one.
+    #[arg(long)]
+    pub peers: Option<std::net::SocketAddr>,
     /// Print the bound addresses as one JSON line on stdout once listening (for harnesses
     /// that start the picker on port 0).
     #[arg(long)]
@@ -87,6 +90,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if args.ext_proc.is_some() {
         config.listen.ext_proc = args.ext_proc;
+    }
+    if args.peers.is_some() && config.peers.listen.is_some() {
+        config.peers.listen = args.peers;
     }
     let cancel = CancellationToken::new();
     let source: Box<dyn EndpointSource> = match (&args.pool, &args.namespace, &args.config) {

@@ -809,6 +809,8 @@ async fn start_process(
                     "{ip}:{}",
                     kvroute_crds::contract::PICKER_EXT_PROC_PORT
                 ))
+                .arg("--peers")
+                .arg(format!("{ip}:{}", kvroute_crds::contract::PICKER_PEER_PORT))
                 // the pod's loopback is its own address here
                 .arg("--admin")
                 .arg(format!(
