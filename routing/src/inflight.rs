@@ -1,9 +1,11 @@
-//! The picker's own count of what it sent to each endpoint and is not finished yet.
+//! The picker's own count of what it sent to each endpoint and is not finished yet, and what
+//! its peer replicas say of theirs.
 //!
 //! Scraped metrics are up to one scrape interval old; these counters change at the moment a
 //! request is sent, gets its first token and completes, so a burst of requests does not all see
-//! the same idle endpoint. Each picker replica counts only its own requests (see the service
-//! docs on active-active replicas).
+//! the same idle endpoint. Each picker replica counts its own requests; the other replicas'
+//! arrive through the in-flight exchange (`peers` in the service docs) and are added when a
+//! request is placed ([`InflightTracker::get_with_peers`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
