@@ -237,25 +237,50 @@ async fn a_restarted_picker_is_a_new_process_that_serves() {
     )
     .await
     .expect("picker starts");
+    let complete = |base: std::sync::Arc<str>| {
+        let http = http.clone();
+        async move {
+            http.post(format!("{base}/v1/completions"))
+                .json(&serde_json::json!({"model": kvroute_bench::MODEL, "prompt": [1, 2, 3], "max_tokens": 2}))
+                .send()
+                .await
+                .map(|r| r.status())
+        }
+    };
+    let decisions = |m: std::net::SocketAddr| {
+        let http = http.clone();
+        async move {
+            let text = http
+                .get(format!("http://{m}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            text.lines()
+                .filter(|l| l.starts_with("kvroute_picker_decisions_total{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        }
+    };
     let before = pickers.url(0).await.expect("up");
-    assert_eq!(pickers.metrics(0).await.map(|m| m.1), Some(false));
+    let (m, restarted) = pickers.metrics(0).await.expect("running");
+    assert!(!restarted);
+    assert!(complete(before.clone()).await.unwrap().is_success());
+    assert_eq!(
+        decisions(m).await,
+        1.0,
+        "the first picker placed the request"
+    );
     pickers.restart(0, false).await.expect("restarts");
     let after = pickers.url(0).await.expect("up again");
-    assert_ne!(before, after, "a new process on a new port");
-    assert_eq!(pickers.metrics(0).await.map(|m| m.1), Some(true));
-    let old = http
-        .get(format!("{before}/v1/models"))
-        .send()
-        .await
-        .map(|r| r.status());
-    assert!(old.is_err(), "the old picker is gone: {old:?}");
-    let resp = http
-        .post(format!("{after}/v1/completions"))
-        .json(&serde_json::json!({"model": kvroute_bench::MODEL, "prompt": [1, 2, 3], "max_tokens": 2}))
-        .send()
-        .await
-        .expect("the new picker answers");
-    assert!(resp.status().is_success(), "{}", resp.status());
+    let (m, restarted) = pickers.metrics(0).await.expect("running again");
+    assert!(restarted);
+    // a new process, whatever port it got: it has placed nothing yet, then it serves
+    assert_eq!(decisions(m).await, 0.0, "a fresh picker's counters");
+    assert!(complete(after).await.unwrap().is_success());
+    assert_eq!(decisions(m).await, 1.0);
     pickers.stop().await;
     guard.stop().await;
 }

@@ -935,18 +935,7 @@ mod tests {
             hasher: BlockHasher::new(16),
             model: "m",
         };
-        let stored = |parent| KvEvent::BlockStored {
-            block_hashes: vec![77],
-            parent_block_hash: parent,
-            token_ids: (5000..5016).collect(),
-            block_size: 16,
-            lora_id: None,
-            medium: None,
-            lora_name: None,
-            extra_keys: Vec::new(),
-            cache_salt: None,
-            place: Default::default(),
-        };
+        let stored = |parent| KvEvent::plain_stored(vec![77], parent, (5000..5016).collect(), 16);
         // where the pool would place the request at `now`, every candidate explained
         let placed = |now: u64| {
             let req = RouteRequest {

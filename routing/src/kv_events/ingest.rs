@@ -356,18 +356,7 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
-        KvEvent::BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
-            token_ids: tokens,
-            block_size: 4,
-            lora_id: None,
-            medium: None,
-            lora_name: None,
-            extra_keys: Vec::new(),
-            cache_salt: None,
-            place: Default::default(),
-        }
+        KvEvent::plain_stored(hashes.to_vec(), parent, tokens, 4)
     }
 
     fn batch(events: Vec<KvEvent>) -> EventBatch {

@@ -149,6 +149,30 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    /// A plain `BlockStored`: no adapter, tier, extra keys, salt or group, as an engine
+    /// without those features reports it.
+    pub fn plain_stored(
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> Self {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            cache_salt: None,
+            place: BlockPlace::default(),
+        }
+    }
+}
+
 /// Where stored or removed blocks live beyond their `medium`, as vLLM 0.32 reports it: the
 /// KV-cache group (a hybrid model has one per layer kind), the group's kind, and the tier's
 /// locality and secondary owner. All `None` on older engines and on SGLang.

@@ -1095,18 +1095,8 @@ fn seen_ranges_are_bounded() {
 
 #[test]
 fn a_batch_costs_one_per_event_plus_one_per_block_it_names() {
-    let stored = |n: u64| KvEvent::BlockStored {
-        block_hashes: (0..n).collect(),
-        parent_block_hash: None,
-        token_ids: vec![0; (n * 16) as usize],
-        block_size: 16,
-        lora_id: None,
-        medium: None,
-        lora_name: None,
-        extra_keys: Vec::new(),
-        cache_salt: None,
-        place: Default::default(),
-    };
+    let stored =
+        |n: u64| KvEvent::plain_stored((0..n).collect(), None, vec![0; (n * 16) as usize], 16);
     let batch = EventBatch {
         ts: 0.0,
         events: vec![
