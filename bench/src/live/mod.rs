@@ -369,7 +369,10 @@ pub async fn start_picker_with(
     suffix: &str,
     peers: PeerSettings,
 ) -> anyhow::Result<Picker> {
-    let tag = format!("{}-{suffix}", policy.name().replace(':', "-"));
+    // unique in this process: runs side by side (tests, `--jobs`) must not share a config file
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tag = format!("{}-{suffix}-{n}", policy.name().replace(':', "-"));
     let routing = policy.routing(&opts.routing);
     // chat mode: the picker tokenizes conversations as the engines do
     let tokenizer = opts.chat_tokenizer.as_ref().map(|dir| TokenizerSpec {
