@@ -34,6 +34,7 @@ use kvroute_picker::engine_metrics::LoraActivity;
 use kvroute_picker::flow::{Fairness, FlowQueue, FlowSettings, Order, Waiting};
 use kvroute_picker::inflight::InflightGuard;
 use kvroute_picker::kv_events::ingest::IngestKeys;
+use kvroute_picker::kv_events::resequence::ResyncReason;
 use kvroute_picker::kv_events::{EventBatch, KvEvent};
 use kvroute_picker::load::EndpointLoad;
 use kvroute_picker::place::Pool;
@@ -100,6 +101,9 @@ struct Engine {
     generation: u64,
     /// Event batches published so far (what decides which ones an `event-loss` item drops).
     batches: u64,
+    /// A batch of it was lost since the last one the pickers got: the next one shows them the
+    /// gap, which no replay fills (a lost batch is not replayable).
+    lost: bool,
     /// Its batches of the last `replay_keep_ms`, for a restarted picker's replay.
     log: VecDeque<(f64, EventBatch)>,
     /// The step in progress: its results apply at its end.
@@ -152,6 +156,7 @@ impl Engine {
             dead: false,
             generation: 0,
             batches: 0,
+            lost: false,
             log: VecDeque::new(),
             pending: None,
             prefill_ms: 0.0,
@@ -936,6 +941,7 @@ impl<'a> Sim<'a> {
             let u = (mix64(self.opts.seed ^ mix64(e as u64 + 1) ^ mix64(eng.batches)) >> 11) as f64
                 / (1u64 << 53) as f64;
             if u < fraction {
+                eng.lost = true;
                 return;
             }
         }
@@ -962,7 +968,24 @@ impl<'a> Sim<'a> {
             self.push(due_ms, Event::Deliver);
             return;
         }
+        self.resync_if_lost(e);
         self.apply(e, &batch, 0..self.pickers.len());
+    }
+
+    /// A batch of engine rank `e` arrives after one that was lost: each picker's subscriber
+    /// sees the gap, asks for a replay that does not hold it, and resyncs (the service's
+    /// `PoolState::resync`).
+    fn resync_if_lost(&mut self, e: usize) {
+        if std::mem::take(&mut self.engines[e].lost) {
+            let id = self.engines[e].id;
+            let reason = ResyncReason::ReplayShort {
+                requested: self.engines[e].batches,
+                first: None,
+            };
+            for pool in &self.pickers {
+                pool.state().resync(&id, &reason);
+            }
+        }
     }
 
     /// The delayed batches due by `t` arrive, in publication order.
@@ -973,6 +996,7 @@ impl<'a> Sim<'a> {
         self.delayed = later;
         for d in due {
             if self.engines[d.engine].generation == d.generation {
+                self.resync_if_lost(d.engine);
                 self.apply(d.engine, &d.batch, 0..self.pickers.len());
             }
         }

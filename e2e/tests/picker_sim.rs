@@ -161,6 +161,44 @@ async fn a_forced_sequence_gap_is_repaired_by_replay() {
     a.shutdown();
 }
 
+/// Batches lost for good (not in the engine's replay buffer) while the engine goes on: the
+/// replay comes back short and the endpoint resyncs, but what the picker knew is kept (the
+/// engine did not restart, its cache did not go away) and the view is marked as having a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_batches_no_replay_holds_keep_the_view_and_mark_its_gap() {
+    let a = sim("127.0.0.4").await;
+    let p = picker(&[&a], "CostModel").await;
+    let engine_url = format!("http://{}/v1/completions", a.addrs()[0].http);
+    let known = prompt(40, 512);
+    complete(engine_url.clone(), &known).await;
+    eventually("the known prefix indexed", || {
+        indexed_blocks(&p, "127.0.0.4") >= 31
+    })
+    .await;
+
+    let drop: kvroute_sim::server::fault::FaultSpec = serde_json::from_value(
+        json!({"kind": "drop_events", "fraction": 1.0, "replayable": false}),
+    )
+    .unwrap();
+    a.inject(0, drop).await.unwrap();
+    complete(engine_url.clone(), &prompt(41, 512)).await;
+    let clear: kvroute_sim::server::fault::FaultSpec =
+        serde_json::from_value(json!({"kind": "clear"})).unwrap();
+    a.inject(0, clear).await.unwrap();
+    // the next batch shows the gap; the replay does not hold it
+    complete(engine_url, &prompt(42, 64)).await;
+    eventually("the resync", || problems(&p, "resync") > 0).await;
+
+    let r = pick(&p, &known).await;
+    assert!(
+        r["matched_blocks"].as_u64().unwrap() >= 31,
+        "the prefix known before the loss is still credited: {r}"
+    );
+    assert_eq!(r["candidates"][0]["features"]["index_gap"], true, "{r}");
+    p.shutdown().await;
+    a.shutdown();
+}
+
 /// Issue 34, item 3: a picker that starts after the engine's replay window has passed gets
 /// `BlockStored` events for the blocks the engine adds to a context it cached before (their
 /// parents are blocks the picker never saw). It marks the gap and credits the requests it

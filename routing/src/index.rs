@@ -817,6 +817,9 @@ struct EndpointEntry {
     /// so blocks routed here are credited for as long as an approximate endpoint's, until the
     /// engine's cache is cleared ([`KvIndex::mark_gap`]).
     gap: bool,
+    /// Which view of the endpoint this is: a new number when it is added or cleared, so that
+    /// work on it that let others at the index in between can tell ([`KvIndex::view`]).
+    view: u64,
 }
 
 impl EndpointEntry {
@@ -847,6 +850,8 @@ pub struct KvIndex {
     special: usize,
     /// Provisional blocks over all endpoints (0 also keeps that path fast).
     provisional: usize,
+    /// The last view number given ([`EndpointEntry::view`]).
+    views: u64,
 }
 
 impl Default for KvIndex {
@@ -865,6 +870,7 @@ impl KvIndex {
             slot_of: HashMap::default(),
             special: 0,
             provisional: 0,
+            views: 0,
         }
     }
 
@@ -944,6 +950,7 @@ impl KvIndex {
             provisional: LinkedHashMap::default(),
             copies: HashMap::default(),
             gap: false,
+            view: self.next_view(),
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -1179,6 +1186,7 @@ impl KvIndex {
 
     /// Drop every block of an endpoint (`AllBlocksCleared`, resync); returns how many.
     pub fn clear_endpoint(&mut self, slot: Slot) -> usize {
+        let view = self.next_view();
         let Some(entry) = self
             .endpoints
             .get_mut(slot as usize)
@@ -1198,7 +1206,20 @@ impl KvIndex {
         entry.provisional = LinkedHashMap::default();
         entry.copies = HashMap::default();
         entry.gap = false;
+        entry.view = view;
         n
+    }
+
+    fn next_view(&mut self) -> u64 {
+        self.views += 1;
+        self.views
+    }
+
+    /// Which view of `slot`'s endpoint the index holds: it changes when the endpoint is
+    /// cleared, removed or replaced in the slot. Work that lets others at the index between
+    /// steps (a large event batch) checks it before going on.
+    pub fn view(&self, slot: Slot) -> Option<u64> {
+        self.entry(slot).map(|e| e.view)
     }
 
     /// Precise mode: `slot`'s engine stored blocks whose parents the index never saw (its

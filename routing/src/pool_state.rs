@@ -21,7 +21,8 @@ use crate::endpoint::{
 };
 use crate::index::{IndexConfig, IndexError, IndexMode, KvIndex};
 use crate::kv_events::EventBatch;
-use crate::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
+use crate::kv_events::ingest::{IndexAccess, IngestKeys, IngestStats, apply_batch};
+use crate::kv_events::resequence::ResyncReason;
 use crate::load::{EndpointLoad, LoadTable};
 
 /// How many blocks the index keeps per endpoint.
@@ -156,6 +157,33 @@ struct Inner {
     /// When each member was first in a scrape round: one never scraped successfully is fresh
     /// from then until the staleness threshold has passed.
     first_seen: hashbrown::HashMap<EndpointId, u64>,
+}
+
+/// What [`PoolState::resync`] did to an endpoint's view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resynced {
+    /// Its blocks were dropped (this many), to be rebuilt from the events that follow.
+    Cleared(usize),
+    /// Its blocks were kept, and its view marked as having a gap.
+    Kept,
+}
+
+/// The pool's lock held for writing by event ingestion: a large batch lets waiting picks in
+/// between its steps, and hashes a long event's tokens with the lock released.
+struct Writing<'a>(RwLockWriteGuard<'a, Inner>);
+
+impl IndexAccess for Writing<'_> {
+    fn index(&mut self) -> &mut KvIndex {
+        &mut self.0.index
+    }
+
+    fn yield_now(&mut self) {
+        RwLockWriteGuard::bump(&mut self.0);
+    }
+
+    fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        RwLockWriteGuard::unlocked_fair(&mut self.0, f)
+    }
 }
 
 /// What one scrape round changed ([`PoolState::observe_scrape`]).
@@ -310,17 +338,18 @@ impl PoolState {
         keys: IngestKeys<'_>,
         batch: &EventBatch,
     ) -> Option<IngestStats> {
-        let mut inner = self.inner.write();
+        let inner = self.inner.write();
         let slot = inner.index.slot(endpoint)?;
         if inner.index.mode(slot) != Some(IndexMode::Precise) {
             return None;
         }
-        let stats = apply_batch(&mut inner.index, slot, keys, batch);
-        let extend_ms = self
-            .budget
-            .approximate_ttl_ms
-            .saturating_sub(self.budget.provisional_ttl_ms);
-        if stats.orphan_blocks > 0 && inner.index.mark_gap(slot, extend_ms) {
+        let mut writing = Writing(inner);
+        let stats = apply_batch(&mut writing, slot, keys, batch);
+        let mut inner = writing.0;
+        if stats.interrupted {
+            return Some(stats);
+        }
+        if stats.orphan_blocks > 0 && inner.index.mark_gap(slot, self.gap_extend_ms()) {
             tracing::info!(
                 %endpoint,
                 "the engine stores blocks after ones this picker never saw (its replay window \
@@ -333,6 +362,36 @@ impl PoolState {
         // (`benches/index-compare --mixed`).
         RwLockWriteGuard::unlock_fair(inner);
         Some(stats)
+    }
+
+    /// The event stream of `endpoint` could not be kept whole (`reason`): what its view
+    /// becomes. Offline replays call this too, so that they lose events as the service does.
+    ///
+    /// A restart (or a reconnect that cannot tell) clears it: the engine's cache is new. Lost
+    /// batches of an engine that goes on publishing do not: most of what the view holds is
+    /// still cached, and dropping it would place every session's next turn blind (live, half
+    /// the batches lost for 30 s cleared the views again and again and the agentic sessions'
+    /// hit rate fell from 97% to 13%; `bench/BENCHMARKS.md` §11d). The view is kept and marked
+    /// as having a gap, so the requests routed there are credited as when its stores name
+    /// parents it never saw ([`KvIndex::mark_gap`]), until its cache is cleared. Blocks whose
+    /// removal was lost stay credited until then, or until the view outgrows the endpoint's
+    /// block budget, which clears it.
+    pub fn resync(&self, endpoint: &EndpointId, reason: &ResyncReason) -> Resynced {
+        if !reason.cache_survived() {
+            return Resynced::Cleared(self.clear(endpoint, ClearCause::Resync));
+        }
+        let mut inner = self.inner.write();
+        if let Some(slot) = inner.index.slot(endpoint) {
+            inner.index.mark_gap(slot, self.gap_extend_ms());
+        }
+        Resynced::Kept
+    }
+
+    /// How much longer the provisional credits an endpoint holds last once its view has a gap.
+    fn gap_extend_ms(&self) -> u64 {
+        self.budget
+            .approximate_ttl_ms
+            .saturating_sub(self.budget.provisional_ttl_ms)
     }
 
     /// Forget `endpoint`'s cached blocks; returns how many were dropped.

@@ -16,10 +16,11 @@ use kvroute_routing::endpoint::{Endpoint, EndpointId, EndpointState, ModelConfig
 use kvroute_routing::index::{IndexConfig, PrefixMatch};
 use kvroute_routing::inflight::InflightGuard;
 use kvroute_routing::kv_events::ingest::IngestKeys;
+use kvroute_routing::kv_events::resequence::ResyncReason;
 use kvroute_routing::kv_events::{EventBatch, KvEvent};
 use kvroute_routing::load::EndpointLoad;
 use kvroute_routing::place::{Pool, PoolSettings};
-use kvroute_routing::pool_state::{ClearCause, IndexBudget, Membership, PoolMember};
+use kvroute_routing::pool_state::{ClearCause, IndexBudget, Membership, PoolMember, Resynced};
 use kvroute_routing::router::Router;
 use proptest::prelude::*;
 
@@ -93,6 +94,9 @@ enum Op {
     View(Vec<Member>),
     Batch(u8, Vec<Ev>),
     Clear(u8, ClearCause),
+    /// The endpoint's event stream could not be kept whole: its engine lost batches and goes
+    /// on (`true`), or restarted (`false`).
+    Resync(u8, bool),
     Learn(u8, Option<u64>),
     Stale(u8, bool),
     Routed(u8, u8, u8),
@@ -139,6 +143,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => prop::collection::vec(member(), 0..5).prop_map(Op::View),
         6 => (0..ENDPOINTS, prop::collection::vec(ev(), 1..4)).prop_map(|(n, e)| Op::Batch(n, e)),
         1 => (0..ENDPOINTS, cause).prop_map(|(n, c)| Op::Clear(n, c)),
+        1 => (0..ENDPOINTS, any::<bool>()).prop_map(|(n, survived)| Op::Resync(n, survived)),
         2 => (0..ENDPOINTS, prop_oneof![Just(None), Just(Some(1u64)), Just(Some(3u64)), Just(Some(6u64)), Just(Some(1_000_000_000_000u64))])
             .prop_map(|(n, c)| Op::Learn(n, c)),
         2 => (0..ENDPOINTS, any::<bool>()).prop_map(|(n, s)| Op::Stale(n, s)),
@@ -475,6 +480,24 @@ proptest! {
                         held
                     });
                     prop_assert_eq!(pool.clear(&id(n), cause), want);
+                }
+                Op::Resync(n, survived) => {
+                    let reason = if survived {
+                        ResyncReason::ReplayShort { requested: 7, first: Some(9) }
+                    } else {
+                        ResyncReason::PublisherRestarted { expected: 7, got: 0 }
+                    };
+                    // lost batches keep what the view holds; a restart drops it
+                    let want = if survived {
+                        Resynced::Kept
+                    } else {
+                        Resynced::Cleared(model.members.get_mut(&n).map_or(0, |m| {
+                            let held = m.len();
+                            m.clear();
+                            held
+                        }))
+                    };
+                    prop_assert_eq!(pool.resync(&id(n), &reason), want);
                 }
                 Op::Learn(n, capacity) => {
                     let load = EndpointLoad {

@@ -9,6 +9,8 @@ use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
+use kvroute_routing::kv_events::ingest::{IndexAccess, Stepped, Steps};
+
 use crate::alloc;
 use crate::workload::{EventKind, Workload};
 
@@ -84,24 +86,39 @@ fn time_queries<T>(
 /// Apply one event to kvroute's index as the service does; returns the blocks it refused.
 fn kvroute_apply(
     w: &Workload,
-    ix: &mut kvroute_routing::index::KvIndex,
+    access: &mut impl IndexAccess,
     slot: u32,
     ev: &crate::workload::Event,
     pairs: &[(u64, u64)],
 ) -> usize {
-    use kvroute_routing::index::StoreOutcome;
+    // the service's path: stepped, so that a waiting pick gets the index between steps
+    let mut steps = Steps::new(access.index(), slot);
     match ev.kind {
         EventKind::Stored { parent } => {
             // The service resolves the parent's key to chain the new blocks' keys.
-            let orphan =
-                parent.is_some_and(|p| black_box(ix.key_for_engine_hash(slot, p)).is_none());
-            let refused = !matches!(
-                ix.store_after(slot, parent, &pairs[ev.start..ev.start + ev.len]),
-                Ok(StoreOutcome::Stored)
-            );
-            usize::from(orphan) + usize::from(refused)
+            let orphan = parent
+                .is_some_and(|p| black_box(access.index().key_for_engine_hash(slot, p)).is_none());
+            let (_, end) = steps.store(access, parent, &pairs[ev.start..ev.start + ev.len]);
+            usize::from(orphan) + usize::from(end != Stepped::Done)
         }
-        EventKind::Removed => ev.len - ix.remove(slot, w.event_chain(ev)),
+        EventKind::Removed => {
+            let (removed, _) = steps.remove(access, w.event_chain(ev), 0, &mut Vec::new());
+            ev.len - removed as usize
+        }
+    }
+}
+
+/// kvroute's index behind the service's lock, held for writing by the event thread: it lets
+/// a waiting pick in between steps, as `PoolState::apply_batch` does.
+struct Writing<'a>(parking_lot::RwLockWriteGuard<'a, kvroute_routing::index::KvIndex>);
+
+impl IndexAccess for Writing<'_> {
+    fn index(&mut self) -> &mut kvroute_routing::index::KvIndex {
+        &mut self.0
+    }
+
+    fn yield_now(&mut self) {
+        parking_lot::RwLockWriteGuard::bump(&mut self.0);
     }
 }
 
@@ -228,9 +245,9 @@ pub fn kvroute_mixed(w: &Workload) -> Mixed {
         || {
             let mut errors = 0;
             for ev in &w.events {
-                let mut guard = ix.write();
-                errors += kvroute_apply(w, &mut guard, slots[ev.worker as usize], ev, &pairs);
-                parking_lot::RwLockWriteGuard::unlock_fair(guard);
+                let mut writing = Writing(ix.write());
+                errors += kvroute_apply(w, &mut writing, slots[ev.worker as usize], ev, &pairs);
+                parking_lot::RwLockWriteGuard::unlock_fair(writing.0);
             }
             errors
         },

@@ -8,7 +8,7 @@
 
 use serde::Serialize;
 
-use crate::block_keys::{BlockHasher, ChainRoot};
+use crate::block_keys::{BlockHasher, BlockKey, ChainRoot};
 use crate::index::{EventPlace, KvIndex, NamespaceRefusal, Slot, StoreOutcome, Tier};
 use crate::kv_events::{BlockPlace, EventBatch, ExtraKey, KvEvent};
 
@@ -50,6 +50,9 @@ pub struct IngestStats {
     /// Moves of blocks the picker did not hold in the tier they left (skipped: the block's
     /// tokens are not in the move, so it cannot be keyed).
     pub unknown_moved_blocks: u64,
+    /// The endpoint was cleared, removed or replaced while the batch let picks in between
+    /// its steps: the rest of the batch was not applied (it belonged to the view dropped).
+    pub interrupted: bool,
 }
 
 impl IngestStats {
@@ -135,15 +138,143 @@ fn opaque_key(parent: u64) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(b"kvroute:opaque-extra-keys", parent)
 }
 
+/// The most blocks a batch applies at a time: between two steps, a pick waiting for the index
+/// gets it (an agent's 1M-token context is stored in one event of ~15,000 blocks, which would
+/// otherwise hold every pick for a millisecond or more; `benches/index-compare --mixed`).
+pub const STEP_BLOCKS: usize = 128;
+
+/// Where a batch is applied: the index, and how waiting picks get at it between steps.
+pub trait IndexAccess {
+    fn index(&mut self) -> &mut KvIndex;
+    /// Let a pick waiting for the index in, if there is one.
+    fn yield_now(&mut self) {}
+    /// Run `f`, which needs no index, with the index free for others.
+    fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+}
+
+/// An index nobody else reads: no steps.
+impl IndexAccess for KvIndex {
+    fn index(&mut self) -> &mut KvIndex {
+        self
+    }
+}
+
+/// How a stepped store or removal ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stepped {
+    Done,
+    /// The endpoint went over its block budget and was cleared.
+    Overflowed,
+    /// The endpoint's view changed while others had the index: the rest was not applied.
+    Interrupted,
+    /// The index no longer tracks the slot.
+    Refused,
+}
+
+/// A batch's progress on one endpoint: counts the blocks applied since the last step and
+/// yields every [`STEP_BLOCKS`]; after a yield, the endpoint's view must be the one the batch
+/// began on.
+pub struct Steps {
+    slot: Slot,
+    view: Option<u64>,
+    since: usize,
+}
+
+impl Steps {
+    pub fn new(index: &KvIndex, slot: Slot) -> Self {
+        Self {
+            slot,
+            view: index.view(slot),
+            since: 0,
+        }
+    }
+
+    /// `blocks` more were applied; false when the view changed while others had the index.
+    fn advance(&mut self, access: &mut impl IndexAccess, blocks: usize) -> bool {
+        self.since += blocks;
+        if self.since < STEP_BLOCKS {
+            return true;
+        }
+        self.since = 0;
+        access.yield_now();
+        self.same_view(access)
+    }
+
+    fn same_view(&self, access: &mut impl IndexAccess) -> bool {
+        access.index().view(self.slot) == self.view
+    }
+
+    /// The batch itself changed the view (it cleared the endpoint).
+    fn rebase(&mut self, index: &KvIndex) {
+        self.view = index.view(self.slot);
+    }
+
+    /// Store `(engine hash, key)` pairs in chain order after the block with engine hash
+    /// `parent`, a step at a time (each step continues the last one's last block); returns
+    /// how many were stored and how it ended.
+    pub fn store(
+        &mut self,
+        access: &mut impl IndexAccess,
+        mut parent: Option<u64>,
+        pairs: &[(u64, BlockKey)],
+    ) -> (u64, Stepped) {
+        let mut done = 0;
+        for step in pairs.chunks(STEP_BLOCKS) {
+            match access.index().store_after(self.slot, parent, step) {
+                Ok(StoreOutcome::Stored) => {}
+                Ok(StoreOutcome::Overflowed) => return (done, Stepped::Overflowed),
+                Err(_) => return (done, Stepped::Refused),
+            }
+            parent = step.last().map(|&(h, _)| h);
+            done += step.len() as u64;
+            if !self.advance(access, step.len()) {
+                return (done, Stepped::Interrupted);
+            }
+        }
+        (done, Stepped::Done)
+    }
+
+    /// Remove blocks by engine hash (each XORed with `salt`, its namespace's; `scratch` holds
+    /// the salted hashes), a step at a time; returns how many were removed and how it ended.
+    pub fn remove(
+        &mut self,
+        access: &mut impl IndexAccess,
+        engine_hashes: &[u64],
+        salt: u64,
+        scratch: &mut Vec<u64>,
+    ) -> (u64, Stepped) {
+        let mut removed = 0;
+        for step in engine_hashes.chunks(STEP_BLOCKS) {
+            removed += if salt == 0 {
+                access.index().remove(self.slot, step)
+            } else {
+                scratch.clear();
+                scratch.extend(step.iter().map(|h| h ^ salt));
+                access.index().remove(self.slot, scratch)
+            } as u64;
+            if !self.advance(access, step.len()) {
+                return (removed, Stepped::Interrupted);
+            }
+        }
+        (removed, Stepped::Done)
+    }
+}
+
 /// Apply every event of `batch` to `slot`'s blocks. Never fails: bad events are counted and
-/// skipped so one malformed event cannot stall the stream.
+/// skipped so one malformed event cannot stall the stream. Large batches are applied in steps
+/// of [`STEP_BLOCKS`] blocks, letting waiting picks in between ([`IndexAccess`]); if the
+/// endpoint is cleared or removed meanwhile, the rest of the batch is void
+/// ([`IngestStats::interrupted`]).
 pub fn apply_batch(
-    index: &mut KvIndex,
+    access: &mut impl IndexAccess,
     slot: Slot,
     keys: IngestKeys<'_>,
     batch: &EventBatch,
 ) -> IngestStats {
     let mut stats = IngestStats::default();
+    let mut steps = Steps::new(access.index(), slot);
     let mut chain = Vec::new();
     let mut pairs = Vec::new();
     let mut salted = Vec::new();
@@ -169,7 +300,7 @@ pub fn apply_batch(
                     stats.placeholder_blocks += n;
                     continue;
                 }
-                let ns = match index.namespace_for_store(
+                let ns = match access.index().namespace_for_store(
                     slot,
                     event_place(medium.as_deref(), place),
                     *block_size,
@@ -211,7 +342,7 @@ pub fn apply_batch(
                 let salt = extra.salt.or(cache_salt.as_deref());
                 let parent = match parent_block_hash {
                     None => ChainRoot::new(keys.model, lora_name.as_deref(), salt).value(),
-                    Some(ph) => match index.chain_key_in(slot, *ph, &ns) {
+                    Some(ph) => match access.index().chain_key_in(slot, *ph, &ns) {
                         Some(k) => k,
                         None if ns.tier == Tier::Gpu => {
                             stats.orphan_blocks += n;
@@ -226,22 +357,32 @@ pub fn apply_batch(
                     },
                 };
                 chain.clear();
-                match extra.opaque_from {
-                    None => keys.hasher.continue_into(parent, token_ids, &mut chain),
+                let hash = |chain: &mut Vec<u64>| match extra.opaque_from {
+                    None => keys.hasher.continue_into(parent, token_ids, chain),
                     Some(first) => {
                         // blocks from `first` on depend on inputs the picker does not hash
                         // (images, embeddings): key them apart so no request matches them
                         let split = (first * group_block).min(token_ids.len());
                         keys.hasher
-                            .continue_into(parent, &token_ids[..split], &mut chain);
+                            .continue_into(parent, &token_ids[..split], chain);
                         let last = chain.last().copied().unwrap_or(parent);
-                        keys.hasher.continue_into(
-                            opaque_key(last),
-                            &token_ids[split..],
-                            &mut chain,
-                        );
-                        stats.opaque_blocks += n - first as u64;
+                        keys.hasher
+                            .continue_into(opaque_key(last), &token_ids[split..], chain);
                     }
+                };
+                if token_ids.len() / bs > STEP_BLOCKS {
+                    // the keys depend on the parent's, read above, and the tokens alone:
+                    // a long event is hashed with the index free
+                    access.unlocked(|| hash(&mut chain));
+                    if !steps.same_view(access) {
+                        stats.interrupted = true;
+                        return stats;
+                    }
+                } else {
+                    hash(&mut chain);
+                }
+                if let Some(first) = extra.opaque_from {
+                    stats.opaque_blocks += n - first as u64;
                 }
                 // a group block of `mult` pool blocks is keyed by the chain at its last one
                 let mult = ns.mult as usize;
@@ -253,14 +394,20 @@ pub fn apply_batch(
                         .map(|(&h, &k)| (h ^ ns.salt, k ^ ns.salt)),
                 );
                 let parent_hash = parent_block_hash.map(|p| p ^ ns.salt);
-                match index.store_after(slot, parent_hash, &pairs) {
-                    Ok(StoreOutcome::Stored) => stats.stored_blocks += n,
-                    Ok(StoreOutcome::Overflowed) => {
+                let (stored, end) = steps.store(access, parent_hash, &pairs);
+                match end {
+                    Stepped::Done => stats.stored_blocks += n,
+                    Stepped::Overflowed => {
                         stats.overflowed = true;
                         // everything after this point belongs to a view we just dropped
                         return stats;
                     }
-                    Err(_) => return stats,
+                    Stepped::Interrupted => {
+                        stats.stored_blocks += stored;
+                        stats.interrupted = true;
+                        return stats;
+                    }
+                    Stepped::Refused => return stats,
                 }
             }
             KvEvent::BlockRemoved {
@@ -270,21 +417,23 @@ pub fn apply_batch(
             } => {
                 salts.clear();
                 if place.any_tier {
-                    index.group_salts(slot, place.group_idx.unwrap_or(0), &mut salts);
+                    access
+                        .index()
+                        .group_salts(slot, place.group_idx.unwrap_or(0), &mut salts);
                 } else {
                     salts.extend(
-                        index.salt_for_removal(slot, event_place(medium.as_deref(), place)),
+                        access
+                            .index()
+                            .salt_for_removal(slot, event_place(medium.as_deref(), place)),
                     );
                 }
                 for &salt in &salts {
-                    let removed = if salt == 0 {
-                        index.remove(slot, block_hashes)
-                    } else {
-                        salted.clear();
-                        salted.extend(block_hashes.iter().map(|h| h ^ salt));
-                        index.remove(slot, &salted)
-                    };
-                    stats.removed_blocks += removed as u64;
+                    let (removed, end) = steps.remove(access, block_hashes, salt, &mut salted);
+                    stats.removed_blocks += removed;
+                    if end == Stepped::Interrupted {
+                        stats.interrupted = true;
+                        return stats;
+                    }
                 }
             }
             KvEvent::BlockMoved {
@@ -294,14 +443,15 @@ pub fn apply_batch(
                 place,
             } => {
                 let n = block_hashes.len() as u64;
-                let Some(from) =
-                    index.salt_for_removal(slot, event_place(from_medium.as_deref(), place))
+                let Some(from) = access
+                    .index()
+                    .salt_for_removal(slot, event_place(from_medium.as_deref(), place))
                 else {
                     stats.unknown_moved_blocks += n;
                     continue;
                 };
                 let bs = keys.hasher.block_size() as u32;
-                let to = match index.namespace_for_store(
+                let to = match access.index().namespace_for_store(
                     slot,
                     event_place(to_medium.as_deref(), place),
                     bs,
@@ -320,7 +470,7 @@ pub fn apply_batch(
                 pairs.clear();
                 salted.clear();
                 for &h in block_hashes {
-                    match index.key_for_engine_hash(slot, h ^ from) {
+                    match access.index().key_for_engine_hash(slot, h ^ from) {
                         Some(key) => {
                             salted.push(h ^ from);
                             pairs.push((h ^ to.salt, key ^ from ^ to.salt));
@@ -328,8 +478,8 @@ pub fn apply_batch(
                         None => stats.unknown_moved_blocks += 1,
                     }
                 }
-                index.remove(slot, &salted);
-                match index.store_after(slot, None, &pairs) {
+                access.index().remove(slot, &salted);
+                match access.index().store_after(slot, None, &pairs) {
                     Ok(StoreOutcome::Stored) => stats.moved_blocks += pairs.len() as u64,
                     Ok(StoreOutcome::Overflowed) => {
                         stats.overflowed = true;
@@ -337,9 +487,14 @@ pub fn apply_batch(
                     }
                     Err(_) => return stats,
                 }
+                if !steps.advance(access, pairs.len()) {
+                    stats.interrupted = true;
+                    return stats;
+                }
             }
             KvEvent::AllBlocksCleared => {
-                index.clear_endpoint(slot);
+                access.index().clear_endpoint(slot);
+                steps.rebase(access.index());
                 stats.cleared += 1;
             }
         }
@@ -828,5 +983,137 @@ mod tests {
         assert_eq!((s.placeholder_blocks, s.lower_tier_orphans), (1, 1));
         assert_eq!((s.malformed_blocks, s.foreign_block_size), (0, None));
         assert!(!s.needs_resync());
+    }
+
+    /// What others do to the index while a batch lets them at it.
+    type Meddle = Box<dyn FnMut(&mut KvIndex)>;
+
+    /// An index others get at between steps: `on_yield` is what they do there, and
+    /// `on_unlocked` what they do while a long event is hashed.
+    struct Shared {
+        ix: KvIndex,
+        yields: usize,
+        on_yield: Meddle,
+        on_unlocked: Meddle,
+    }
+
+    impl IndexAccess for Shared {
+        fn index(&mut self) -> &mut KvIndex {
+            &mut self.ix
+        }
+        fn yield_now(&mut self) {
+            self.yields += 1;
+            (self.on_yield)(&mut self.ix);
+        }
+        fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+            let r = f();
+            (self.on_unlocked)(&mut self.ix);
+            r
+        }
+    }
+
+    fn shared(
+        on_yield: impl FnMut(&mut KvIndex) + 'static,
+        on_unlocked: impl FnMut(&mut KvIndex) + 'static,
+    ) -> (Shared, Slot, IngestKeys<'static>) {
+        let (ix, slot, keys) = setup();
+        let s = Shared {
+            ix,
+            yields: 0,
+            on_yield: Box::new(on_yield),
+            on_unlocked: Box::new(on_unlocked),
+        };
+        (s, slot, keys)
+    }
+
+    /// One event of `blocks` blocks of 4 tokens from the root, engine hashes from `first`.
+    fn long_store(blocks: usize, first: u64) -> (KvEvent, Vec<u32>) {
+        let tokens: Vec<u32> = (0..blocks as u32 * 4).collect();
+        let hashes = (first..first + blocks as u64).collect::<Vec<_>>();
+        (stored(&hashes, None, tokens.clone()), tokens)
+    }
+
+    #[test]
+    fn a_long_event_is_stored_in_steps_as_if_whole() {
+        let blocks = 3 * STEP_BLOCKS + 5;
+        let (ev, tokens) = long_store(blocks, 1);
+        let (mut whole, slot, keys) = setup();
+        let s = apply_batch(&mut whole, slot, keys, &batch(vec![ev.clone()]));
+        assert_eq!(s.stored_blocks, blocks as u64);
+        let (mut stepped, slot, keys) = shared(|_| {}, |_| {});
+        let t = apply_batch(&mut stepped, slot, keys, &batch(vec![ev]));
+        assert_eq!(t, s);
+        assert_eq!(stepped.yields, 3, "a yield after each full step");
+        assert_eq!(matched(&stepped.ix, &tokens), blocks as u32);
+        assert_eq!(stepped.ix.endpoint_blocks(slot), blocks);
+        // and removed in steps, the run cut where the removal starts
+        let gone: Vec<u64> = (200..=blocks as u64).collect();
+        let r = apply_batch(
+            &mut stepped,
+            slot,
+            keys,
+            &batch(vec![KvEvent::BlockRemoved {
+                block_hashes: gone.clone(),
+                medium: None,
+                place: Default::default(),
+            }]),
+        );
+        assert_eq!(
+            (r.removed_blocks, r.interrupted),
+            (gone.len() as u64, false)
+        );
+        assert_eq!(matched(&stepped.ix, &tokens), 199);
+    }
+
+    #[test]
+    fn a_clear_between_steps_voids_the_rest_of_the_batch() {
+        let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 0);
+        let other = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8001, 0);
+        // the endpoint goes (its view dropped) and another takes its slot meanwhile
+        let (mut a, slot, keys) = shared(
+            move |ix| {
+                ix.remove_endpoint(&id);
+                ix.add_endpoint(other, IndexMode::Precise, 1000)
+                    .expect("slot");
+            },
+            |_| {},
+        );
+        let (ev, tokens) = long_store(2 * STEP_BLOCKS, 1);
+        let (next, _) = long_store(4, 10_000);
+        let s = apply_batch(&mut a, slot, keys, &batch(vec![ev, next]));
+        assert!(s.interrupted);
+        assert_eq!(s.stored_blocks, STEP_BLOCKS as u64, "the first step only");
+        assert_eq!(a.ix.slot(&other), Some(slot));
+        assert_eq!(
+            a.ix.endpoint_blocks(slot),
+            0,
+            "nothing lands on the newcomer"
+        );
+        assert_eq!(matched(&a.ix, &tokens), 0);
+
+        // a clear while a long event is hashed: nothing of it is stored
+        let (mut b, slot, keys) = shared(
+            |_| {},
+            |ix| {
+                ix.clear_endpoint(0);
+            },
+        );
+        let (ev, tokens) = long_store(STEP_BLOCKS + 1, 1);
+        let s = apply_batch(&mut b, slot, keys, &batch(vec![ev]));
+        assert!(s.interrupted);
+        assert_eq!((s.stored_blocks, b.ix.endpoint_blocks(slot)), (0, 0));
+        assert_eq!(matched(&b.ix, &tokens), 0);
+
+        // the batch's own clear is no interruption
+        let (mut c, slot, keys) = shared(|_| {}, |_| {});
+        let (ev, tokens) = long_store(2 * STEP_BLOCKS + 1, 1);
+        let s = apply_batch(
+            &mut c,
+            slot,
+            keys,
+            &batch(vec![long_store(3, 50_000).0, KvEvent::AllBlocksCleared, ev]),
+        );
+        assert!(!s.interrupted);
+        assert_eq!(matched(&c.ix, &tokens), 2 * STEP_BLOCKS as u32 + 1);
     }
 }

@@ -249,6 +249,23 @@ pub enum ResyncReason {
     },
 }
 
+impl ResyncReason {
+    /// Whether the engine's cache outlived what was missed: batches were lost but the same
+    /// engine process goes on publishing (a gap no replay filled), as opposed to a restart or a
+    /// reconnect that cannot tell.
+    pub fn cache_survived(&self) -> bool {
+        match self {
+            Self::NoReplayEndpoint { .. }
+            | Self::ReplayShort { .. }
+            | Self::ReplayFailed { .. }
+            | Self::ReplayIncomplete { .. } => true,
+            Self::PublisherRestarted { .. } | Self::EpochChanged | Self::ContinuityLost { .. } => {
+                false
+            }
+        }
+    }
+}
+
 impl fmt::Display for ResyncReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -15,7 +15,7 @@ use crate::block_keys::BlockHasher;
 use crate::endpoint::EndpointId;
 use crate::kv_events::budget::{Admit, EventBudget};
 use crate::kv_events::ingest::IngestKeys;
-use crate::pool_state::ClearCause;
+use crate::pool_state::{ClearCause, Resynced};
 use crate::service::diagnostics::BlockSizeSource;
 use crate::service::state::PickerState;
 
@@ -146,9 +146,15 @@ async fn consume(
                 }
             }
             SubscriberEvent::Resync { reason } => {
-                tracing::warn!(endpoint = %key.endpoint, ?reason, "KV events resync: clearing the endpoint's blocks");
                 picker.metrics.event_problem("resync");
-                picker.pool.state().clear(&key.endpoint, ClearCause::Resync);
+                match picker.pool.state().resync(&key.endpoint, &reason) {
+                    Resynced::Cleared(_) => {
+                        tracing::warn!(endpoint = %key.endpoint, %reason, "KV events resync: cleared the endpoint's blocks")
+                    }
+                    Resynced::Kept => {
+                        tracing::warn!(endpoint = %key.endpoint, %reason, "KV events lost: the endpoint's blocks are kept and its view marked as having a gap")
+                    }
+                }
             }
             SubscriberEvent::DecodeError { error, .. } => {
                 picker.metrics.event_problem("decode_error");
