@@ -19,12 +19,7 @@ const BLOCKS: usize = 20 * STEP_BLOCKS + 7;
 const ROUNDS: usize = 20;
 
 fn batch(events: Vec<KvEvent>) -> EventBatch {
-    EventBatch {
-        ts: 0.0,
-        events,
-        data_parallel_rank: None,
-        skipped_unknown: 0,
-    }
+    EventBatch::new(0.0, events)
 }
 
 #[test]

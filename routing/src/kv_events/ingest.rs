@@ -515,12 +515,7 @@ mod tests {
     }
 
     fn batch(events: Vec<KvEvent>) -> EventBatch {
-        EventBatch {
-            ts: 0.0,
-            events,
-            data_parallel_rank: None,
-            skipped_unknown: 0,
-        }
+        EventBatch::new(0.0, events)
     }
 
     fn setup() -> (KvIndex, Slot, IngestKeys<'static>) {

@@ -76,6 +76,16 @@ pub struct EventBatch {
 }
 
 impl EventBatch {
+    /// A batch of `events` published at `ts`, naming no rank.
+    pub fn new(ts: f64, events: Vec<KvEvent>) -> Self {
+        Self {
+            ts,
+            events,
+            data_parallel_rank: None,
+            skipped_unknown: 0,
+        }
+    }
+
     /// What the batch costs against a publisher's event budget: one per event, plus one per
     /// block it stores or removes (a batch of one event naming 512 blocks does the index work
     /// of 512 events).
