@@ -27,6 +27,7 @@ pub mod config;
 pub mod endpoint;
 pub mod engine_metrics;
 pub mod flow;
+pub mod handoff;
 pub mod index;
 pub mod inflight;
 pub mod kv_events;

@@ -13,15 +13,16 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::RwLockReadGuard;
 
 use crate::block_keys::BlockKey;
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointPatch, EndpointSet, EndpointSnapshot, EndpointState,
 };
+use crate::handoff::HandoffLock;
 use crate::index::{IndexConfig, IndexError, IndexMode, KvIndex};
 use crate::kv_events::EventBatch;
-use crate::kv_events::ingest::{IndexAccess, IngestKeys, IngestStats, apply_batch};
+use crate::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
 use crate::kv_events::resequence::ResyncReason;
 use crate::load::{EndpointLoad, LoadTable};
 
@@ -168,21 +169,9 @@ pub enum Resynced {
     Kept,
 }
 
-/// The pool's lock held for writing by event ingestion: a large batch lets waiting picks in
-/// between its steps, and hashes a long event's tokens with the lock released.
-struct Writing<'a>(RwLockWriteGuard<'a, Inner>);
-
-impl IndexAccess for Writing<'_> {
-    fn index(&mut self) -> &mut KvIndex {
-        &mut self.0.index
-    }
-
-    fn yield_now(&mut self) {
-        RwLockWriteGuard::bump(&mut self.0);
-    }
-
-    fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
-        RwLockWriteGuard::unlocked_fair(&mut self.0, f)
+impl AsMut<KvIndex> for Inner {
+    fn as_mut(&mut self) -> &mut KvIndex {
+        &mut self.index
     }
 }
 
@@ -218,7 +207,7 @@ pub struct PoolState {
     /// Readers take snapshots without the lock; it is only replaced under the write lock, so
     /// the set and the index never disagree about who is a member for longer than a read.
     endpoints: EndpointSet,
-    inner: RwLock<Inner>,
+    inner: HandoffLock<Inner>,
     budget: IndexBudget,
     /// Bumped whenever the endpoint set (membership or a state) changes or a view is applied;
     /// the service wakes its loops on it ([`PoolState::version`]).
@@ -238,7 +227,7 @@ impl PoolState {
     pub fn new(index: IndexConfig, budget: IndexBudget) -> Self {
         Self {
             endpoints: EndpointSet::default(),
-            inner: RwLock::new(Inner {
+            inner: HandoffLock::new(Inner {
                 index: KvIndex::new(index),
                 loads: LoadTable::new(),
                 members: hashbrown::HashMap::new(),
@@ -338,14 +327,13 @@ impl PoolState {
         keys: IngestKeys<'_>,
         batch: &EventBatch,
     ) -> Option<IngestStats> {
-        let inner = self.inner.write();
+        let mut inner = self.inner.write();
         let slot = inner.index.slot(endpoint)?;
         if inner.index.mode(slot) != Some(IndexMode::Precise) {
             return None;
         }
-        let mut writing = Writing(inner);
-        let stats = apply_batch(&mut writing, slot, keys, batch);
-        let mut inner = writing.0;
+        // a large batch lets the picks waiting for the lock in between its steps
+        let stats = apply_batch(&mut inner, slot, keys, batch);
         if stats.interrupted {
             return Some(stats);
         }
@@ -356,11 +344,10 @@ impl PoolState {
                  had passed): crediting the requests routed there until its cache is cleared"
             );
         }
-        // Hand the lock to a waiting pick, if any, rather than to the next batch: with a
-        // backlog of events a plain unlock lets this thread take the lock straight back, and
-        // the picks waiting on it only get their turn after half a millisecond
+        // Hand the lock to the picks waiting for it, if any, rather than to the next batch:
+        // with a backlog of events a plain unlock lets this thread take it straight back
         // (`benches/index-compare --mixed`).
-        RwLockWriteGuard::unlock_fair(inner);
+        inner.release();
         Some(stats)
     }
 

@@ -108,20 +108,6 @@ fn kvroute_apply(
     }
 }
 
-/// kvroute's index behind the service's lock, held for writing by the event thread: it lets
-/// a waiting pick in between steps, as `PoolState::apply_batch` does.
-struct Writing<'a>(parking_lot::RwLockWriteGuard<'a, kvroute_routing::index::KvIndex>);
-
-impl IndexAccess for Writing<'_> {
-    fn index(&mut self) -> &mut kvroute_routing::index::KvIndex {
-        &mut self.0
-    }
-
-    fn yield_now(&mut self) {
-        parking_lot::RwLockWriteGuard::bump(&mut self.0);
-    }
-}
-
 /// kvroute's index with one precise endpoint per worker, and their slots.
 fn kvroute_index(w: &Workload) -> (kvroute_routing::index::KvIndex, Vec<u32>) {
     use kvroute_routing::endpoint::EndpointId;
@@ -231,23 +217,23 @@ fn mixed(w: &Workload, ingest: impl FnOnce() -> usize, query: impl Fn(usize) + S
     })
 }
 
-/// kvroute's index behind the service's lock (`parking_lot::RwLock`): a write lock per event,
-/// a read lock per query.
+/// kvroute's index behind the service's lock (`HandoffLock`): a write lock per event, applied
+/// in steps as `PoolState::apply_batch` does, a read lock per query.
 pub fn kvroute_mixed(w: &Workload) -> Mixed {
+    use kvroute_routing::handoff::HandoffLock;
     use kvroute_routing::index::PrefixMatch;
-    use parking_lot::RwLock;
 
     let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
     let (ix, slots) = kvroute_index(w);
-    let ix = RwLock::new(ix);
+    let ix = HandoffLock::new(ix);
     mixed(
         w,
         || {
             let mut errors = 0;
             for ev in &w.events {
-                let mut writing = Writing(ix.write());
+                let mut writing = ix.write();
                 errors += kvroute_apply(w, &mut writing, slots[ev.worker as usize], ev, &pairs);
-                parking_lot::RwLockWriteGuard::unlock_fair(writing.0);
+                writing.release();
             }
             errors
         },
