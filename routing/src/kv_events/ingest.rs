@@ -958,18 +958,7 @@ mod tests {
             ..BlockPlace::default()
         };
         let placeholder = placed(
-            KvEvent::BlockStored {
-                block_hashes: vec![9],
-                parent_block_hash: None,
-                token_ids: Vec::new(),
-                block_size: 0,
-                lora_id: None,
-                medium: None,
-                lora_name: None,
-                extra_keys: Vec::new(),
-                cache_salt: None,
-                place: BlockPlace::default(),
-            },
+            KvEvent::plain_stored(vec![9], None, Vec::new(), 0),
             Some("CPU"),
             cpu.clone(),
         );
