@@ -258,10 +258,7 @@ async fn a_restarted_picker_is_a_new_process_that_serves() {
                 .text()
                 .await
                 .unwrap();
-            text.lines()
-                .filter(|l| l.starts_with("kvroute_picker_decisions_total{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>()
+            kvroute_testkit::metric_sum(&text, "kvroute_picker_decisions_total", &[])
         }
     };
     let before = pickers.url(0).await.expect("up");

@@ -70,10 +70,7 @@ scrape: {{interval: 50ms}}
 async fn engine_metric(e: &SimHandle, name: &str, labels: &str) -> f64 {
     let text =
         kvroute_testkit::get_text(&client(), format!("http://{}/metrics", e.addrs()[0].http)).await;
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_testkit::metric_sum(&text, name, &[labels])
 }
 
 /// A one-token completion of `tokens` sent to engine `e` directly, past the picker.
@@ -494,11 +491,11 @@ async fn rank_tokens(e: &SimHandle, rank: u64, source: &str) -> f64 {
     let text =
         kvroute_testkit::get_text(&client(), format!("http://{}/metrics", e.addrs()[0].http)).await;
     let rank = format!("engine=\"{rank}\"");
-    text.lines()
-        .filter(|l| l.starts_with("vllm:prompt_tokens_by_source_total"))
-        .filter(|l| l.contains(&rank) && l.contains(source))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_testkit::metric_sum(
+        &text,
+        "vllm:prompt_tokens_by_source_total",
+        &[&rank, source],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

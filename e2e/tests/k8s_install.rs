@@ -16,18 +16,7 @@ use kube::Api;
 use kvroute_e2e::cluster::{LEASE, OPERATOR_NAMESPACE, wait};
 
 use k8s_support::*;
-
-/// The sum of every sample of `metric` in a Prometheus text page.
-fn metric_sum(page: &str, metric: &str) -> f64 {
-    page.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(metric)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+use kvroute_testkit::metric_sum;
 
 async fn metrics(addr: SocketAddr) -> String {
     kvroute_testkit::get_text(
@@ -109,19 +98,19 @@ async fn helm_install_establishes_the_crd_and_one_operator_replica_leads() {
 
     let a = metrics(first_addr).await;
     let b = metrics(second_addr).await;
-    assert_eq!(metric_sum(&a, "kvroute_operator_leader"), 1.0, "{a}");
+    assert_eq!(metric_sum(&a, "kvroute_operator_leader", &[]), 1.0, "{a}");
     assert!(
-        metric_sum(&a, "kvroute_operator_object_writes_total") > 0.0,
+        metric_sum(&a, "kvroute_operator_object_writes_total", &[]) > 0.0,
         "{a}"
     );
-    assert_eq!(metric_sum(&b, "kvroute_operator_leader"), 0.0, "{b}");
+    assert_eq!(metric_sum(&b, "kvroute_operator_leader", &[]), 0.0, "{b}");
     assert_eq!(
-        metric_sum(&b, "kvroute_operator_object_writes_total"),
+        metric_sum(&b, "kvroute_operator_object_writes_total", &[]),
         0.0,
         "the follower wrote:\n{b}"
     );
     assert_eq!(
-        metric_sum(&b, "kvroute_operator_reconciles_total"),
+        metric_sum(&b, "kvroute_operator_reconciles_total", &[]),
         0.0,
         "{b}"
     );
@@ -135,7 +124,8 @@ async fn helm_install_establishes_the_crd_and_one_operator_replica_leads() {
     first.kill();
     wait::until("operator-b to take the lease", TIMEOUT, || async {
         let holder = lease_holder(&leases, &lease_name).await;
-        let leading = metric_sum(&metrics(second_addr).await, "kvroute_operator_leader") == 1.0;
+        let leading =
+            metric_sum(&metrics(second_addr).await, "kvroute_operator_leader", &[]) == 1.0;
         Ok((holder.as_deref() == Some("operator-b") && leading).then_some(()))
     })
     .await
@@ -151,7 +141,7 @@ async fn helm_install_establishes_the_crd_and_one_operator_replica_leads() {
     wait_pool_eligible(&client, &ns.name, "llama", "llama", 2, 4).await;
     let b = metrics(second_addr).await;
     assert!(
-        metric_sum(&b, "kvroute_operator_object_writes_total") > 0.0,
+        metric_sum(&b, "kvroute_operator_object_writes_total", &[]) > 0.0,
         "{b}"
     );
     second.terminate(Duration::from_secs(5));

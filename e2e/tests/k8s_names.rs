@@ -290,10 +290,7 @@ async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
             .text()
             .await
             .unwrap();
-        page.lines()
-            .filter(|l| l.starts_with("kvroute_picker_decisions_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
+        kvroute_testkit::metric_sum(&page, "kvroute_picker_decisions_total", &[])
     };
     let before = decisions().await;
     let r = http

@@ -339,11 +339,7 @@ async fn scaled_up_endpoints_take_traffic_and_deleted_pods_leave() {
         format!("http://{new_ip}:8000/metrics"),
     )
     .await;
-    let successes: f64 = served
-        .lines()
-        .filter(|l| l.starts_with("vllm:request_success_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let successes = kvroute_testkit::metric_sum(&served, "vllm:request_success_total", &[]);
     assert!(successes > 0.0, "the new engine took no traffic:\n{served}");
 
     // delete one pod under load: it leaves the picker's view, and nothing fails once it's gone

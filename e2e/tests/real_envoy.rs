@@ -93,10 +93,7 @@ async fn served(engine: &SimHandle) -> f64 {
         format!("http://{}/metrics", engine.addrs()[0].http),
     )
     .await;
-    text.lines()
-        .filter(|l| l.starts_with("vllm:request_success_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_testkit::metric_sum(&text, "vllm:request_success_total", &[])
 }
 
 /// Runs `tokens` on `engine` directly, then waits until the picker's pick API prefers it.

@@ -21,10 +21,7 @@ use sim_support::{client, eventually, static_picker};
 async fn tokens_by_source(e: &Engine, source: &str) -> f64 {
     let text = kvroute_testkit::get_text(&client(), e.url("/metrics")).await;
     let source = format!("source=\"{source}\"");
-    text.lines()
-        .filter(|l| l.starts_with("vllm:prompt_tokens_by_source_total") && l.contains(&source))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_testkit::metric_sum(&text, "vllm:prompt_tokens_by_source_total", &[&source])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

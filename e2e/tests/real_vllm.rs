@@ -77,12 +77,7 @@ async fn engine_hits(e: &Engine) -> f64 {
 
 /// The sum of an engine's samples of the metric `name`.
 async fn metric_sum(e: &Engine, name: &str) -> f64 {
-    metrics_text(e)
-        .await
-        .lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_testkit::metric_sum(&metrics_text(e).await, name, &[])
 }
 
 fn tokenizer(model: &Path) -> PromptTokenizer {

@@ -43,3 +43,31 @@ pub async fn post_json<B: serde::Serialize + ?Sized>(
         .await
         .unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
 }
+
+/// The sum of the samples of metric `name` (exactly that name, any labels) in a Prometheus
+/// text page whose line contains every one of `labels`.
+pub fn metric_sum(page: &str, name: &str, labels: &[&str]) -> f64 {
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric_sum;
+
+    #[test]
+    fn metric_sum_adds_one_metrics_samples_with_the_labels() {
+        let page = "# HELP x_total x\n# TYPE x_total counter\nx_total{a=\"1\",b=\"2\"} 3\n\
+                    x_total{a=\"2\"} 4.5\nx_total_created 99\nx_totals 7\nx_total 1\n";
+        assert_eq!(metric_sum(page, "x_total", &[]), 8.5);
+        assert_eq!(metric_sum(page, "x_total", &["a=\"1\""]), 3.0);
+        assert_eq!(metric_sum(page, "x_total", &["a=\"1\"", "b=\"3\""]), 0.0);
+        assert_eq!(metric_sum(page, "missing", &[]), 0.0);
+    }
+}
