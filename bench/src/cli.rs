@@ -381,7 +381,8 @@ pub struct ReplayArgs {
     pub lora_blind: bool,
     /// Flow control on (`routing.flowControl`), its queue fed by the bands and tenants below;
     /// per-class TTFT in the report. Live mode sends each request's band and tenant in the
-    /// picker's default headers (`x-kvroute-priority`, `x-llm-d-inference-fairness-id`).
+    /// headers `x-kvroute-priority` (named as `priorityHeader`, which is unset by default) and
+    /// `x-llm-d-inference-fairness-id`.
     #[arg(long)]
     pub flow_control: bool,
     /// With `--flow-control`: place requests wherever the policy chooses
@@ -735,6 +736,8 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             r.validate()
                 .map_err(|e| anyhow::anyhow!("the routing flags: {e}"))?;
             r.flow_control.enabled = a.flow_control;
+            // the bench is the gateway here: it sets each request's band itself
+            r.flow_control.priority_header = Some("x-kvroute-priority".into());
             if a.flow_anywhere {
                 r.flow_control.placement = kvroute_picker::config::FlowPlacement::Anywhere;
             }

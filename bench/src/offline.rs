@@ -1011,7 +1011,12 @@ impl<'a> Sim<'a> {
             let counts = from.inflight().own_counts();
             for (j, to) in self.pickers.iter().enumerate() {
                 if j != k {
-                    to.inflight().apply_peer(k as u64, &counts, now);
+                    to.inflight().apply_peer(
+                        k as u64,
+                        &counts,
+                        now,
+                        kvroute_picker::inflight::PeerBound::default(),
+                    );
                 }
             }
         }

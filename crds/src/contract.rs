@@ -146,6 +146,11 @@ pub const TOKENIZER_MOUNT_ROOT: &str = "/var/lib/kvroute/tokenizers";
 pub const TOKENIZER_JSON: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_JSON: &str = "tokenizer_config.json";
 
+/// Where the pool's peer key Secret (named [`picker_peers_name`]) is mounted in the picker,
+/// and its one key, which becomes this file (`peers.keyFile`).
+pub const PEER_KEY_MOUNT_DIR: &str = "/var/run/secrets/kvroute/peers";
+pub const PEER_KEY_FILE: &str = "key";
+
 /// Where `spec.picker.saltSecretRef` is mounted in the picker; the key becomes this file.
 pub const SALT_MOUNT_DIR: &str = "/var/run/secrets/kvroute/salt";
 pub const SALT_FILE: &str = "salt";

@@ -97,6 +97,38 @@ where
     Ok(true)
 }
 
+/// Apply `obj` of a kind the operator does not watch (Secrets: it keeps no cache of them and
+/// may not list them), reading the one object first. Returns whether a write was sent.
+pub async fn apply_uncached<K>(client: &Client, obj: &K) -> Result<bool>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + Debug,
+{
+    let ns = obj
+        .namespace()
+        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
+    let name = obj.name_any();
+    let api: Api<K> = Api::namespaced(client.clone(), &ns);
+    let live = api.get_opt(&name).await.map_err(|source| Error::Read {
+        what: format!("{} {name}", K::kind(&())),
+        source,
+    })?;
+    if live.as_ref().is_some_and(|l| up_to_date(obj, l)) {
+        return Ok(false);
+    }
+    api.patch(&name, &params(), &Patch::Apply(obj))
+        .await
+        .map_err(|source| Error::Apply {
+            kind: K::kind(&()).into_owned(),
+            name: name.clone(),
+            source,
+        })?;
+    Ok(true)
+}
+
 /// Apply a dynamic object (no cache: read it first). Returns whether a write was sent.
 pub async fn apply_dynamic(client: &Client, obj: &DynamicObject) -> Result<bool> {
     let ar = crate::desired::gateway_pool_resource();

@@ -10,7 +10,7 @@ use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
 use tokio_util::sync::CancellationToken;
 
-use crate::desired::BuildSettings;
+use crate::desired::{BuildSettings, PeerKeySeed};
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::reconcile::Context;
@@ -54,6 +54,27 @@ pub struct Args {
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+    /// A file holding the operator's secret (at least 16 bytes) from which each pool's peer
+    /// key is derived: the pickers of a pool then authenticate their in-flight exchange. The
+    /// chart generates one and keeps it across upgrades. Absent: pickers exchange without a key.
+    #[arg(long, env = "KVROUTE_PEER_KEY_SEED_FILE")]
+    pub peer_key_seed_file: Option<std::path::PathBuf>,
+    /// What `peer_key_seed_file` holds, read once at start.
+    #[arg(skip)]
+    pub peer_key_seed: Option<PeerKeySeed>,
+}
+
+/// The seed named by `--peer-key-seed-file`, read and checked.
+fn peer_key_seed(args: &Args) -> anyhow::Result<Option<PeerKeySeed>> {
+    let Some(p) = &args.peer_key_seed_file else {
+        tracing::warn!("no --peer-key-seed-file: pickers exchange in-flight counts without a key");
+        return Ok(None);
+    };
+    let bytes = std::fs::read(p)
+        .map_err(|e| anyhow::anyhow!("--peer-key-seed-file {}: {e}", p.display()))?;
+    PeerKeySeed::new(&bytes)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("--peer-key-seed-file {}: {e}", p.display()))
 }
 
 fn identity(args: &Args) -> String {
@@ -65,8 +86,9 @@ fn identity(args: &Args) -> String {
 
 /// Run the operator until SIGTERM/Ctrl-C (or lost leadership, which is an error: the process
 /// exits and its restart competes again).
-pub async fn run(args: Args) -> anyhow::Result<()> {
+pub async fn run(mut args: Args) -> anyhow::Result<()> {
     kvroute_process::init_logging(args.log_json, "info");
+    args.peer_key_seed = peer_key_seed(&args)?;
     let client = Client::try_default().await.map_err(Error::Client)?;
     let metrics = Arc::new(Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
@@ -139,6 +161,7 @@ async fn run_controller(
     ready.store(false, Ordering::Relaxed);
     let settings = BuildSettings {
         picker_image: args.picker_image.clone(),
+        peer_key_seed: args.peer_key_seed.clone(),
     };
     let ctx_client = client.clone();
     crate::controller::run(

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Secret, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -26,13 +26,57 @@ use crate::error::{Error, Result};
 pub struct BuildSettings {
     /// Picker image when the pool names none.
     pub picker_image: String,
+    /// The operator's secret from which each pool's peer key is derived (`--peer-key-seed-file`);
+    /// none: pickers exchange in-flight counts without a key.
+    pub peer_key_seed: Option<PeerKeySeed>,
 }
 
 impl Default for BuildSettings {
     fn default() -> Self {
         Self {
             picker_image: format!("ghcr.io/kvroute/kvroute:{}", env!("CARGO_PKG_VERSION")),
+            peer_key_seed: None,
         }
+    }
+}
+
+/// The operator's secret for peer keys; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerKeySeed(Vec<u8>);
+
+impl std::fmt::Debug for PeerKeySeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PeerKeySeed(..)")
+    }
+}
+
+impl PeerKeySeed {
+    /// A seed of at least 16 bytes (surrounding whitespace trimmed).
+    pub fn new(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let b = bytes.trim_ascii();
+        if b.len() < 16 {
+            return Err(format!(
+                "the peer key seed must be at least 16 bytes, got {}",
+                b.len()
+            ));
+        }
+        Ok(Self(b.to_vec()))
+    }
+
+    /// The key of the pool with `uid`: HMAC-SHA256 of the uid under the seed, hex. The same
+    /// on every reconcile and every operator replica (no write churn, no key to store), and
+    /// new for a pool deleted and created again.
+    pub fn pool_key(&self, uid: &str) -> String {
+        use hmac::Mac;
+        let mut mac = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(&self.0)
+            .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
+        mac.update(b"kvroute peers key\0");
+        mac.update(uid.as_bytes());
+        mac.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 }
 
@@ -48,6 +92,8 @@ pub struct Desired {
     pub service: Service,
     /// The headless Service through which picker replicas find each other (`peers`).
     pub peer_service: Service,
+    /// The pool's peer key (`peers.keyFile`), when the operator has a seed.
+    pub peer_secret: Option<Secret>,
     /// Gateway API Inference Extension pools, when the pool asks for them.
     pub gateway_pools: Vec<DynamicObject>,
     /// Slice names per model config, for the status.
@@ -239,7 +285,7 @@ fn config_slices(
 /// The picker config file: listeners, and the pool's model configs, routing and tenancy as
 /// the picker will run them. Pickers in cluster mode take model configs, routing and tenancy
 /// live from the pool resource; the file's copy is for inspection and validation.
-pub fn render_picker_config(pool: &KVRoutePool) -> Result<(String, String)> {
+pub fn render_picker_config(pool: &KVRoutePool, keyed: bool) -> Result<(String, String)> {
     let (model_configs, tenancy) = pool.spec.for_picker(
         std::path::Path::new(contract::TOKENIZER_MOUNT_ROOT),
         std::path::Path::new(contract::SALT_MOUNT_DIR),
@@ -265,6 +311,14 @@ pub fn render_picker_config(pool: &KVRoutePool) -> Result<(String, String)> {
         ),
         "group": format!("{namespace}/{name}"),
     });
+    let mut peers = peers;
+    if keyed {
+        peers["keyFile"] = json!(format!(
+            "{}/{}",
+            contract::PEER_KEY_MOUNT_DIR,
+            contract::PEER_KEY_FILE
+        ));
+    }
     let doc = json!({
         "listen": listen,
         "modelConfigs": to_value("modelConfigs", &model_configs)?,
@@ -325,6 +379,15 @@ fn picker_deployment(
             "mountPath": contract::tokenizer_dir(std::path::Path::new(contract::TOKENIZER_MOUNT_ROOT), cm).display().to_string(),
             "readOnly": true,
         }));
+    }
+    if settings.peer_key_seed.is_some() {
+        volumes.push(json!({
+            "name": "peer-key",
+            "secret": {"secretName": contract::picker_peers_name(&name)},
+        }));
+        mounts.push(
+            json!({"name": "peer-key", "mountPath": contract::PEER_KEY_MOUNT_DIR, "readOnly": true}),
+        );
     }
     if let Some(s) = &picker.salt_secret_ref {
         volumes.push(json!({
@@ -574,7 +637,27 @@ pub fn build(
         );
         slices.extend(s);
     }
-    let (config_text, config_hash) = render_picker_config(pool)?;
+    let (config_text, config_hash) = render_picker_config(pool, settings.peer_key_seed.is_some())?;
+    let peer_secret = match &settings.peer_key_seed {
+        Some(seed) => {
+            let uid = pool.uid().ok_or(Error::MissingObjectKey("metadata.uid"))?;
+            Some(stamp(Secret {
+                metadata: meta(
+                    contract::picker_peers_name(&name),
+                    &namespace,
+                    picker_labels(&name),
+                    &owner,
+                ),
+                string_data: None,
+                data: Some(BTreeMap::from([(
+                    contract::PEER_KEY_FILE.to_owned(),
+                    k8s_openapi::ByteString(seed.pool_key(&uid).into_bytes()),
+                )])),
+                ..Secret::default()
+            })?)
+        }
+        None => None,
+    };
     let config_map = stamp(ConfigMap {
         metadata: meta(
             contract::picker_name(&name),
@@ -599,6 +682,7 @@ pub fn build(
         deployment: picker_deployment(pool, &namespace, &owner, settings, &config_hash)?,
         service: picker_service(pool, &namespace, &owner)?,
         peer_service: picker_peers_service(pool, &namespace, &owner)?,
+        peer_secret,
         gateway_pools: gateway_pools(pool, &namespace, &owner)?,
         slice_names,
     })

@@ -336,6 +336,13 @@ async fn apply_desired(
         usize::from(apply::apply(client, &s.services, &d.service).await?)
             + usize::from(apply::apply(client, &s.services, &d.peer_service).await?),
     );
+    if let Some(secret) = &d.peer_secret {
+        // before the Deployment: a picker mounting it must find it
+        m.wrote(
+            "Secret",
+            usize::from(apply::apply_uncached(client, secret).await?),
+        );
+    }
     m.wrote(
         "Deployment",
         usize::from(apply::apply(client, &s.deployments, &d.deployment).await?),

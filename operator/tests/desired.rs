@@ -160,7 +160,7 @@ fn rendered_config_is_a_valid_picker_config() {
     spec["tenancy"] = json!({"isolation": "SaltedCache", "header": "x-tenant"});
     spec["picker"] = json!({"saltSecretRef": {"name": "salt"}});
     let pool = mk_pool(spec);
-    let (text, _) = render_picker_config(&pool).expect("render");
+    let (text, _) = render_picker_config(&pool, true).expect("render");
     let c = kvroute_picker::service::settings::PickerConfig::from_yaml(&text)
         .unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(c.model_configs, {
@@ -202,6 +202,76 @@ fn rendered_config_is_a_valid_picker_config() {
         Some(format!("llama-peers.{NS}.svc:9190").as_str())
     );
     assert_eq!(c.peers.group, format!("{NS}/llama"));
+    assert_eq!(
+        c.peers.key_file.as_deref(),
+        Some("/var/run/secrets/kvroute/peers/key")
+    );
+}
+
+/// With the operator's seed, every pool gets its own peer key in a Secret that its pickers
+/// mount and name as `peers.keyFile`; without it, none.
+#[test]
+fn each_pool_gets_a_peer_key_derived_from_the_operators_seed() {
+    use kvroute_operator::desired::PeerKeySeed;
+    let seed = PeerKeySeed::new(b"an-operator-seed-0123456789\n").expect("seed");
+    assert!(PeerKeySeed::new(b"short").is_err());
+    let settings = BuildSettings {
+        peer_key_seed: Some(seed.clone()),
+        ..BuildSettings::default()
+    };
+    let pool = mk_pool(base_spec());
+    let d = build(&pool, &resolve(&pool.spec, NS, &[]), &settings).expect("build");
+    let secret = d.peer_secret.as_ref().expect("a peer Secret");
+    assert_eq!(secret.name_any(), "llama-peers");
+    let key = secret.data.as_ref().expect("set")[contract::PEER_KEY_FILE]
+        .0
+        .clone();
+    assert_eq!(key.len(), 64, "hex of 32 bytes");
+    // the same pool always gets the same key; another pool (another uid) another one
+    assert_eq!(
+        String::from_utf8(key.clone()).expect("set"),
+        seed.pool_key(&pool.uid().expect("set"))
+    );
+    assert_ne!(
+        seed.pool_key("another-uid"),
+        seed.pool_key(&pool.uid().expect("set"))
+    );
+    let pod = d
+        .deployment
+        .spec
+        .as_ref()
+        .expect("set")
+        .template
+        .spec
+        .as_ref()
+        .expect("set");
+    let vol = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "peer-key")
+        .expect("volume");
+    assert_eq!(
+        vol.secret.as_ref().expect("set").secret_name.as_deref(),
+        Some("llama-peers")
+    );
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "peer-key")
+        .expect("mount");
+    assert_eq!(mount.mount_path, contract::PEER_KEY_MOUNT_DIR);
+    let text = &d.config_map.data.as_ref().expect("set")[contract::PICKER_CONFIG_KEY];
+    assert!(
+        text.contains("keyFile: /var/run/secrets/kvroute/peers/key"),
+        "{text}"
+    );
+    // no seed: no Secret, no mount, no key file
+    let d = desired_for(base_spec(), &[]);
+    assert!(d.peer_secret.is_none());
+    let text = &d.config_map.data.as_ref().expect("set")[contract::PICKER_CONFIG_KEY];
+    assert!(!text.contains("keyFile"), "{text}");
 }
 
 #[test]

@@ -49,6 +49,9 @@ pub struct Args {
     /// Override the peer exchange's UDP address (`peers.listen`), when the config has one.
     #[arg(long)]
     pub peers: Option<std::net::SocketAddr>,
+    /// Override where the peer key is read (`peers.keyFile`), when the config names one.
+    #[arg(long)]
+    pub peer_key_file: Option<String>,
     /// Print the bound addresses as one JSON line on stdout once listening (for harnesses
     /// that start the picker on port 0).
     #[arg(long)]
@@ -93,6 +96,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if args.peers.is_some() && config.peers.listen.is_some() {
         config.peers.listen = args.peers;
+    }
+    if args.peer_key_file.is_some() && config.peers.key_file.is_some() {
+        config.peers.key_file.clone_from(&args.peer_key_file);
     }
     let cancel = CancellationToken::new();
     let source: Box<dyn EndpointSource> = match (&args.pool, &args.namespace, &args.config) {

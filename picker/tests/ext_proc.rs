@@ -1195,6 +1195,84 @@ async fn concurrent_streams_are_bounded() {
     .unwrap();
 }
 
+/// A channel whose connections come from `from` (another loopback address than the server's
+/// gateway): what a second peer of the picker looks like.
+async fn connect_from(addr: SocketAddr, from: std::net::Ipv4Addr) -> Channel {
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| async move {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from((from, 0)))?;
+        let stream = socket.connect(addr).await?;
+        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+    });
+    tokio::time::timeout(
+        STEP,
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_with_connector(connector),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+/// Hardening IV, 6: 64 connections of silent streams from one peer filled the opening room
+/// and the gateway's own picks failed. One address holds at most its share; the others open
+/// and are served.
+#[tokio::test]
+async fn silent_streams_of_one_address_leave_the_opening_room_to_the_others() {
+    tokio::time::timeout(TEST, async {
+        let limits = ExtProcLimits {
+            // 4 processing, 8 opening in all, 3 per address
+            max_concurrent_streams: 4,
+            max_opening_per_address: 3,
+            head_timeout: Duration::from_secs(60),
+            ..ExtProcLimits::default()
+        };
+        let (addr, _picker) = serve(FakePicker::answering(&["10.0.0.10:8000"]), limits).await;
+        // the stranger, on several connections, opens streams and says nothing
+        let mut silent = Vec::new();
+        let mut refused = 0;
+        for _ in 0..4 {
+            let channel = connect_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 2)).await;
+            for _ in 0..2 {
+                let (tx, rx) = mpsc::channel::<ProcessingRequest>(1);
+                let mut client = ExternalProcessorClient::new(channel.clone());
+                match client.process(ReceiverStream::new(rx)).await {
+                    Ok(r) => silent.push((tx, r.into_inner(), channel.clone())),
+                    Err(status) => {
+                        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+                        refused += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!((silent.len(), refused), (3, 5));
+        // the gateway opens and is answered
+        let channel = connect(addr).await;
+        let mut envoy = Envoy::open(&channel).await;
+        envoy
+            .send(request_headers(&[(":path", "/")], true, None, None))
+            .await;
+        assert_eq!(destination_metadata(&envoy.recv().await), "10.0.0.10:8000");
+        // a silent stream that goes gives its place back
+        drop(silent.pop());
+        let channel = connect_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 2)).await;
+        let mut again = None;
+        for _ in 0..50 {
+            let (tx, rx) = mpsc::channel::<ProcessingRequest>(1);
+            let mut client = ExternalProcessorClient::new(channel.clone());
+            if let Ok(r) = client.process(ReceiverStream::new(rx)).await {
+                again = Some((tx, r));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(again.is_some(), "the place came back");
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn grpc_health_reports_the_three_services() {
     tokio::time::timeout(TEST, async {

@@ -116,7 +116,11 @@ async fn complete_within(http: std::net::SocketAddr, slo: Option<u32>) -> (u16, 
 #[tokio::test]
 async fn saturated_requests_wait_and_leave_by_priority() {
     let engine = FakeEngine::start("127.0.0.1").await;
-    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 30s")).await;
+    let picker = start_picker(&yaml(
+        engine.addr.port(),
+        "ttl: 30s, priorityHeader: x-kvroute-priority",
+    ))
+    .await;
     let http = picker.addrs.http;
     // with headroom (once scraped) a request goes straight on, not through the queue
     metric(
@@ -197,7 +201,8 @@ async fn a_request_that_waits_its_ttl_is_answered_429() {
 
 #[tokio::test]
 async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
-    let (engine, picker) = saturated("ttl: 30s, maxQueued: 1").await;
+    let (engine, picker) =
+        saturated("ttl: 30s, maxQueued: 1, priorityHeader: x-kvroute-priority").await;
     let http = picker.addrs.http;
     let low = tokio::spawn(async move { complete(http, Some(-1)).await });
     queued(&picker, 1).await;
@@ -218,6 +223,34 @@ async fn a_full_queue_refuses_its_band_and_displaces_a_lower_one() {
         )
         .await;
     }
+    picker.shutdown().await;
+}
+
+/// A raw priority is believed only from the header the operator names: by default a client
+/// asking for band 1000 stays in the default band, and only a named objective moves it
+/// (Hardening IV, 3).
+#[tokio::test]
+async fn a_client_cannot_choose_its_own_band_by_default() {
+    let (engine, picker) =
+        saturated("ttl: 30s, maxQueued: 1, objectives: [{name: critical, priority: 5}]").await;
+    let http = picker.addrs.http;
+    let first = tokio::spawn(async move { complete(http, None).await });
+    queued(&picker, 1).await;
+    // the header names a band no gateway gave it: it is the default band, and finds the queue full
+    let (status, reason) = complete(http, Some(1000)).await;
+    assert_eq!((status, reason.as_deref()), (429, Some("queue_full")));
+    // a named objective is what raises a request
+    let critical = tokio::spawn(async move {
+        post(
+            http,
+            &[("x-llm-d-inference-objective", "critical".to_owned())],
+        )
+        .await
+    });
+    let (status, reason) = first.await.unwrap();
+    assert_eq!((status, reason.as_deref()), (429, Some("displaced")));
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    assert_eq!(critical.await.unwrap().0, 200);
     picker.shutdown().await;
 }
 
@@ -452,7 +485,7 @@ async fn an_unattainable_objective_can_wait_instead_of_being_shed() {
 async fn sheddable_requests_leave_room_for_the_other_bands() {
     let (engine, picker) = picker_at(
         3,
-        "ttl: 30s",
+        "ttl: 30s, priorityHeader: x-kvroute-priority",
         "{queueDepth: 5, sheddableQueueDepth: 2}",
         "0.6",
     )
@@ -492,7 +525,7 @@ scrape: {{interval: 50ms, timeout: 200ms}}
 routing:
   strategy: RoundRobin
   saturation: {{sheddableQueueDepth: 4}}
-  flowControl: {{enabled: true, placement: {placement}}}
+  flowControl: {{enabled: true, placement: {placement}, priorityHeader: x-kvroute-priority}}
 "#,
             full.addr.port(),
             free.addr.port()

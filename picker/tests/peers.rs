@@ -18,7 +18,8 @@ fn free_udp_port() -> u16 {
         .port()
 }
 
-fn replica_yaml(engine: u16, own: u16, peer: u16) -> String {
+fn replica_yaml(engine: u16, own: u16, peer: u16, key: &std::path::Path) -> String {
+    let key = key.display();
     format!(
         r#"
 modelConfigs:
@@ -33,6 +34,7 @@ peers:
   addresses: [127.0.0.1:{peer}]
   interval: 20ms
   group: ns/pool
+  keyFile: {key}
 "#
     )
 }
@@ -52,8 +54,11 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
     let engine = FakeEngine::start("127.0.0.1").await;
     let (pa, pb) = (free_udp_port(), free_udp_port());
-    let a = start_picker(&replica_yaml(engine.addr.port(), pa, pb)).await;
-    let b = start_picker(&replica_yaml(engine.addr.port(), pb, pa)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a-pool-key-of-32-bytes-0123456789\n").unwrap();
+    let a = start_picker(&replica_yaml(engine.addr.port(), pa, pb, &key)).await;
+    let b = start_picker(&replica_yaml(engine.addr.port(), pb, pa, &key)).await;
     assert_eq!(
         a.addrs.peers,
         Some(SocketAddr::from((Ipv4Addr::LOCALHOST, pa)))
@@ -109,35 +114,67 @@ async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
     })
     .await;
 
-    // a datagram from an address that is not a peer does not count
-    let stranger = tokio::net::UdpSocket::bind((Ipv4Addr::new(127, 0, 0, 2), 0))
-        .await
-        .unwrap();
-    stranger
-        .send_to(
-            br#"{"v":1,"group":"ns/pool","replica":5,"counts":[["127.0.0.1",1,0,9,9,9,9,9]]}"#,
-            SocketAddr::from((Ipv4Addr::LOCALHOST, pb)),
-        )
-        .await
-        .unwrap();
-    let mut seen = false;
-    for _ in 0..100 {
-        if metrics_text(b.addrs.metrics)
+    // a datagram from an address that is not a peer does not count: another IP, or the
+    // peer's IP from another port (peers send from the port they listen on)
+    let forged = format!(
+        r#"{{"v":1,"group":"ns/pool","replica":5,"seq":1,"ts":1,"counts":[["127.0.0.1",{},0,1000000000000000,9,9,9,9]]}}"#,
+        engine.addr.port()
+    );
+    for (n, from) in [Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST]
+        .into_iter()
+        .enumerate()
+    {
+        let stranger = tokio::net::UdpSocket::bind((from, 0)).await.unwrap();
+        stranger
+            .send_to(
+                forged.as_bytes(),
+                SocketAddr::from((Ipv4Addr::LOCALHOST, pb)),
+            )
             .await
-            .contains("kvroute_picker_peer_datagrams_total{kind=\"unknown_source\"} 1")
-        {
-            seen = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+            .unwrap();
+        let want = format!(
+            "kvroute_picker_peer_datagrams_total{{kind=\"unknown_source\"}} {}",
+            n + 1
+        );
+        wait_metric(b.addrs.metrics, &want).await;
     }
-    assert!(seen, "the stranger's datagram was counted as such");
     assert_eq!(b.state.pool.inflight().peer_count(), 1, "only A is a peer");
 
     // A stops: B forgets it once its counts are older than the TTL
     a.shutdown().await;
     eventually("B forgets A", || b.state.pool.inflight().peer_count() == 0).await;
+    // a sender on A's very address without the pool's key is not believed
+    let forger = tokio::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, pa))
+        .await
+        .unwrap();
+    forger
+        .send_to(
+            forged.as_bytes(),
+            SocketAddr::from((Ipv4Addr::LOCALHOST, pb)),
+        )
+        .await
+        .unwrap();
+    wait_metric(
+        b.addrs.metrics,
+        "kvroute_picker_peer_datagrams_total{kind=\"unauthenticated\"} 1",
+    )
+    .await;
+    assert_eq!(b.state.pool.inflight().peer_count(), 0);
+    assert_eq!(b.state.pool.inflight().get_with_peers(&id).requests, 0);
     b.shutdown().await;
+}
+
+/// Wait up to 2 s for the metrics at `addr` to hold the line `want`.
+async fn wait_metric(addr: SocketAddr, want: &str) {
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = metrics_text(addr).await;
+        if text.lines().any(|l| l == want) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no {want} in\n{text}");
 }
 
 #[test]
@@ -159,6 +196,10 @@ fn peer_settings_errors_name_the_field() {
             "peers.interval must be within",
         ),
         ("peers: {listen: 127.0.0.1:9, bogus: 1}", "bogus"),
+        (
+            "peers: {listen: 127.0.0.1:9, dns: 'a:1', keyFile: ''}",
+            "peers.keyFile must name a file",
+        ),
     ] {
         let err = PickerConfig::from_yaml(&format!("{base}{peers}\n"))
             .expect_err(peers)

@@ -760,6 +760,42 @@ async fn before_any_pool_view_requests_get_503_not_ready() {
     picker.shutdown().await;
 }
 
+/// Hardening IV, 8 and 13: the prefill/decode header naming where a prompt's KV is, and an
+/// `Expect: 100-continue` the picker answered itself, stay with the picker.
+#[tokio::test]
+async fn the_pickers_own_headers_are_not_forwarded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&one_engine_pool(engine.addr.port(), "")).await;
+    let body = r#"{"model":"llama","prompt":"abc"}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: picker\r\nContent-Type: application/json\r\n\
+         Expect: 100-continue\r\nX-Prefiller-Host-Port: 10.9.9.9:8000\r\nX-Kept: k\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut conn = tokio::net::TcpStream::connect(picker.addrs.http)
+        .await
+        .unwrap();
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut interim = [0u8; 25];
+    conn.read_exact(&mut interim).await.unwrap();
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = [0u8; 12];
+    conn.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let headers = engine.state.last_headers.lock().clone().unwrap();
+    assert_eq!(headers["x-kept"], "k");
+    for gone in ["expect", "x-prefiller-host-port"] {
+        assert!(
+            headers.get(gone).is_none(),
+            "{gone} was forwarded: {headers:?}"
+        );
+    }
+    picker.shutdown().await;
+}
+
 /// Headers a client names in `Connection` are hop-by-hop (RFC 9110 §7.6.1) and stay with the
 /// picker, as does `HTTP2-Settings`; the others reach the engine (finding 6 of issue 35).
 #[tokio::test]

@@ -298,3 +298,64 @@ async fn ext_proc_salts_every_api_and_answers_with_one_endpoint() {
     }
     picker.shutdown().await;
 }
+
+/// Hardening IV, 9: under `SaltedCache` a stored response is its tenant's: another tenant's
+/// `GET`, cancel or `previous_response_id` naming it is answered as an unknown response (the
+/// engine, which has no tenants, would have served it), while its own tenant still reaches it.
+#[tokio::test]
+async fn another_tenants_stored_response_does_not_exist() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let secret = secret_file("responses");
+    let picker = start_picker(&salted(engine.addr.port(), &secret)).await;
+    let http = picker.addrs.http;
+    let made: Value = client()
+        .post(format!("http://{http}/v1/responses"))
+        .header("x-tenant", "a")
+        .json(&json!({"model": "llama", "input": "tenant a's question"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = made["id"].as_str().unwrap().to_owned();
+    let before = engine.state.requests.load(Ordering::SeqCst);
+    for tenant in ["b", "a"] {
+        let get = client()
+            .get(format!("http://{http}/v1/responses/{id}"))
+            .header("x-tenant", tenant)
+            .send()
+            .await
+            .unwrap();
+        let cancel = client()
+            .post(format!("http://{http}/v1/responses/{id}/cancel"))
+            .header("x-tenant", tenant)
+            .send()
+            .await
+            .unwrap();
+        let next = client()
+            .post(format!("http://{http}/v1/responses"))
+            .header("x-tenant", tenant)
+            .json(&json!({"model": "llama", "input": "and then?", "previous_response_id": id}))
+            .send()
+            .await
+            .unwrap();
+        let statuses = [
+            get.status().as_u16(),
+            cancel.status().as_u16(),
+            next.status().as_u16(),
+        ];
+        if tenant == "b" {
+            assert_eq!(statuses, [404, 404, 404], "tenant b");
+            assert_eq!(
+                engine.state.requests.load(Ordering::SeqCst),
+                before,
+                "nothing of b's reached the engine"
+            );
+        } else {
+            assert_ne!(statuses[0], 404, "tenant a reads its own");
+            assert_eq!(statuses[2], 200, "and continues it");
+        }
+    }
+    picker.shutdown().await;
+}

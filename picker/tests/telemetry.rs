@@ -3,6 +3,8 @@
 //! parse, tokenize, decide with its attributes, forward) are exported under the client's
 //! trace, and the engine (and, through ext_proc, the gateway) is sent the picker's context.
 //!
+//! A collector that refuses is counted in `kvroute_picker_trace_export_failures_total`.
+//!
 //! One test in its own binary: it installs the process's global `tracing` subscriber.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -29,7 +31,7 @@ use support::*;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 #[derive(Default, Clone)]
-struct Receiver(Arc<Mutex<Vec<Span>>>);
+struct Receiver(Arc<Mutex<Vec<Span>>>, Arc<std::sync::atomic::AtomicBool>);
 
 #[tonic::async_trait]
 impl TraceService for Receiver {
@@ -37,6 +39,9 @@ impl TraceService for Receiver {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(tonic::Status::invalid_argument("the collector refuses"));
+        }
         let spans = request
             .into_inner()
             .resource_spans
@@ -194,6 +199,23 @@ async fn request_spans_are_exported_under_the_callers_trace() {
     );
     assert_eq!(hex(&forward.parent_span_id), hex(&request.span_id));
     assert_eq!(attrs(forward)["http.status_code"], "200");
+
+    // Hardening IV, 13: a collector that refuses is counted (and logged), not silent
+    let failures = || async {
+        kvroute_testkit::metric_sum(
+            &metrics_text(picker.addrs.metrics).await,
+            "kvroute_picker_trace_export_failures_total",
+            &[],
+        )
+    };
+    assert_eq!(failures().await, 0.0);
+    receiver.1.store(true, std::sync::atomic::Ordering::SeqCst);
+    send().await;
+    let flushing = exporter.clone();
+    tokio::task::spawn_blocking(move || flushing.flush())
+        .await
+        .unwrap();
+    assert!(failures().await >= 1.0);
     exporter.shutdown();
     picker.shutdown().await;
 }

@@ -660,9 +660,13 @@ pub struct FlowControlSettings {
     pub placement: FlowPlacement,
     /// A request whose TTFT objective no endpoint is predicted to meet. Default `Shed`.
     pub unattainable_slo: UnattainableSlo,
-    /// Header carrying a priority as an integer (-1000 to 1000). Default `x-kvroute-priority`.
+    /// Header carrying a raw priority as an integer (-1000 to 1000). Unset by default: any
+    /// client could name the highest band, so a raw priority is believed only from a header
+    /// your gateway sets and strips from clients (e.g. `x-kvroute-priority`); otherwise
+    /// priorities come from `objectives` named in `objectiveHeader`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
-    pub priority_header: String,
+    pub priority_header: Option<String>,
     /// Header naming an objective of `objectives`. Default `x-llm-d-inference-objective`.
     #[schemars(length(min = 1, max = 256), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub objective_header: String,
@@ -699,7 +703,7 @@ impl Default for FlowControlSettings {
             order: FlowOrder::default(),
             placement: FlowPlacement::default(),
             unattainable_slo: UnattainableSlo::default(),
-            priority_header: "x-kvroute-priority".into(),
+            priority_header: None,
             objective_header: "x-llm-d-inference-objective".into(),
             fairness_header: "x-llm-d-inference-fairness-id".into(),
             ttft_slo_header: "x-slo-ttft-ms".into(),
@@ -757,11 +761,12 @@ impl FlowControlSettings {
             return Err(format!("{f}.ttl must be positive"));
         }
         for (name, h) in [
-            ("priorityHeader", &self.priority_header),
-            ("objectiveHeader", &self.objective_header),
-            ("fairnessHeader", &self.fairness_header),
-            ("ttftSloHeader", &self.ttft_slo_header),
+            ("priorityHeader", self.priority_header.as_ref()),
+            ("objectiveHeader", Some(&self.objective_header)),
+            ("fairnessHeader", Some(&self.fairness_header)),
+            ("ttftSloHeader", Some(&self.ttft_slo_header)),
         ] {
+            let Some(h) = h else { continue };
             let ok = !h.is_empty()
                 && h.len() <= 256
                 && h.bytes()
@@ -1252,7 +1257,7 @@ mod tests {
                 .contains("routing.flowControl.maxQueued")
         );
         let mut c = RoutingConfig::default();
-        c.flow_control.priority_header = "x priority".into();
+        c.flow_control.priority_header = Some("x priority".into());
         assert!(
             c.validate()
                 .expect_err("hdr")

@@ -3,7 +3,9 @@
 //!
 //! - **Bands**: a request's priority (higher first). A band is served only when every higher
 //!   band is empty; when the queue is full, a newcomer pushes out the newest request of the
-//!   lowest band below its own, or is itself refused when no band is lower.
+//!   lowest band below its own; when no band is lower, the newest request of the flow of its
+//!   own band holding the most, while that flow holds more than the newcomer's would (one
+//!   flow cannot fill the queue and lock the others out); else it is refused.
 //! - **Flows** inside a band, keyed by a fairness id (the tenant, a header, or one flow):
 //!   [`Fairness::RoundRobin`] takes one request from each flow in turn;
 //!   [`Fairness::LeastAttainedService`] takes from the flow that has been served the fewest
@@ -233,6 +235,48 @@ impl FlowQueue {
                 victims.push(id);
                 count -= 1;
                 bytes -= e.bytes;
+            }
+        }
+        // still full: inside its own band, the flow holding the most gives up its newest
+        // request while it holds more than the newcomer's flow would, so one flow filling
+        // the queue does not lock every other flow out
+        if !fits(count, bytes)
+            && let Some(band) = self.bands.get(&w.band)
+        {
+            let mut held: HashMap<u64, usize> = band
+                .flows
+                .iter()
+                .map(|(&f, fl)| (f, fl.requests.len()))
+                .collect();
+            let mine = held.get(&w.flow).copied().unwrap_or(0);
+            while !fits(count, bytes) {
+                let Some((big, n)) = held
+                    .iter()
+                    .filter(|&(&f, _)| f != w.flow)
+                    .map(|(&f, &n)| (f, n))
+                    .max_by_key(|&(f, n)| (n, std::cmp::Reverse(f)))
+                else {
+                    break;
+                };
+                if n <= mine + 1 {
+                    break;
+                }
+                let newest = band.by_arrival.keys().rev().find_map(|&(_, id)| {
+                    let p = self.at.get(&id).filter(|p| p.flow == big)?;
+                    if victims.contains(&id) {
+                        return None;
+                    }
+                    band.flows
+                        .get(&big)?
+                        .requests
+                        .get(&p.key)
+                        .map(|e| (id, e.bytes))
+                });
+                let Some((id, b)) = newest else { break };
+                victims.push(id);
+                count -= 1;
+                bytes -= b;
+                held.insert(big, n - 1);
             }
         }
         if !fits(count, bytes) {
@@ -470,6 +514,45 @@ mod tests {
         assert_eq!(p.shed.iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
         assert_eq!(q.push(w(7, 0, 1, 7)), Err(Refused::QueueFull));
         assert_eq!(drain(&mut q), vec![4, 1, 6]);
+    }
+
+    /// Hardening IV, 4: tenant A filling the queue used to lock tenant B out (`queue_full`
+    /// for every B request while A held every slot).
+    #[test]
+    fn one_flow_filling_the_queue_does_not_lock_the_others_out() {
+        let mut q = FlowQueue::new(FlowSettings {
+            max_requests: 20,
+            ..FlowSettings::default()
+        });
+        for id in 0..20 {
+            q.push(w(id, 0, 1, id)).unwrap();
+        }
+        // flow 1 asks for more: it holds the most already, so it is refused
+        assert_eq!(q.push(w(20, 0, 1, 20)), Err(Refused::QueueFull));
+        // flow 2 gets in, each time at the cost of flow 1's newest
+        for id in 100..110 {
+            let p = q.push(w(id, 0, 2, id)).unwrap();
+            assert_eq!(p.shed.len(), 1);
+            assert_eq!(p.shed[0].flow, 1);
+            assert_eq!(p.shed[0].id, 19 - (id - 100));
+        }
+        assert_eq!(q.len(), 20);
+        // half each now: flow 2 is refused as flow 1 was, and flow 1 is too
+        assert_eq!(q.push(w(110, 0, 2, 110)), Err(Refused::QueueFull));
+        assert_eq!(q.push(w(21, 0, 1, 21)), Err(Refused::QueueFull));
+        // a third flow takes from whichever holds the most (a tie: the lower flow id)
+        let p = q.push(w(200, 0, 3, 200)).unwrap();
+        assert_eq!(p.shed[0].flow, 1);
+        let p = q.push(w(201, 0, 3, 201)).unwrap();
+        assert_eq!(p.shed[0].flow, 2);
+        // a higher band is never taken from by a lower one
+        let mut q = FlowQueue::new(FlowSettings {
+            max_requests: 2,
+            ..FlowSettings::default()
+        });
+        q.push(w(1, 5, 1, 1)).unwrap();
+        q.push(w(2, 5, 1, 2)).unwrap();
+        assert_eq!(q.push(w(3, 0, 2, 3)), Err(Refused::QueueFull));
     }
 
     #[test]

@@ -79,12 +79,17 @@ pub enum IndexMode {
 pub struct IndexConfig {
     /// Maximum number of endpoints tracked at once.
     pub max_endpoints: usize,
+    /// The most engine hashes one precise endpoint may hold over all its tiers, whatever
+    /// tiers its engine reports (`index.maxBlocksPerEndpoint`): lower tiers are room inside
+    /// this bound, never a multiple of it.
+    pub max_blocks_per_endpoint: usize,
 }
 
 impl Default for IndexConfig {
     fn default() -> Self {
         Self {
             max_endpoints: 4096,
+            max_blocks_per_endpoint: 2 << 20,
         }
     }
 }
@@ -791,11 +796,20 @@ struct Touched {
     place: ChainPos,
 }
 
+/// [`EndpointEntry::budget`] of an endpoint with `lower_tiers` tiers below the GPU.
+fn tiered_budget(max_blocks: usize, cap: usize, lower_tiers: usize) -> usize {
+    max_blocks
+        .saturating_mul(1 + LOWER_TIER_FACTOR.saturating_mul(lower_tiers))
+        .min(cap.max(max_blocks))
+}
+
 #[derive(Debug)]
 struct EndpointEntry {
     id: EndpointId,
     mode: IndexMode,
     max_blocks: usize,
+    /// The configured bound on all its tiers together ([`IndexConfig::max_blocks_per_endpoint`]).
+    cap: usize,
     /// Precise mode: engine block hash → place of the block.
     by_engine_hash: Table,
     /// Approximate mode: our key → last use (ms) and place, least recently used first.
@@ -825,10 +839,10 @@ struct EndpointEntry {
 impl EndpointEntry {
     /// Precise mode's bound on engine hashes: the block budget, and
     /// [`LOWER_TIER_FACTOR`] times it for each tier below the GPU the engine reports (host
-    /// memory and disk tiers are commonly several times the GPU's cache).
+    /// memory and disk tiers are commonly several times the GPU's cache), never more than
+    /// the configured per-endpoint bound (`cap`) however many tiers the engine names.
     fn budget(&self) -> usize {
-        self.max_blocks
-            .saturating_mul(1 + LOWER_TIER_FACTOR.saturating_mul(self.residency.lower_tiers()))
+        tiered_budget(self.max_blocks, self.cap, self.residency.lower_tiers())
     }
 
     fn len(&self) -> usize {
@@ -944,6 +958,7 @@ impl KvIndex {
             id,
             mode,
             max_blocks,
+            cap: self.config.max_blocks_per_endpoint,
             by_engine_hash,
             approx: LinkedHashMap::default(),
             residency: Residency::default(),
@@ -1584,7 +1599,10 @@ mod tests {
 
     #[test]
     fn endpoint_limit_is_enforced_and_slots_reused() {
-        let mut ix = KvIndex::new(IndexConfig { max_endpoints: 2 });
+        let mut ix = KvIndex::new(IndexConfig {
+            max_endpoints: 2,
+            ..Default::default()
+        });
         ix.add_endpoint(id(1), IndexMode::Precise, 10)
             .expect("slot");
         let b = ix

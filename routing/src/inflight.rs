@@ -88,6 +88,39 @@ pub const MAX_PEERS: usize = 64;
 /// Endpoints kept per peer at most.
 pub const MAX_PEER_ENTRIES: usize = 16_384;
 
+/// The most one peer's entry for one endpoint may claim: a replica keeps at most
+/// `limits.maxInflightPerEndpoint` requests in flight on an endpoint, each of at most
+/// `limits.maxPromptTokens` prompt tokens (what it may also generate is not bounded by the
+/// picker, so token counts get twice the prompt bound). A peer cannot push an endpoint out of
+/// placement by claiming more than a real replica could hold there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerBound {
+    pub requests: u64,
+    pub tokens_per_request: u64,
+}
+
+impl PeerBound {
+    pub fn clamp(self, c: InflightCounts) -> InflightCounts {
+        let tokens = self.requests.saturating_mul(self.tokens_per_request);
+        InflightCounts {
+            requests: c.requests.min(self.requests),
+            tokens: c.tokens.min(tokens.saturating_mul(2)),
+            pending_requests: c.pending_requests.min(self.requests),
+            pending_tokens: c.pending_tokens.min(tokens),
+            pending_prompt_tokens: c.pending_prompt_tokens.min(tokens),
+        }
+    }
+}
+
+impl Default for PeerBound {
+    fn default() -> Self {
+        Self {
+            requests: DEFAULT_MAX_PER_ENDPOINT,
+            tokens_per_request: 1 << 20,
+        }
+    }
+}
+
 /// What one peer replica last published for one endpoint, and when it arrived.
 #[derive(Debug, Clone, Copy)]
 struct PeerEntry {
@@ -105,7 +138,17 @@ struct Peers {
 impl Peers {
     fn set(&mut self, peer: u64, id: EndpointId, counts: InflightCounts, now_ms: u64) -> bool {
         if !self.by_peer.contains_key(&peer) && self.by_peer.len() >= MAX_PEERS {
-            return false;
+            // a replica that (re)starts displaces the one heard from least recently, so ids
+            // that went silent cannot lock a live replica out until they expire
+            let stalest = self
+                .by_peer
+                .iter()
+                .map(|(&p, e)| (e.values().map(|v| v.at_ms).max().unwrap_or(0), p))
+                .min();
+            match stalest {
+                Some((at, old)) if at < now_ms => self.remove_peer(old),
+                _ => return false,
+            }
         }
         let entries = self.by_peer.entry(peer).or_default();
         if !entries.contains_key(&id) && entries.len() >= MAX_PEER_ENTRIES {
@@ -127,6 +170,17 @@ impl Peers {
             self.totals.remove(&id);
         }
         true
+    }
+
+    fn remove_peer(&mut self, peer: u64) {
+        for (id, e) in self.by_peer.remove(&peer).unwrap_or_default() {
+            if let Some(t) = self.totals.get_mut(&id) {
+                t.sub(&e.counts);
+                if t.is_zero() {
+                    self.totals.remove(&id);
+                }
+            }
+        }
     }
 
     fn expire(&mut self, older_than_ms: u64) {
@@ -262,11 +316,12 @@ impl InflightTracker {
         peer: u64,
         counts: &[(EndpointId, InflightCounts)],
         now_ms: u64,
+        bound: PeerBound,
     ) -> usize {
         let mut peers = self.peers.write();
         counts
             .iter()
-            .filter(|&&(id, c)| peers.set(peer, id, c, now_ms))
+            .filter(|&&(id, c)| peers.set(peer, id, bound.clamp(c), now_ms))
             .count()
     }
 
@@ -388,18 +443,34 @@ mod tests {
             pending_prompt_tokens: 2_000,
         };
         // two peers; the second one's b is an endpoint this replica never sent to
-        assert_eq!(t.apply_peer(7, &[(a, two(1_500))], 1_000), 1);
-        assert_eq!(t.apply_peer(9, &[(a, two(500)), (b, two(800))], 1_010), 2);
+        assert_eq!(
+            t.apply_peer(7, &[(a, two(1_500))], 1_000, PeerBound::default()),
+            1
+        );
+        assert_eq!(
+            t.apply_peer(
+                9,
+                &[(a, two(500)), (b, two(800))],
+                1_010,
+                PeerBound::default()
+            ),
+            2
+        );
         assert_eq!(t.get(&a).pending_tokens, 60, "get is this replica's own");
         assert_eq!(t.get_with_peers(&a).pending_tokens, 60 + 1_500 + 500);
         assert_eq!(t.get_with_peers(&a).requests, 5);
         assert_eq!(t.get_with_peers(&b).pending_tokens, 800);
         // a newer entry replaces the peer's previous one, it does not add to it
-        t.apply_peer(7, &[(a, InflightCounts::default())], 1_020);
+        t.apply_peer(
+            7,
+            &[(a, InflightCounts::default())],
+            1_020,
+            PeerBound::default(),
+        );
         assert_eq!(t.peers_total(&a).pending_tokens, 500);
         assert_eq!(t.peer_count(), 2);
         // peer 9 goes silent: its entries expire
-        t.apply_peer(7, &[(a, two(100))], 1_500);
+        t.apply_peer(7, &[(a, two(100))], 1_500, PeerBound::default());
         t.expire_peers(1_200);
         assert_eq!(t.peers_total(&a).pending_tokens, 100);
         assert_eq!(t.peers_total(&b), InflightCounts::default());
@@ -419,14 +490,55 @@ mod tests {
         };
         let id = |port| EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port, 0);
         for p in 0..(MAX_PEERS as u64 + 5) {
-            t.apply_peer(p, &[(id(1), one)], 0);
+            t.apply_peer(p, &[(id(1), one)], 0, PeerBound::default());
         }
         assert_eq!(t.peer_count(), MAX_PEERS);
         assert_eq!(t.get_with_peers(&id(1)).requests, MAX_PEERS as u64);
+        // a replica that starts later displaces the stalest id instead of being refused (64
+        // ids that went silent, or were made up, cannot lock it out)
+        let fresh = InflightCounts {
+            requests: 100,
+            ..InflightCounts::default()
+        };
+        assert_eq!(
+            t.apply_peer(1_000, &[(id(1), fresh)], 5, PeerBound::default()),
+            1
+        );
+        assert_eq!(t.peer_count(), MAX_PEERS);
+        assert_eq!(
+            t.get_with_peers(&id(1)).requests,
+            MAX_PEERS as u64 - 1 + 100
+        );
         let many: Vec<_> = (0..=MAX_PEER_ENTRIES as u16)
             .map(|p| (id(p), one))
             .collect();
-        assert_eq!(t.apply_peer(0, &many, 0), MAX_PEER_ENTRIES);
+        assert_eq!(
+            t.apply_peer(1, &many, 0, PeerBound::default()),
+            MAX_PEER_ENTRIES
+        );
+    }
+
+    #[test]
+    fn a_peer_claims_no_more_than_a_replica_could_hold() {
+        let t = InflightTracker::new();
+        let a = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 1, 0);
+        let huge = InflightCounts {
+            requests: 1_000_000_000_000_000,
+            tokens: u64::MAX,
+            pending_requests: 1_000_000_000_000_000,
+            pending_tokens: u64::MAX,
+            pending_prompt_tokens: u64::MAX,
+        };
+        let bound = PeerBound {
+            requests: 2048,
+            tokens_per_request: 1000,
+        };
+        t.apply_peer(7, &[(a, huge)], 0, bound);
+        let got = t.get_with_peers(&a);
+        assert_eq!(got.requests, 2048);
+        assert_eq!(got.pending_requests, 2048);
+        assert_eq!(got.pending_tokens, 2_048_000);
+        assert_eq!(got.tokens, 4_096_000);
     }
 
     #[test]

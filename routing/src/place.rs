@@ -575,32 +575,35 @@ impl Pool {
     /// with live context, an endpoint without a reported KV capacity.
     pub fn room(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Room, Admitted> {
         let key = Router::session_key(req.tenant, req.session).ok_or(Admitted::NoSession)?;
-        let (live, sessions, returning) = {
-            let table = self.sessions.lock();
+        let (live, mean, returning) = {
+            let mut table = self.sessions.lock();
+            // the sessions past the horizon leave now, not at the next served turn: a pool
+            // that went quiet has room again, however long nothing arrives
+            table.expire(now_ms);
             let pin = table.pin(key);
             if pin.is_some_and(|p| p.live) {
                 return Err(Admitted::LiveSession);
             }
             (
                 table.live().values().sum::<u64>(),
-                table.live_sessions(),
+                table.mean_live(),
                 pin.is_some(),
             )
         };
-        let capacity = {
+        let (capacity, largest) = {
             let pool = self.state.read();
-            let mut total = 0u64;
+            let (mut total, mut largest) = (0u64, 0u64);
             for e in pool.endpoints.endpoints() {
                 let blocks = pool
                     .loads()
                     .get(&e.id)
                     .and_then(|l| l.kv_capacity_blocks)
                     .ok_or(Admitted::CapacityUnknown)?;
-                total = total.saturating_add(
-                    blocks.saturating_mul(u64::from(e.model_config.block_size.max(1))),
-                );
+                let tokens = blocks.saturating_mul(u64::from(e.model_config.block_size.max(1)));
+                total = total.saturating_add(tokens);
+                largest = largest.max(tokens);
             }
-            total
+            (total, largest)
         };
         if capacity == 0 {
             return Err(Admitted::CapacityUnknown);
@@ -608,16 +611,14 @@ impl Pool {
         let overcommit = self.router.load().config().admission.overcommit;
         let capacity = (capacity as f64 * overcommit) as u64;
         // a session back after its horizon brings its whole context in its prompt; a new one
-        // is expected to grow as large as the sessions already in
-        let mean = if sessions > 0 && !returning {
-            live / sessions as u64
-        } else {
-            0
-        };
+        // is expected to grow as large as the sessions already in (oversized ones left out);
+        // no session is expected to hold more than the largest engine's cache, so a prompt
+        // larger than the pool waits for one engine's worth of room, not for `maxWait`
+        let mean = if returning { 0 } else { mean };
         Ok(Room {
             live_tokens: live.saturating_add(self.admission.lock().reserved(now_ms)),
             capacity_tokens: capacity,
-            footprint_tokens: mean.max(u64::from(req.prompt_tokens)),
+            footprint_tokens: mean.max(u64::from(req.prompt_tokens)).min(largest),
         })
     }
 
@@ -688,7 +689,23 @@ impl Pool {
     /// Pin session `key` to `endpoint`, served a prompt of `tokens` at `now_ms` (see
     /// [`Pool::served`]).
     pub fn pin(&self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
-        self.sessions.lock().served(key, endpoint, tokens, now_ms);
+        // a session counts for at most what its engine's cache can hold
+        let cap = self.capacity_tokens(&endpoint).unwrap_or(u64::MAX);
+        self.sessions
+            .lock()
+            .served_within(key, endpoint, tokens, cap, now_ms);
+    }
+
+    /// The KV capacity `endpoint`'s engine reports, in tokens.
+    fn capacity_tokens(&self, endpoint: &EndpointId) -> Option<u64> {
+        let pool = self.state.read();
+        let e = pool
+            .endpoints
+            .endpoints()
+            .iter()
+            .find(|e| e.id == *endpoint)?;
+        let blocks = pool.loads().get(endpoint)?.kv_capacity_blocks?;
+        Some(blocks.saturating_mul(u64::from(e.model_config.block_size.max(1))))
     }
 
     /// Each endpoint's working set at `now_ms`: the running sums
@@ -1124,16 +1141,92 @@ mod tests {
         // a session seen before, back after its horizon, brings its prompt
         pool.pin(key("old"), id(1), 500, 1);
         let later = pool.reuse_horizon_ms() + 10;
-        pool.pin(key("c"), id(2), 2_000, later);
+        pool.pin(key("c"), id(2), 1_500, later);
         let back = pool.room(&request(&mc, Some("old")), later).expect("asked");
-        assert_eq!(back.live_tokens, 2_000, "only c's context is still live");
+        assert_eq!(back.live_tokens, 1_500, "only c's context is still live");
         assert_eq!(back.footprint_tokens, 8, "its prompt");
         let fresh = pool.room(&new, later).expect("asked");
-        assert_eq!(fresh.footprint_tokens, 2_000, "the mean live context");
+        assert_eq!(fresh.footprint_tokens, 1_500, "the mean live context");
         // overcommit scales the capacity
         routing.admission.overcommit = 1.5;
         pool.set_router(Router::new(routing));
         assert_eq!(pool.room(&new, 0).expect("asked").capacity_tokens, 4_800);
+    }
+
+    /// Hardening IV, 12: the room (and `/v1/pick`'s answer) aged its sessions out only when a
+    /// turn was served: a pool that went quiet still answered "hold" long after its sessions
+    /// had left.
+    #[test]
+    fn a_quiet_pool_has_room_again_once_its_sessions_age_out() {
+        let (pool, mc) = pool(Strategy::CostModel, FailureMode::FailOpen, 2);
+        let mut routing = RoutingConfig::default();
+        routing.admission.enabled = true;
+        pool.set_router(Router::new(routing));
+        pool.observe_scrape(
+            0,
+            (1..=2).map(|i| {
+                (
+                    id(i),
+                    EndpointLoad {
+                        kv_capacity_blocks: Some(100),
+                        ..load(0.0, 0)
+                    },
+                )
+            }),
+        );
+        let key = |s: &str| Router::session_key(None, Some(s)).expect("key");
+        pool.pin(key("a"), id(1), 1_600, 0);
+        pool.pin(key("b"), id(2), 1_600, 0);
+        let new = request(&mc, Some("new"));
+        assert!(matches!(pool.gate(&new, 0), Gate::Hold(_)));
+        // nothing is served after that; once the horizon has passed the pool is empty again
+        let later = pool.reuse_horizon_ms() + 10;
+        assert_eq!(pool.room(&new, later).expect("asked").live_tokens, 0);
+        assert_eq!(pool.gate(&new, later), Gate::Admit(Admitted::Fits));
+    }
+
+    /// Hardening IV, 5: one session larger than its engine's cache counted in full and raised
+    /// the mean charged to every unseen session (a 10-token prompt was charged 744 tokens),
+    /// so every new session waited `maxWait` while it stayed live.
+    #[test]
+    fn an_oversized_session_counts_for_one_engine_and_not_in_the_mean() {
+        let (pool, mc) = pool(Strategy::CostModel, FailureMode::FailOpen, 2);
+        let mut routing = RoutingConfig::default();
+        routing.admission.enabled = true;
+        pool.set_router(Router::new(routing));
+        // 2 × 100 blocks of 16 tokens
+        pool.observe_scrape(
+            0,
+            (1..=2).map(|i| {
+                (
+                    id(i),
+                    EndpointLoad {
+                        kv_capacity_blocks: Some(100),
+                        ..load(0.0, 0)
+                    },
+                )
+            }),
+        );
+        let key = |s: &str| Router::session_key(None, Some(s)).expect("key");
+        pool.pin(key("small"), id(1), 400, 0);
+        // a turn of 50,000 tokens on an engine that holds 1,600
+        pool.pin(key("huge"), id(2), 50_000, 0);
+        let new = request(&mc, Some("new"));
+        let room = pool.room(&new, 0).expect("asked");
+        assert_eq!(
+            room,
+            Room {
+                live_tokens: 2_000,
+                capacity_tokens: 3_200,
+                footprint_tokens: 400
+            },
+            "the huge one counts for its engine's cache, the mean is the small one's"
+        );
+        assert_eq!(pool.gate(&new, 0), Gate::Admit(Admitted::Fits));
+        // a first turn larger than the pool is charged one engine's cache, not its prompt
+        let mut big = request(&mc, Some("big"));
+        big.prompt_tokens = 1_000_000;
+        assert_eq!(pool.room(&big, 0).expect("asked").footprint_tokens, 1_600);
     }
 
     /// A pool of `roles` (endpoint `i + 1` has `roles[i]`), disaggregating in `mode`, every

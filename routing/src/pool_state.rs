@@ -96,9 +96,12 @@ impl IndexBudget {
 /// pool is removed, blocks and all, by [`PoolState::apply_view`].)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClearCause {
-    /// No good metrics scrape within the staleness threshold: the engine may have restarted
-    /// empty (its event sequence restarts too, so the feed cannot tell) or events were lost
-    /// while it was unreachable.
+    /// No good metrics scrape within the staleness threshold, on an approximate endpoint:
+    /// the engine may have restarted empty, and no event feed would tell. (A precise
+    /// endpoint's view is its feed's: a restart shows as a sequence back at 0 or a failed
+    /// replay, a loss as a gap, and [`PoolState::resync`] acts on those. A picker paused for
+    /// seconds, or an engine slow to answer `/metrics` under a long prefill, does not forget
+    /// what the engine holds.)
     Stale,
     /// The KV-event feed lost continuity (a gap, a restart, a failed replay).
     Resync,
@@ -224,7 +227,10 @@ impl std::fmt::Debug for PoolState {
 }
 
 impl PoolState {
-    pub fn new(index: IndexConfig, budget: IndexBudget) -> Self {
+    pub fn new(mut index: IndexConfig, budget: IndexBudget) -> Self {
+        // one owner of the per-endpoint bound: the budget's
+        index.max_blocks_per_endpoint =
+            usize::try_from(budget.max_blocks_per_endpoint.max(1)).unwrap_or(usize::MAX);
         Self {
             endpoints: EndpointSet::default(),
             inner: HandoffLock::new(Inner {
@@ -451,8 +457,9 @@ impl PoolState {
     }
 
     /// Mark endpoints stale or recovered (`(endpoint, stale)`); only `Ready` ↔ `Stale`
-    /// changes (a draining endpoint stays draining). An endpoint that goes stale is cleared
-    /// ([`ClearCause::Stale`]). Returns the changes made.
+    /// changes (a draining endpoint stays draining). An approximate endpoint that goes stale
+    /// is cleared ([`ClearCause::Stale`]); a precise one keeps its view, which its event feed
+    /// confirms or clears. Returns the changes made.
     pub fn set_stale(&self, marks: &[(EndpointId, bool)]) -> Vec<StalenessChange> {
         let mut inner = self.inner.write();
         let snapshot = self.endpoints.load();
@@ -466,7 +473,16 @@ impl PoolState {
                 _ => continue,
             };
             patches.push(EndpointPatch::SetState(id, next));
-            let dropped = if stale { inner.clear(&id) } else { 0 };
+            let approximate = inner
+                .index
+                .slot(&id)
+                .and_then(|slot| inner.index.mode(slot))
+                .is_some_and(|m| matches!(m, IndexMode::Approximate { .. }));
+            let dropped = if stale && approximate {
+                inner.clear(&id)
+            } else {
+                0
+            };
             changes.push(StalenessChange {
                 endpoint: id,
                 stale,

@@ -213,6 +213,8 @@ struct BodyFields {
     chat_template_kwargs: Option<Value>,
     #[serde(default)]
     cache_salt: Option<Value>,
+    #[serde(default)]
+    kv_transfer_params: Option<serde::de::IgnoredAny>,
 }
 
 /// The fields the picker reads from a Responses, Messages or embeddings body.
@@ -224,6 +226,8 @@ struct ConversationFields {
     stream: Option<Value>,
     #[serde(default)]
     cache_salt: Option<Value>,
+    #[serde(default)]
+    kv_transfer_params: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     input: Option<Value>,
     #[serde(default)]
@@ -251,6 +255,8 @@ struct OtherBodyFields {
     stream: Option<Value>,
     #[serde(default)]
     cache_salt: Option<Value>,
+    #[serde(default)]
+    kv_transfer_params: Option<serde::de::IgnoredAny>,
 }
 
 /// The chat fields the template needs.
@@ -339,8 +345,12 @@ impl ParsedRequest {
         };
         if kind == ApiKind::Other {
             let head: OtherBodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
-            let (model, stream, cache_salt) =
-                Self::common_fields(head.model, head.stream, head.cache_salt)?;
+            let (model, stream, cache_salt) = Self::common_fields(
+                head.model,
+                head.stream,
+                head.cache_salt,
+                head.kv_transfer_params.is_some(),
+            )?;
             return Ok(Self::without_prompt(kind, raw, model, stream, cache_salt));
         }
         if matches!(
@@ -351,8 +361,12 @@ impl ParsedRequest {
             return Self::conversation(kind, raw, head, limits);
         }
         let head: BodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
-        let (model, stream, cache_salt) =
-            Self::common_fields(head.model, head.stream, head.cache_salt)?;
+        let (model, stream, cache_salt) = Self::common_fields(
+            head.model,
+            head.stream,
+            head.cache_salt,
+            head.kv_transfer_params.is_some(),
+        )?;
         let (prompt, chat) = match kind {
             ApiKind::Completions => match head.prompt {
                 None => {
@@ -470,8 +484,12 @@ impl ParsedRequest {
         limits: &RequestLimits,
     ) -> Result<Self, RequestError> {
         use crate::chat_mapping::{self as map, Unmapped};
-        let (model, stream, cache_salt) =
-            Self::common_fields(head.model, head.stream, head.cache_salt)?;
+        let (model, stream, cache_salt) = Self::common_fields(
+            head.model,
+            head.stream,
+            head.cache_salt,
+            head.kv_transfer_params.is_some(),
+        )?;
         let id = |v: Option<Value>, name: &str| match v {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_ID_BYTES => Ok(Some(s)),
@@ -557,12 +575,22 @@ impl ParsedRequest {
         Ok(out)
     }
 
-    /// `model`, `stream` and `cache_salt`, which every API reads alike.
+    /// `model`, `stream` and `cache_salt`, which every API reads alike; and no
+    /// `kv_transfer_params` (`transfer`): only the picker's own prefill/decode split sets
+    /// them. A client's would make a connector-equipped engine fetch KV from a host of the
+    /// client's choice.
     fn common_fields(
         model: Option<Value>,
         stream: Option<Value>,
         cache_salt: Option<Value>,
+        transfer: bool,
     ) -> Result<(String, bool, Option<String>), RequestError> {
+        if transfer {
+            return Err(RequestError::bad_request(
+                "invalid_field",
+                "`kv_transfer_params` is set by the router for a prefill/decode split, never by a client",
+            ));
+        }
         let model = match model {
             Some(Value::String(m)) if !m.is_empty() => m,
             Some(_) => {
@@ -692,6 +720,50 @@ mod tests {
             p(r#"{"model":"m","prompt":[[4,5],[6]]}"#),
             Some(Prompt::Ids(vec![4, 5]))
         );
+    }
+
+    /// Hardening IV, 7: a client's `kv_transfer_params` reached the engine (a
+    /// `do_remote_prefill` from a host of its choice); refused on every API.
+    #[test]
+    fn a_clients_kv_transfer_params_are_refused_on_every_api() {
+        let params = r#""kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9","remote_port":5600}"#;
+        for (kind, body) in [
+            (
+                ApiKind::Completions,
+                format!(r#"{{"model":"m","prompt":"hi",{params}}}"#),
+            ),
+            (
+                ApiKind::ChatCompletions,
+                format!(
+                    r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],{params}}}"#
+                ),
+            ),
+            (
+                ApiKind::Responses,
+                format!(r#"{{"model":"m","input":"hi",{params}}}"#),
+            ),
+            (
+                ApiKind::Messages,
+                format!(
+                    r#"{{"model":"m","max_tokens":5,"messages":[{{"role":"user","content":"hi"}}],{params}}}"#
+                ),
+            ),
+            (
+                ApiKind::Embeddings,
+                format!(r#"{{"model":"m","input":"hi",{params}}}"#),
+            ),
+            (ApiKind::Other, format!(r#"{{"model":"m",{params}}}"#)),
+        ] {
+            let e = parse(kind, &body).expect_err(&body);
+            assert_eq!((e.status, e.code), (400, "invalid_field"), "{kind:?}");
+            assert!(e.message.contains("kv_transfer_params"), "{}", e.message);
+        }
+        // null is no parameters at all
+        parse(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":"hi","kv_transfer_params":null}"#,
+        )
+        .expect("valid");
     }
 
     #[test]

@@ -17,6 +17,9 @@ pub struct SessionPin {
     pub served_ms: u64,
     /// Counted in its endpoint's live working set (served within the reuse horizon).
     pub live: bool,
+    /// Its turn's prompt was larger than its endpoint's KV capacity: `tokens` is that
+    /// capacity, and the session is left out of the mean ([`SessionTable::mean_live`]).
+    pub oversized: bool,
 }
 
 /// A bounded LRU from session to endpoint. Keys are hashes of `(tenant, session)` so that two
@@ -41,6 +44,9 @@ pub struct SessionTable {
     live: hashbrown::HashMap<EndpointId, u64>,
     /// Sessions counted in `live`.
     live_sessions: usize,
+    /// Of those, the oversized ones and their tokens.
+    oversized_sessions: usize,
+    oversized_tokens: u64,
     /// Served turns, oldest first: `(served_ms, key)`; at most four per remembered session.
     turns: VecDeque<(u64, u64)>,
 }
@@ -54,6 +60,8 @@ impl SessionTable {
             fixed_horizon_ms: None,
             live: hashbrown::HashMap::new(),
             live_sessions: 0,
+            oversized_sessions: 0,
+            oversized_tokens: 0,
             turns: VecDeque::new(),
         }
     }
@@ -93,6 +101,10 @@ impl SessionTable {
         if pin.live {
             *self.live.entry(pin.endpoint).or_insert(0) += pin.tokens;
             self.live_sessions += 1;
+            if pin.oversized {
+                self.oversized_sessions += 1;
+                self.oversized_tokens += pin.tokens;
+            }
         }
         if let Some(old) = self.map.insert(key, pin) {
             self.unlive(&old);
@@ -108,6 +120,22 @@ impl SessionTable {
     /// `endpoint` served a turn of session `key` with a prompt of `tokens` at `now_ms`: the
     /// session is pinned there, and the gap since its previous turn teaches the horizon.
     pub fn served(&mut self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
+        self.served_within(key, endpoint, tokens, u64::MAX, now_ms);
+    }
+
+    /// [`SessionTable::served`] on an endpoint whose KV cache holds `cap` tokens: a session
+    /// counts for at most that (its engine cannot keep more of it), and one that reaches it is
+    /// oversized, left out of the mean a new session is expected to grow to.
+    pub fn served_within(
+        &mut self,
+        key: u64,
+        endpoint: EndpointId,
+        tokens: u64,
+        cap: u64,
+        now_ms: u64,
+    ) {
+        let oversized = tokens > cap;
+        let tokens = tokens.min(cap);
         if let Some(prev) = self.map.peek(&key)
             && prev.served_ms > 0
             && now_ms >= prev.served_ms
@@ -121,6 +149,7 @@ impl SessionTable {
                 tokens,
                 served_ms: now_ms,
                 live: tokens > 0,
+                oversized,
             },
         );
         if tokens > 0 {
@@ -165,6 +194,10 @@ impl SessionTable {
 
     fn live_sub(&mut self, pin: &SessionPin) {
         self.live_sessions = self.live_sessions.saturating_sub(1);
+        if pin.oversized {
+            self.oversized_sessions = self.oversized_sessions.saturating_sub(1);
+            self.oversized_tokens = self.oversized_tokens.saturating_sub(pin.tokens);
+        }
         if let Some(sum) = self.live.get_mut(&pin.endpoint) {
             *sum = sum.saturating_sub(pin.tokens);
             if *sum == 0 {
@@ -182,6 +215,18 @@ impl SessionTable {
     /// Sessions with live context.
     pub fn live_sessions(&self) -> usize {
         self.live_sessions
+    }
+
+    /// The mean live context of a session, the oversized ones left out (one session larger
+    /// than its engine's cache must not make every new session look as large); 0 without
+    /// such sessions.
+    pub fn mean_live(&self) -> u64 {
+        let sessions = self.live_sessions.saturating_sub(self.oversized_sessions);
+        if sessions == 0 {
+            return 0;
+        }
+        let total: u64 = self.live.values().sum();
+        total.saturating_sub(self.oversized_tokens) / sessions as u64
     }
 
     /// When the oldest live turn passes the horizon (the working sets shrink then), if any

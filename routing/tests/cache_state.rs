@@ -150,3 +150,81 @@ fn offloaded_blocks_are_credited_by_tier_after_the_gpu_hit() {
     // the GPU view itself is what the engine's events left on the GPU
     assert_eq!(plain_run(&ix, 8), 4);
 }
+
+/// An engine naming every tier it likes gets no more room than `index.maxBlocksPerEndpoint`
+/// over all of them together (Hardening IV, 1: each named tier used to multiply the bound, a
+/// publisher naming CPU, DISK and REMOTE got 49× it).
+#[test]
+fn lower_tiers_are_room_inside_the_configured_bound_not_a_multiple_of_it() {
+    use kvroute_routing::index::IndexConfig;
+    use kvroute_routing::kv_events::EventBatch;
+    const CAP: usize = 300;
+    let mut ix = KvIndex::new(IndexConfig {
+        max_blocks_per_endpoint: CAP,
+        ..IndexConfig::default()
+    });
+    let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 0);
+    // the capacity an engine reports is clamped to the bound already: ask for all of it
+    let slot = ix.add_endpoint(id, IndexMode::Precise, CAP).unwrap();
+    let keys = IngestKeys {
+        hasher: BlockHasher::new(BS),
+        model: "m",
+    };
+    let tiers: [(Option<&str>, Option<&str>); 4] = [
+        (Some("GPU"), None),
+        (Some("CPU"), None),
+        (Some("DISK"), None),
+        (Some("CPU"), Some("REMOTE")),
+    ];
+    let mut overflowed = 0;
+    let mut most = 0;
+    for round in 0..40u64 {
+        for (t, (medium, locality)) in tiers.iter().enumerate() {
+            // 64 new blocks a batch, in each tier in turn: far more than the bound in all
+            let first = (round * 4 + t as u64) * 64;
+            let hashes: Vec<u64> = (first..first + 64).map(|h| h + 1).collect();
+            let tokens: Vec<u32> = (0..64 * BS).map(|i| i + first as u32 * BS).collect();
+            let mut ev = KvEvent::plain_stored(hashes, None, tokens, BS);
+            if let KvEvent::BlockStored {
+                medium: m, place, ..
+            } = &mut ev
+            {
+                *m = medium.map(str::to_owned);
+                place.locality = locality.map(str::to_owned);
+            }
+            let s = apply_batch(&mut ix, slot, keys, &EventBatch::new(0.0, vec![ev]));
+            overflowed += u32::from(s.overflowed);
+            most = most.max(ix.endpoint_blocks(slot));
+        }
+    }
+    assert!(most <= CAP, "{most} blocks held, bound {CAP}");
+    assert!(overflowed > 0, "a flood past the bound clears the view");
+}
+
+/// Below the configured bound, lower tiers keep their room (`LOWER_TIER_FACTOR` times the
+/// GPU budget each): an offloading engine is not cleared for holding more on the CPU than on
+/// the GPU.
+#[test]
+fn an_offload_tier_larger_than_the_gpu_cache_stays_within_its_room() {
+    let mut ix = KvIndex::default();
+    let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000, 0);
+    let slot = ix.add_endpoint(id, IndexMode::Precise, 100).unwrap();
+    let keys = IngestKeys {
+        hasher: BlockHasher::new(BS),
+        model: "m",
+    };
+    let hashes: Vec<u64> = (1..=400).collect();
+    let tokens: Vec<u32> = (0..400 * BS).collect();
+    let mut ev = KvEvent::plain_stored(hashes, None, tokens, BS);
+    if let KvEvent::BlockStored { medium, .. } = &mut ev {
+        *medium = Some("CPU".into());
+    }
+    let s = apply_batch(
+        &mut ix,
+        slot,
+        keys,
+        &kvroute_routing::kv_events::EventBatch::new(0.0, vec![ev]),
+    );
+    assert!(!s.overflowed);
+    assert_eq!(ix.endpoint_blocks(slot), 400);
+}

@@ -85,6 +85,44 @@ impl Reference {
             count -= 1;
             bytes -= e.bytes;
         }
+        // then, in its own band, the newest of the flow holding the most, while it holds
+        // more than the newcomer's flow would
+        let mine = self.flow_len(w.band, w.flow);
+        while !fits(count, bytes) {
+            let held = |f: u64| {
+                self.entries
+                    .iter()
+                    .filter(|(e, _)| e.band == w.band && e.flow == f && !victims.contains(&e.id))
+                    .count()
+            };
+            let mut flows: Vec<u64> = self
+                .entries
+                .iter()
+                .filter(|(e, _)| e.band == w.band && e.flow != w.flow)
+                .map(|(e, _)| e.flow)
+                .collect();
+            flows.sort_unstable();
+            flows.dedup();
+            let Some(big) = flows
+                .into_iter()
+                .max_by_key(|&f| (held(f), std::cmp::Reverse(f)))
+            else {
+                break;
+            };
+            if held(big) <= mine + 1 {
+                break;
+            }
+            let newest = self
+                .entries
+                .iter()
+                .map(|(e, _)| *e)
+                .filter(|e| e.band == w.band && e.flow == big && !victims.contains(&e.id))
+                .max_by_key(|e| (e.arrival_ms, e.id));
+            let Some(e) = newest else { break };
+            victims.push(e.id);
+            count -= 1;
+            bytes -= e.bytes;
+        }
         if !fits(count, bytes) {
             return Err(Refused::QueueFull);
         }

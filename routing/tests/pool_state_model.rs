@@ -432,7 +432,10 @@ proptest! {
     #[test]
     fn the_pool_state_matches_its_reference_model(ops in prop::collection::vec(op(), 1..60)) {
         let settings = PoolSettings {
-            index: IndexConfig { max_endpoints: MAX_ENDPOINTS },
+            index: IndexConfig {
+                max_endpoints: MAX_ENDPOINTS,
+                ..Default::default()
+            },
             budget: BUDGET,
             ..PoolSettings::default()
         };
@@ -522,8 +525,11 @@ proptest! {
                         };
                         if let Some(next) = next {
                             m.state = next;
-                            let dropped = if stale { m.len() } else { 0 };
-                            if stale {
+                            // a precise view is the feed's to clear (its sequence shows a
+                            // restart or a loss); staleness clears only an approximate one
+                            let clears = stale && !m.precise;
+                            let dropped = if clears { m.len() } else { 0 };
+                            if clears {
                                 m.clear();
                             }
                             want.push((n, stale, dropped));

@@ -811,6 +811,12 @@ async fn start_process(
                 ))
                 .arg("--peers")
                 .arg(format!("{ip}:{}", kvroute_crds::contract::PICKER_PEER_PORT))
+                .arg("--peer-key-file")
+                .arg(in_root(&format!(
+                    "{}/{}",
+                    kvroute_crds::contract::PEER_KEY_MOUNT_DIR,
+                    kvroute_crds::contract::PEER_KEY_FILE
+                )))
                 // the pod's loopback is its own address here
                 .arg("--admin")
                 .arg(format!(

@@ -284,6 +284,9 @@ impl Cluster {
     ) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
         self.install_chart()?;
         let kubeconfig = self.operator_kubeconfig(name).await?;
+        // what the chart's generated Secret holds, as the kubelet would mount it
+        let seed = self.plane.log_dir().join("operator-peer-seed");
+        std::fs::write(&seed, "e2e-operator-peer-key-seed-0123456789")?;
         let mut cmd = Command::new(&self.bins.operator);
         cmd.env("KUBECONFIG", kubeconfig)
             .env(
@@ -304,6 +307,8 @@ impl Cluster {
                 "--picker-image",
                 "kvroute:e2e",
             ])
+            .arg("--peer-key-seed-file")
+            .arg(&seed)
             .args(args);
         let mut proc = Proc::spawn(
             name,

@@ -129,6 +129,16 @@ impl ApiError {
         )
     }
 
+    /// A stored response this tenant does not have, in vLLM's words.
+    pub fn unknown_response(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "response_not_found",
+            format!("Response with id '{id}' not found."),
+        )
+    }
+
     pub fn not_found(path: &str) -> Self {
         Self::new(
             StatusCode::NOT_FOUND,

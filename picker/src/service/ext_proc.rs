@@ -57,6 +57,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use http::{HeaderName, HeaderValue};
+use parking_lot::Mutex;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -243,8 +244,13 @@ pub struct ExtProcLimits {
     /// past it.
     pub max_concurrent_streams: usize,
     /// Time a stream has from opening to its first message (the request headers); a silent
-    /// stream is ended then, so it cannot hold anything for longer.
+    /// stream is ended then, so it cannot hold anything for longer. A gateway sends the
+    /// headers as it opens the stream, so this is short.
     pub head_timeout: std::time::Duration,
+    /// Streams waiting for their first message that the connections from one address may
+    /// hold together: one peer opening many connections of silent streams cannot take the
+    /// whole opening room from the gateways.
+    pub max_opening_per_address: usize,
     /// Streams one HTTP/2 connection may have open at once (advertised in its
     /// `SETTINGS_MAX_CONCURRENT_STREAMS`; a gateway opens more connections past it).
     pub max_streams_per_connection: u32,
@@ -260,7 +266,8 @@ impl Default for ExtProcLimits {
         Self {
             max_body_bytes: 16 << 20,
             max_concurrent_streams: 16_384,
-            head_timeout: std::time::Duration::from_secs(10),
+            head_timeout: std::time::Duration::from_secs(2),
+            max_opening_per_address: 2048,
             max_streams_per_connection: 1024,
             assumed_body_mode: AssumedBodyMode::FullDuplexStreamed,
             body_timeout: std::time::Duration::from_secs(30),
@@ -287,6 +294,46 @@ pub struct ExtProcService<P> {
     streams: Arc<Semaphore>,
     /// Streams waiting for their first message.
     opening: Arc<Semaphore>,
+    /// Of those, how many each peer address holds (entries at zero are removed, so there
+    /// are never more than the opening room).
+    opening_by_address: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One stream's place in [`ExtProcService::opening_by_address`], given back on drop.
+struct AddressPlace {
+    map: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    address: IpAddr,
+}
+
+impl AddressPlace {
+    fn take(
+        map: &Arc<Mutex<HashMap<IpAddr, usize>>>,
+        address: IpAddr,
+        limit: usize,
+    ) -> Option<Self> {
+        let mut m = map.lock();
+        let n = m.entry(address).or_insert(0);
+        if *n >= limit.max(1) {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            map: map.clone(),
+            address,
+        })
+    }
+}
+
+impl Drop for AddressPlace {
+    fn drop(&mut self) {
+        let mut m = self.map.lock();
+        if let Some(n) = m.get_mut(&self.address) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.address);
+            }
+        }
+    }
 }
 
 struct Shared<P> {
@@ -311,6 +358,7 @@ impl<P: EndpointPicker> ExtProcService<P> {
             }),
             streams,
             opening,
+            opening_by_address: Arc::default(),
         }
     }
 }
@@ -323,9 +371,24 @@ impl<P: EndpointPicker> ExternalProcessor for ExtProcService<P> {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let address = request.remote_addr().map(|a| a.ip());
         let inbound = request.into_inner();
         // A stream holds nothing of the processing limit until its first message: one that
-        // never sends one only waits, bounded in number and in time (`head_timeout`).
+        // never sends one only waits, bounded in number and in time (`head_timeout`), and per
+        // peer address, so that one peer's many connections cannot fill the room.
+        let place = match address {
+            Some(a) => {
+                let limit = self.shared.limits.max_opening_per_address;
+                let Some(place) = AddressPlace::take(&self.opening_by_address, a, limit) else {
+                    self.shared.picker.on_stream_refused("opening_limit");
+                    return Err(Status::resource_exhausted(format!(
+                        "{a} has {limit} streams waiting for their request headers"
+                    )));
+                };
+                Some(place)
+            }
+            None => None,
+        };
         let Ok(opening) = self.opening.clone().try_acquire_owned() else {
             self.shared.picker.on_stream_refused("opening_limit");
             return Err(Status::resource_exhausted(format!(
@@ -342,7 +405,7 @@ impl<P: EndpointPicker> ExternalProcessor for ExtProcService<P> {
             let request_id = shared.next_request_id.fetch_add(1, Ordering::Relaxed);
             let mut task = StreamTask::new(shared, request_id, inbound, tx);
             task.admission = Admission::Opening {
-                _opening: opening,
+                _opening: (opening, place),
                 streams,
             };
             task.run().await;
@@ -356,7 +419,7 @@ enum Admission {
     /// Waiting for its first message: a place among the opening streams, and the semaphore to
     /// take a processing place from when it comes.
     Opening {
-        _opening: tokio::sync::OwnedSemaphorePermit,
+        _opening: (tokio::sync::OwnedSemaphorePermit, Option<AddressPlace>),
         streams: Arc<Semaphore>,
     },
     /// Past its first message.

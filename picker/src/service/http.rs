@@ -67,9 +67,23 @@ fn nominated(headers: &HeaderMap) -> Vec<&str> {
         .collect()
 }
 
-/// Whether `name` may be forwarded to the next hop: not hop-by-hop, and not `nominated`.
+/// Headers a client may send that are the picker's to act on, never the engine's:
+/// `expect` (the picker's own HTTP server answered `100 Continue` already; the engine would
+/// get a body it never asked for after a header it may honour) and the prefill/decode
+/// header naming where a prompt's KV is (only the picker's own split sets it, on the
+/// gateway's path; a client's would point a decode engine at a host of its choice).
+fn picker_only(name: &HeaderName) -> bool {
+    name == header::EXPECT
+        || name
+            .as_str()
+            .eq_ignore_ascii_case(super::ext_proc::PREFILLER_HOST_PORT_HEADER)
+}
+
+/// Whether `name` may be forwarded to the next hop: not hop-by-hop, not the picker's own,
+/// and not `nominated`.
 fn forwardable(nominated: &[&str], name: &HeaderName) -> bool {
     !hop_by_hop(name)
+        && !picker_only(name)
         && !nominated
             .iter()
             .any(|n| n.eq_ignore_ascii_case(name.as_str()))
@@ -174,6 +188,15 @@ async fn metrics(State(state): State<AppState>) -> Response {
     state.picker.refresh_outlier_gauges();
     state.picker.refresh_calibration_gauges();
     state.picker.refresh_working_set_gauges();
+    let failures = super::telemetry::export_failures();
+    let counted = state.picker.metrics.trace_export_failures.get();
+    if failures > counted {
+        state
+            .picker
+            .metrics
+            .trace_export_failures
+            .inc_by(failures - counted);
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -81,6 +81,9 @@ pub struct Metrics {
     pub upstream_ttft_seconds: Histogram,
     pub errors: Family<KindLabels, Counter>,
     pub event_batches: Counter,
+    /// Batches of trace spans the OTLP exporter failed to deliver (synced from
+    /// [`super::telemetry::export_failures`] when metrics are served).
+    pub trace_export_failures: Counter,
     pub event_lag_seconds: Histogram,
     pub event_problems: Family<KindLabels, Counter>,
     /// By `kind` (`ScrapeError::kind`).
@@ -184,6 +187,13 @@ impl Metrics {
         );
         let errors = Family::<KindLabels, Counter>::default();
         registry.register("errors", "Request errors by kind", errors.clone());
+        let trace_export_failures = Counter::default();
+        registry.register(
+            "trace_export_failures",
+            "Batches of request trace spans the OTLP exporter could not deliver (the collector \
+             unreachable or refusing); their spans are lost",
+            trace_export_failures.clone(),
+        );
         let event_batches = Counter::default();
         registry.register(
             "kv_event_batches",
@@ -396,6 +406,7 @@ impl Metrics {
             upstream_ttft_seconds,
             errors,
             event_batches,
+            trace_export_failures,
             event_lag_seconds,
             event_problems,
             scrape_failures,

@@ -175,6 +175,7 @@ pub async fn start(
         }
         None => (None, None),
     };
+    let peer_key = feeds::peers::PeerKey::load(&config.peers)?;
     let peer_socket = match config.peers.listen {
         Some(addr) => {
             let listen = |source| PickerError::Listen { addr, source };
@@ -227,12 +228,21 @@ pub async fn start(
             // bound, so that overload is the admission's 429 as on the proxy
             max_concurrent_streams: config.limits.max_inflight_total.saturating_mul(2),
             body_timeout: config.limits.body_read_timeout,
-            head_timeout: config.limits.header_read_timeout,
+            // a gateway sends a stream's headers as it opens it: a silent stream is cut soon
+            head_timeout: config
+                .limits
+                .header_read_timeout
+                .min(ext_proc::ExtProcLimits::default().head_timeout),
             max_streams_per_connection: config.limits.ext_proc_streams_per_connection.min(
                 u32::try_from(config.limits.max_inflight_total.saturating_mul(2))
                     .unwrap_or(u32::MAX),
             ),
             ..ext_proc::ExtProcLimits::default()
+        };
+        // two connections' worth of opening streams per peer address
+        let limits = ext_proc::ExtProcLimits {
+            max_opening_per_address: (limits.max_streams_per_connection as usize).saturating_mul(2),
+            ..limits
         };
         let mut server = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(limits.max_streams_per_connection));
@@ -349,6 +359,12 @@ pub async fn start(
         tasks.spawn(feeds::peers::run_peers(
             picker.clone(),
             config.peers.clone(),
+            peer_key,
+            crate::inflight::PeerBound {
+                requests: config.limits.max_inflight_per_endpoint,
+                tokens_per_request: u64::try_from(config.limits.max_prompt_tokens)
+                    .unwrap_or(u64::MAX),
+            },
             socket,
             cancel.clone(),
         ));

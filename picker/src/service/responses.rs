@@ -22,12 +22,26 @@ pub const MAX_TRACKED_RESPONSES: usize = 65_536;
 /// How far into a response body its id is looked for.
 pub const MAX_ID_SCAN_BYTES: usize = 8192;
 
-/// Where a stored response lives.
+/// Where a stored response lives, and whose it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResponseOwner {
     /// The conversation's session name (its pin key within the tenant).
     pub conversation: Arc<str>,
     pub endpoint: EndpointId,
+    /// The tenant whose request made it (none without tenancy): another tenant naming its
+    /// id is told it does not exist.
+    pub tenant: Option<Arc<str>>,
+}
+
+/// What the picker knows of a response id, for one tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Known {
+    /// It was made by this tenant, and is stored there.
+    Here(ResponseOwner),
+    /// It was made by another tenant: to this one, it does not exist.
+    OtherTenant,
+    /// Never seen here (another replica served it, or it was forgotten).
+    Unknown,
 }
 
 /// Recent responses and their owners, bounded by [`MAX_TRACKED_RESPONSES`].
@@ -49,19 +63,24 @@ impl Responses {
         }
     }
 
-    /// The session name of the conversation `previous` belongs to: the one it was recorded
-    /// with, or, for a response this picker never saw (another replica served it, or it was
-    /// forgotten), one named after it, so the continuations that follow still share a pin.
-    pub fn conversation_of(&self, previous: &str) -> String {
-        match self.owners.lock().get(previous) {
-            Some(owner) => owner.conversation.to_string(),
-            None => conversation_named_after(previous),
+    /// What is known of response `id` for `tenant`.
+    pub fn lookup(&self, id: &str, tenant: Option<&str>) -> Known {
+        match self.owners.lock().get(id) {
+            Some(o) if o.tenant.as_deref() == tenant => Known::Here(o.clone()),
+            Some(_) => Known::OtherTenant,
+            None => Known::Unknown,
         }
     }
 
-    /// The endpoint holding response `id`, if known.
-    pub fn endpoint_of(&self, id: &str) -> Option<EndpointId> {
-        self.owners.lock().get(id).map(|o| o.endpoint)
+    /// The session name of the conversation `previous` belongs to: the one it was recorded
+    /// with, or, for a response this picker never saw (another replica served it, or it was
+    /// forgotten) or another tenant's, one named after it, so the continuations that follow
+    /// still share a pin (a session key is scoped to its tenant).
+    pub fn conversation_of(&self, previous: &str, tenant: Option<&str>) -> String {
+        match self.lookup(previous, tenant) {
+            Known::Here(owner) => owner.conversation.to_string(),
+            Known::OtherTenant | Known::Unknown => conversation_named_after(previous),
+        }
     }
 
     pub fn record(&self, id: &str, owner: ResponseOwner) {
@@ -211,32 +230,46 @@ mod tests {
             port: p,
             rank: 0,
         };
+        let owner = |c: &str, e| ResponseOwner {
+            conversation: c.into(),
+            endpoint: ep(e),
+            tenant: None,
+        };
         let r = Responses::with_capacity(2);
-        assert_eq!(r.conversation_of("resp_a"), "response:resp_a");
-        r.record(
-            "resp_a",
-            ResponseOwner {
-                conversation: "response:resp_a".into(),
-                endpoint: ep(1),
-            },
-        );
-        r.record(
-            "resp_b",
-            ResponseOwner {
-                conversation: "response:resp_a".into(),
-                endpoint: ep(1),
-            },
-        );
-        assert_eq!(r.conversation_of("resp_b"), "response:resp_a");
-        r.record(
-            "resp_c",
-            ResponseOwner {
-                conversation: "s".into(),
-                endpoint: ep(2),
-            },
-        );
+        assert_eq!(r.conversation_of("resp_a", None), "response:resp_a");
+        r.record("resp_a", owner("response:resp_a", 1));
+        r.record("resp_b", owner("response:resp_a", 1));
+        assert_eq!(r.conversation_of("resp_b", None), "response:resp_a");
+        r.record("resp_c", owner("s", 2));
         assert_eq!(r.len(), 2);
-        assert_eq!(r.endpoint_of("resp_a"), None, "least recently used goes");
-        assert_eq!(r.endpoint_of("resp_c"), Some(ep(2)));
+        assert_eq!(
+            r.lookup("resp_a", None),
+            Known::Unknown,
+            "least recently used goes"
+        );
+        assert_eq!(r.lookup("resp_c", None), Known::Here(owner("s", 2)));
+    }
+
+    /// Hardening IV, 9: tenant B naming tenant A's response id was routed to A's engine and
+    /// read or continued A's stored response.
+    #[test]
+    fn a_response_is_known_only_to_its_tenant() {
+        let r = Responses::default();
+        let a = ResponseOwner {
+            conversation: "session-a".into(),
+            endpoint: EndpointId {
+                address: "127.0.0.1".parse().expect("ip"),
+                port: 1,
+                rank: 0,
+            },
+            tenant: Some("a".into()),
+        };
+        r.record("resp_1", a.clone());
+        assert_eq!(r.lookup("resp_1", Some("a")), Known::Here(a));
+        assert_eq!(r.lookup("resp_1", Some("b")), Known::OtherTenant);
+        assert_eq!(r.lookup("resp_1", None), Known::OtherTenant);
+        // B's continuation is not put in A's conversation
+        assert_eq!(r.conversation_of("resp_1", Some("a")), "session-a");
+        assert_eq!(r.conversation_of("resp_1", Some("b")), "response:resp_1");
     }
 }

@@ -274,6 +274,7 @@ impl IndexSettings {
         crate::place::PoolSettings {
             index: crate::index::IndexConfig {
                 max_endpoints: self.max_endpoints,
+                ..Default::default()
             },
             budget: crate::pool_state::IndexBudget {
                 default_kv_capacity_blocks: self.default_kv_capacity_blocks,
@@ -334,6 +335,12 @@ pub struct PeerSettings {
     /// Only datagrams of this group count (the operator sets `namespace/pool`), so that a
     /// replica of another pool on a reused address is not mixed in.
     pub group: String,
+    /// A file holding the pool's shared key (at least 16 bytes; the operator renders one per
+    /// pool into a Secret): every datagram is sent with its HMAC-SHA256 under it, with a
+    /// sequence number and a timestamp, and only datagrams that carry a right tag, a fresh
+    /// time and a new number count. Absent: datagrams are trusted on their source address
+    /// (IP and port) alone.
+    pub key_file: Option<String>,
 }
 
 impl Default for PeerSettings {
@@ -345,6 +352,7 @@ impl Default for PeerSettings {
             interval: Duration::from_millis(crate::inflight::DEFAULT_PEER_INTERVAL_MS as u64),
             resolve_interval: Duration::from_secs(5),
             group: String::new(),
+            key_file: None,
         }
     }
 }
@@ -393,6 +401,9 @@ impl PeerSettings {
         }
         if self.group.len() > 256 {
             return Err("peers.group must be at most 256 bytes".into());
+        }
+        if self.key_file.as_deref().is_some_and(str::is_empty) {
+            return Err("peers.keyFile must name a file".into());
         }
         Ok(())
     }

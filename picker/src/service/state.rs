@@ -18,14 +18,14 @@ use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
 use super::metrics::{DecisionLabels, KindLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
-use super::responses::{ResponseOwner, ResponseWatch, Responses, conversation_named_after};
+use super::responses::{Known, ResponseOwner, ResponseWatch, Responses, conversation_named_after};
 use super::settings::{IndexSettings, Limits};
 use super::telemetry;
 use super::tenancy::Tenancy;
 use tracing::Instrument as _;
 
 use crate::admission::{Admitted, Gate, Ticket, Turn};
-use crate::config::{FlowPlacement, RoutingConfig, UnattainableSlo};
+use crate::config::{FailureMode, FlowPlacement, RoutingConfig, UnattainableSlo};
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
@@ -470,8 +470,10 @@ impl PickerState {
     /// An endpoint for a request that names no model (a bodyless request through the gateway,
     /// such as `GET /v1/models`): for `GET /v1/responses/{id}` and `POST
     /// /v1/responses/{id}/cancel` the endpoint storing that response when it is known and
-    /// eligible, else the least-loaded Ready endpoint of any model config that the tenant may
-    /// use, within the gateway's subset.
+    /// eligible (Ready or Stale: stale metrics do not move a stored response), a 404 when it
+    /// is another tenant's, else the least-loaded Ready endpoint of any model config that the
+    /// tenant may use, within the gateway's subset (a Stale one under `FailOpen` when none
+    /// is Ready).
     pub fn pick_bodyless(
         &self,
         path: &str,
@@ -482,26 +484,43 @@ impl PickerState {
         let tenant = tenancy.tenant_of(headers)?;
         let ejected = self.ejected_endpoints();
         let snapshot = self.pool.state().endpoints();
-        let eligible = |e: &&Endpoint| {
-            e.state == EndpointState::Ready
-                && subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
+        let allowed = |e: &Endpoint| {
+            subset.is_none_or(|s| subset_allows(s, SocketAddr::new(e.id.address, e.id.port)))
                 && tenancy.allows(tenant.as_deref(), e)
         };
-        if let Some(holder) = stored_response_id(path).and_then(|id| self.responses.endpoint_of(id))
-            && let Some(e) = snapshot.get(&holder).filter(|e| eligible(e))
-        {
-            return Ok(e.id);
+        if let Some(id) = stored_response_id(path) {
+            match self.responses.lookup(id, tenant.as_deref()) {
+                Known::Here(owner) => {
+                    if let Some(e) = snapshot
+                        .get(&owner.endpoint)
+                        .filter(|e| e.state != EndpointState::Draining && allowed(e))
+                    {
+                        return Ok(e.id);
+                    }
+                }
+                Known::OtherTenant => return Err(ApiError::unknown_response(id)),
+                Known::Unknown => {}
+            }
         }
-        snapshot
-            .endpoints()
-            .iter()
-            .filter(eligible)
-            // an endpoint passive health ejected only when nothing else is eligible
-            .min_by_key(|e| {
-                let ejected = ejected.binary_search(&e.id).is_ok();
-                (ejected, self.pool.inflight().get(&e.id).requests, e.id)
+        let fail_open = self.routing.load().failure_mode == FailureMode::FailOpen;
+        let least_loaded = |state: EndpointState| {
+            snapshot
+                .endpoints()
+                .iter()
+                .filter(|e| e.state == state && allowed(e))
+                // an endpoint passive health ejected only when nothing else is eligible
+                .min_by_key(|e| {
+                    let ejected = ejected.binary_search(&e.id).is_ok();
+                    (ejected, self.pool.inflight().get(&e.id).requests, e.id)
+                })
+                .map(|e| e.id)
+        };
+        least_loaded(EndpointState::Ready)
+            .or_else(|| {
+                fail_open
+                    .then(|| least_loaded(EndpointState::Stale))
+                    .flatten()
             })
-            .map(|e| e.id)
             .ok_or_else(|| {
                 ApiError::unavailable(
                     "no_eligible_endpoint",
@@ -542,7 +561,16 @@ impl PickerState {
         let started = Instant::now();
         let snapshot = self.pool.state().endpoints();
         let routing = self.routing.load();
-        let session = self.conversation(req, headers, &routing);
+        let tenancy = self.tenancy.load_full();
+        let tenant = tenancy.tenant_of(headers)?;
+        // another tenant's stored response does not exist for this one (its engine would
+        // continue it: vLLM has no tenants)
+        if let Some(previous) = req.previous_response_id.as_deref()
+            && self.responses.lookup(previous, tenant.as_deref()) == Known::OtherTenant
+        {
+            return Err(ApiError::unknown_response(previous));
+        }
+        let session = self.conversation(req, headers, &routing, tenant.as_deref());
         // a rewrite rule: a session keeps its target, anything else goes by its body's hash
         // (hashed only when the model has a rule)
         let rewrite = routing
@@ -584,8 +612,6 @@ impl PickerState {
         if let Some(r) = &rewrite {
             self.metrics.model_rewritten(&r.asked, &r.target);
         }
-        let tenancy = self.tenancy.load_full();
-        let tenant = tenancy.tenant_of(headers)?;
 
         // another API's prompt is not read (nor one whose rendering is not reproduced): it is
         // routed by model, tenant and load alone
@@ -633,7 +659,9 @@ impl PickerState {
         let arrived_ms = self.now_ms();
         let band = {
             let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
-            fc.priority(header(&fc.priority_header), header(&fc.objective_header))
+            // a raw priority only from the header the operator trusts (none by default)
+            let raw = fc.priority_header.as_deref().and_then(header);
+            fc.priority(raw, header(&fc.objective_header))
         };
         let mut again = false;
         let mut waited = false;
@@ -806,6 +834,7 @@ impl PickerState {
         req: &ParsedRequest,
         headers: &HeaderMap,
         routing: &RoutingConfig,
+        tenant: Option<&str>,
     ) -> Option<String> {
         if req.kind == ApiKind::Other {
             return None;
@@ -818,7 +847,7 @@ impl PickerState {
             .or_else(|| {
                 req.previous_response_id
                     .as_deref()
-                    .map(|p| self.responses.conversation_of(p))
+                    .map(|p| self.responses.conversation_of(p, tenant))
             })
     }
 
@@ -862,6 +891,7 @@ impl PickerState {
             ResponseOwner {
                 conversation: conversation.into(),
                 endpoint: watch.endpoint,
+                tenant: watch.tenant.as_deref().map(Arc::from),
             },
         );
         false
@@ -1495,7 +1525,8 @@ endpoints:
         };
         assert_eq!(room.live_tokens, p);
         assert_eq!(room.capacity_tokens, 2 * blocks * block);
-        assert!(room.footprint_tokens >= p);
+        // its footprint: the mean live context, no more than one engine's cache
+        assert_eq!(room.footprint_tokens, p.min(blocks * block));
         // forwarded, b waits in line
         let waiting = || picker.metrics.admission_waiting.get();
         let until_waiting = |n: i64| {
@@ -1527,7 +1558,7 @@ endpoints:
         let b = b.await.expect("joined").expect("decided");
         assert_eq!(waiting(), 0);
         let ticket = b.admission_ticket.expect("admitted after waiting");
-        assert!(picker.pool.admission().lock().reserved(picker.now_ms()) >= p);
+        assert!(picker.pool.admission().lock().reserved(picker.now_ms()) >= p.min(blocks * block));
         let text = picker.metrics.encode();
         assert!(
             text.contains("kvroute_picker_admission_total{kind=\"fits\"} 1"),
@@ -1611,6 +1642,51 @@ endpoints:
                 .pick_bodyless("/v1/models", &h, Some(&[addr("127.0.0.2", 9000)]))
                 .is_err()
         );
+    }
+
+    /// Hardening IV, 11: `GET /v1/responses/{id}` answered 503 while its engine was briefly
+    /// stale, where a continuation went through; a stored response stays reachable on its
+    /// holder, and a bodyless request fails open as decisions do.
+    #[tokio::test]
+    async fn a_stored_response_is_reached_while_its_engine_is_stale() {
+        let picker = picker(Limits::default());
+        let h = HeaderMap::new();
+        let holder = picker
+            .pool
+            .state()
+            .endpoints()
+            .endpoints()
+            .iter()
+            .find(|e| e.id.address.to_string() == "127.0.0.2")
+            .expect("an endpoint")
+            .id;
+        picker.responses.record(
+            "resp_1",
+            ResponseOwner {
+                conversation: "c".into(),
+                endpoint: holder,
+                tenant: None,
+            },
+        );
+        let stale: Vec<(EndpointId, bool)> = picker
+            .pool
+            .state()
+            .endpoints()
+            .endpoints()
+            .iter()
+            .map(|e| (e.id, e.id == holder))
+            .collect();
+        picker.pool.state().set_stale(&stale);
+        assert_eq!(
+            picker
+                .pick_bodyless("/v1/responses/resp_1", &h, None)
+                .expect("picked"),
+            holder
+        );
+        // every endpoint stale: a bodyless request fails open
+        let all: Vec<(EndpointId, bool)> = stale.iter().map(|&(id, _)| (id, true)).collect();
+        picker.pool.state().set_stale(&all);
+        assert!(picker.pick_bodyless("/v1/models", &h, None).is_ok());
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! only the OpenTelemetry layer enables, so each call site costs one cached interest check; the
 //! client's `traceparent` then reaches the engine as it came.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TracerProvider as _;
@@ -25,6 +25,63 @@ use tracing_subscriber::filter::{LevelFilter, Targets};
 pub const TARGET: &str = "kvroute::trace";
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Export calls that failed, in this process.
+static EXPORT_FAILURES: AtomicU64 = AtomicU64::new(0);
+/// When a failure was last logged (s since the epoch): at most one line per interval.
+static LAST_LOGGED: AtomicU64 = AtomicU64::new(0);
+const LOG_EVERY_SECS: u64 = 30;
+
+/// Batches of spans the exporter could not deliver so far.
+pub fn export_failures() -> u64 {
+    EXPORT_FAILURES.load(Ordering::Relaxed)
+}
+
+/// An exporter that counts and logs its failures: the SDK's batch processor drops a batch
+/// that fails without a word the operator would see.
+#[derive(Debug)]
+struct Counted<E>(E);
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for Counted<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        let spans = batch.len();
+        let result = self.0.export(batch).await;
+        if let Err(e) = &result {
+            let n = EXPORT_FAILURES.fetch_add(1, Ordering::Relaxed) + 1;
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let last = LAST_LOGGED.load(Ordering::Relaxed);
+            if now.saturating_sub(last) >= LOG_EVERY_SECS
+                && LAST_LOGGED
+                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                tracing::warn!(error = %e, spans, failures = n, "exporting request trace spans failed; they are lost");
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.0.set_resource(resource);
+    }
+}
 
 /// Whether request tracing is on (spans are exported and `traceparent` is rewritten).
 pub fn enabled() -> bool {
@@ -82,7 +139,7 @@ pub fn with_endpoint(endpoint: &str, service: &str) -> anyhow::Result<(OtelLayer
         .with_endpoint(endpoint)
         .build()?;
     let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_batch_exporter(Counted(exporter))
         .with_resource(
             opentelemetry_sdk::Resource::builder()
                 .with_service_name(service.to_owned())

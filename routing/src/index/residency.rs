@@ -369,9 +369,8 @@ impl KvIndex {
                 id,
             });
             r.lower.sort_by_key(|t| (t.tier, t.id));
-            entry.by_engine_hash.limit = entry
-                .max_blocks
-                .saturating_mul(1 + LOWER_TIER_FACTOR.saturating_mul(r.lower.len()));
+            entry.by_engine_hash.limit =
+                super::tiered_budget(entry.max_blocks, entry.cap, r.lower.len());
         }
         let salt = r.salt(idx, id);
         let mut fallbacks: Vec<u64> = std::iter::once(0)

@@ -7,24 +7,32 @@
 //! change, so a lost datagram costs one interval; a peer silent for
 //! [`crate::inflight::peer_ttl_ms`] is forgotten.
 //!
-//! A datagram is JSON: `{"v":1,"group":"ns/pool","replica":ID,"counts":[[ip,port,rank,
-//! requests,tokens,pending_requests,pending_tokens,pending_prompt_tokens],...]}`, at most
-//! [`ENTRIES_PER_DATAGRAM`] entries (a replica with more endpoints sends several). Only
-//! datagrams from a peer's address (its IP) and of this replica's group count; the replica's
-//! own (a DNS name that lists every replica lists this one too) are recognised by its random
-//! id and skipped.
+//! A datagram is JSON: `{"v":1,"group":"ns/pool","replica":ID,"seq":N,"ts":MS,"counts":[[ip,
+//! port,rank,requests,tokens,pending_requests,pending_tokens,pending_prompt_tokens],...]}`, at
+//! most [`ENTRIES_PER_DATAGRAM`] entries (a replica with more endpoints sends several). With
+//! `peers.keyFile` (the operator renders one key into every picker of a pool) the JSON is
+//! preceded by its HMAC-SHA256 under the key (32 bytes), and a datagram counts only when the
+//! tag is right, its `ts` (the sender's clock, ms since the epoch) is within the peer TTL of
+//! this replica's clock, and its `seq` is past the last one heard from that replica (a
+//! captured datagram cannot be sent again). Whatever the key, a datagram counts only from a
+//! peer's exact address (IP and port: peers send from the port they listen on), of this
+//! replica's group, and its counts are clamped to what one replica could hold on an endpoint
+//! ([`crate::inflight::PeerBound`]). The replica's own datagrams (a DNS name that lists every
+//! replica lists this one too) are recognised by its random id and skipped.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
 use crate::endpoint::EndpointId;
-use crate::inflight::{InflightCounts, peer_ttl_ms};
+use crate::inflight::{InflightCounts, MAX_PEERS, PeerBound, peer_ttl_ms};
 use crate::service::metrics::KindLabels;
 use crate::service::settings::{MAX_PEER_ADDRESSES, PeerSettings};
 use crate::service::state::PickerState;
@@ -34,6 +42,10 @@ pub const ENTRIES_PER_DATAGRAM: usize = 48;
 /// Largest datagram read; longer ones are cut and fail to decode.
 const MAX_DATAGRAM: usize = 16 << 10;
 const VERSION: u8 = 1;
+/// Bytes of the HMAC-SHA256 tag in front of a keyed datagram.
+const TAG: usize = 32;
+/// Clock difference between two replicas' nodes tolerated on top of the peer TTL.
+const CLOCK_SKEW_MS: u64 = 2_000;
 
 type Entry = (IpAddr, u16, u32, u64, u64, u64, u64, u64);
 
@@ -43,18 +55,134 @@ struct Message<'a> {
     #[serde(borrow)]
     group: &'a str,
     replica: u64,
+    /// The sender's datagram number (one more for each datagram it sends).
+    #[serde(default)]
+    seq: u64,
+    /// The sender's clock when it sent the datagram, ms since the Unix epoch.
+    #[serde(default)]
+    ts: u64,
     counts: Vec<Entry>,
 }
 
-/// The datagrams that carry `counts` from `replica` of `group`.
-fn encode(group: &str, replica: u64, counts: &[(EndpointId, InflightCounts)]) -> Vec<Vec<u8>> {
+/// The pool's shared key (`peers.keyFile`), or none.
+#[derive(Clone, Default)]
+pub struct PeerKey(Option<Vec<u8>>);
+
+impl std::fmt::Debug for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PeerKey")
+            .field(&self.0.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+impl PeerKey {
+    /// Read `peers.keyFile` (at least 16 bytes once surrounding whitespace is trimmed).
+    pub fn load(settings: &PeerSettings) -> Result<Self, crate::error::PickerError> {
+        let Some(p) = &settings.key_file else {
+            return Ok(Self(None));
+        };
+        let s = std::fs::read(p)
+            .map_err(|e| crate::error::PickerError::read_file("peers.keyFile", p, e))?;
+        let key = s.trim_ascii().to_vec();
+        if key.len() < 16 {
+            return Err(crate::error::PickerError::Invalid(format!(
+                "peers.keyFile {p}: the key must be at least 16 bytes"
+            )));
+        }
+        Ok(Self(Some(key)))
+    }
+
+    #[cfg(test)]
+    fn of(key: &[u8]) -> Self {
+        Self(Some(key.to_vec()))
+    }
+
+    fn mac(key: &[u8]) -> Hmac<Sha256> {
+        // HMAC takes a key of any length
+        <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!())
+    }
+
+    /// `json` as it goes on the wire: behind its tag when keyed.
+    fn seal(&self, json: Vec<u8>) -> Vec<u8> {
+        let Some(key) = &self.0 else { return json };
+        let mut mac = Self::mac(key);
+        mac.update(&json);
+        let mut out = mac.finalize().into_bytes().to_vec();
+        out.extend_from_slice(&json);
+        out
+    }
+
+    /// The JSON of a datagram whose tag is right (all of it when unkeyed).
+    fn open<'a>(&self, bytes: &'a [u8]) -> Result<&'a [u8], Rejected> {
+        let Some(key) = &self.0 else { return Ok(bytes) };
+        if bytes.len() < TAG {
+            return Err(Rejected::Unauthenticated);
+        }
+        let (tag, json) = bytes.split_at(TAG);
+        let mut mac = Self::mac(key);
+        mac.update(json);
+        mac.verify_slice(tag)
+            .map_err(|_| Rejected::Unauthenticated)?;
+        Ok(json)
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// What a replica knows of its own sending: its id and the next datagram number.
+#[derive(Debug)]
+struct Sender {
+    replica: u64,
+    seq: u64,
+}
+
+/// The last datagram number heard from each replica (a keyed datagram must be past it), at
+/// most [`MAX_PEERS`] × 4 replicas, the least recently heard forgotten first.
+#[derive(Debug, Default)]
+struct Heard {
+    last: HashMap<u64, (u64, u64)>,
+}
+
+impl Heard {
+    /// Whether `seq` of `replica` is new; records it when it is.
+    fn fresh(&mut self, replica: u64, seq: u64, now_ms: u64) -> bool {
+        if let Some(&(last, _)) = self.last.get(&replica)
+            && seq <= last
+        {
+            return false;
+        }
+        if !self.last.contains_key(&replica)
+            && self.last.len() >= MAX_PEERS * 4
+            && let Some((&old, _)) = self.last.iter().min_by_key(|(_, (_, at))| *at)
+        {
+            self.last.remove(&old);
+        }
+        self.last.insert(replica, (seq, now_ms));
+        true
+    }
+}
+
+/// The datagrams that carry `counts` from `sender` of `group` at `ts` (ms since the epoch).
+fn encode(
+    group: &str,
+    sender: &mut Sender,
+    ts: u64,
+    key: &PeerKey,
+    counts: &[(EndpointId, InflightCounts)],
+) -> Vec<Vec<u8>> {
     counts
         .chunks(ENTRIES_PER_DATAGRAM)
         .map(|chunk| {
+            sender.seq += 1;
             let m = Message {
                 v: VERSION,
                 group,
-                replica,
+                replica: sender.replica,
+                seq: sender.seq,
+                ts,
                 counts: chunk
                     .iter()
                     .map(|(id, c)| {
@@ -71,7 +199,7 @@ fn encode(group: &str, replica: u64, counts: &[(EndpointId, InflightCounts)]) ->
                     })
                     .collect(),
             };
-            serde_json::to_vec(&m).unwrap_or_default()
+            key.seal(serde_json::to_vec(&m).unwrap_or_default())
         })
         .collect()
 }
@@ -82,41 +210,82 @@ enum Rejected {
     Malformed,
     OtherGroup,
     Own,
+    /// Keyed: no tag, or not this pool's key.
+    Unauthenticated,
+    /// Keyed: sent too long ago (or in the future), or a number already heard.
+    Stale,
 }
 
-/// A datagram's sender and counts.
-fn decode(
-    bytes: &[u8],
-    group: &str,
+impl Rejected {
+    fn kind(&self) -> &'static str {
+        match self {
+            Rejected::Malformed => "malformed",
+            Rejected::OtherGroup => "other_group",
+            Rejected::Own => "own",
+            Rejected::Unauthenticated => "unauthenticated",
+            Rejected::Stale => "stale",
+        }
+    }
+}
+
+/// What a receiver checks a datagram against.
+struct Receiver<'a> {
+    group: &'a str,
     own: u64,
-) -> Result<(u64, Vec<(EndpointId, InflightCounts)>), Rejected> {
-    let m: Message<'_> = serde_json::from_slice(bytes).map_err(|_| Rejected::Malformed)?;
-    if m.v != VERSION || m.counts.len() > ENTRIES_PER_DATAGRAM {
-        return Err(Rejected::Malformed);
+    key: &'a PeerKey,
+    /// How far the sender's `ts` may be from this replica's clock (keyed only).
+    window_ms: u64,
+}
+
+impl Receiver<'_> {
+    /// A datagram's sender and counts, checked; `now_ms` is this replica's clock (ms since the
+    /// epoch).
+    fn decode(
+        &self,
+        bytes: &[u8],
+        heard: &mut Heard,
+        now_ms: u64,
+    ) -> Result<(u64, Vec<(EndpointId, InflightCounts)>), Rejected> {
+        let json = self.key.open(bytes)?;
+        let m: Message<'_> = serde_json::from_slice(json).map_err(|_| Rejected::Malformed)?;
+        if m.v != VERSION || m.counts.len() > ENTRIES_PER_DATAGRAM {
+            return Err(Rejected::Malformed);
+        }
+        if m.group != self.group {
+            return Err(Rejected::OtherGroup);
+        }
+        if m.replica == self.own {
+            return Err(Rejected::Own);
+        }
+        if self.key.is_set()
+            && (m.ts.abs_diff(now_ms) > self.window_ms || !heard.fresh(m.replica, m.seq, now_ms))
+        {
+            return Err(Rejected::Stale);
+        }
+        let counts = m
+            .counts
+            .into_iter()
+            .map(|(ip, port, rank, r, t, pr, pt, ppt)| {
+                (
+                    EndpointId::new(ip, port, rank),
+                    InflightCounts {
+                        requests: r,
+                        tokens: t,
+                        pending_requests: pr,
+                        pending_tokens: pt,
+                        pending_prompt_tokens: ppt,
+                    },
+                )
+            })
+            .collect();
+        Ok((m.replica, counts))
     }
-    if m.group != group {
-        return Err(Rejected::OtherGroup);
-    }
-    if m.replica == own {
-        return Err(Rejected::Own);
-    }
-    let counts = m
-        .counts
-        .into_iter()
-        .map(|(ip, port, rank, r, t, pr, pt, ppt)| {
-            (
-                EndpointId::new(ip, port, rank),
-                InflightCounts {
-                    requests: r,
-                    tokens: t,
-                    pending_requests: pr,
-                    pending_tokens: pt,
-                    pending_prompt_tokens: ppt,
-                },
-            )
-        })
-        .collect();
-    Ok((m.replica, counts))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The peers' addresses: the listed ones and what the DNS name returns now (the last good
@@ -142,15 +311,29 @@ async fn resolve(settings: &PeerSettings, last: &[SocketAddr]) -> Vec<SocketAddr
     out
 }
 
-/// Run the exchange on `socket` (bound to `peers.listen`) until `cancel`.
+/// Run the exchange on `socket` (bound to `peers.listen`) until `cancel`; `key` is the pool's
+/// (`peers.keyFile`) and `bound` what one replica may claim per endpoint.
 pub async fn run_peers(
     picker: Arc<PickerState>,
     settings: PeerSettings,
+    key: PeerKey,
+    bound: PeerBound,
     socket: UdpSocket,
     cancel: CancellationToken,
 ) {
-    let replica: u64 = rand::random();
+    let mut sender = Sender {
+        replica: rand::random(),
+        seq: 0,
+    };
     let ttl = peer_ttl_ms(u64::try_from(settings.interval.as_millis()).unwrap_or(u64::MAX));
+    let replica = sender.replica;
+    let receiver = Receiver {
+        group: &settings.group,
+        own: replica,
+        key: &key,
+        window_ms: ttl + CLOCK_SKEW_MS,
+    };
+    let mut heard = Heard::default();
     let count = |kind: &str| {
         picker
             .metrics
@@ -159,16 +342,22 @@ pub async fn run_peers(
             .inc();
     };
     let mut peers = resolve(&settings, &[]).await;
-    let mut peer_ips: HashSet<IpAddr> = peers.iter().map(SocketAddr::ip).collect();
+    let mut peer_addrs: HashSet<SocketAddr> = peers.iter().copied().collect();
     let mut publish = tokio::time::interval(settings.interval);
     publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut refresh = tokio::time::interval(settings.resolve_interval);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     refresh.tick().await;
     let mut buf = vec![0u8; MAX_DATAGRAM];
+    if !key.is_set() {
+        tracing::warn!(
+            "peers.keyFile is not set: peer datagrams are trusted on their source address alone"
+        );
+    }
     tracing::info!(
         replica,
         peers = peers.len(),
+        keyed = key.is_set(),
         "peer in-flight exchange started"
     );
     loop {
@@ -176,7 +365,13 @@ pub async fn run_peers(
             () = cancel.cancelled() => return,
             _ = publish.tick() => {
                 let inflight = picker.pool.inflight();
-                let datagrams = encode(&settings.group, replica, &inflight.own_counts());
+                let datagrams = encode(
+                    &settings.group,
+                    &mut sender,
+                    unix_ms(),
+                    &key,
+                    &inflight.own_counts(),
+                );
                 for to in &peers {
                     for d in &datagrams {
                         match socket.send_to(d, to).await {
@@ -195,22 +390,25 @@ pub async fn run_peers(
             }
             _ = refresh.tick(), if settings.dns.is_some() => {
                 peers = resolve(&settings, &peers).await;
-                peer_ips = peers.iter().map(SocketAddr::ip).collect();
+                peer_addrs = peers.iter().copied().collect();
             }
             got = socket.recv_from(&mut buf) => {
                 let Ok((n, from)) = got else { continue };
-                if !peer_ips.contains(&from.ip()) {
+                // peers send from the port they listen on: any other port is not a peer
+                if !peer_addrs.contains(&from) {
                     count("unknown_source");
                     continue;
                 }
-                match decode(&buf[..n], &settings.group, replica) {
+                match receiver.decode(&buf[..n], &mut heard, unix_ms()) {
                     Ok((peer, counts)) => {
-                        count("received");
-                        picker.pool.inflight().apply_peer(peer, &counts, picker.now_ms());
+                        let applied = picker
+                            .pool
+                            .inflight()
+                            .apply_peer(peer, &counts, picker.now_ms(), bound);
+                        count(if applied == 0 && !counts.is_empty() { "refused" } else { "received" });
                     }
                     Err(Rejected::Own) => {}
-                    Err(Rejected::OtherGroup) => count("other_group"),
-                    Err(Rejected::Malformed) => count("malformed"),
+                    Err(e) => count(e.kind()),
                 }
             }
         }
@@ -240,40 +438,139 @@ mod tests {
             .collect()
     }
 
+    fn sender(replica: u64) -> Sender {
+        Sender { replica, seq: 0 }
+    }
+
+    fn receiver<'a>(own: u64, key: &'a PeerKey) -> Receiver<'a> {
+        Receiver {
+            group: "ns/pool",
+            own,
+            key,
+            window_ms: 2_500,
+        }
+    }
+
     #[test]
     fn counts_round_trip_in_datagrams_of_bounded_size() {
-        let c = counts(100);
-        let datagrams = encode("ns/pool", 7, &c);
-        assert_eq!(datagrams.len(), 3, "48 + 48 + 4 entries");
-        let mut back = Vec::new();
-        for d in &datagrams {
-            assert!(d.len() < MAX_DATAGRAM, "{}", d.len());
-            let (peer, part) = decode(d, "ns/pool", 9).expect("decodes");
-            assert_eq!(peer, 7);
-            back.extend(part);
+        for key in [
+            PeerKey::default(),
+            PeerKey::of(b"0123456789abcdef-pool-key"),
+        ] {
+            let c = counts(100);
+            let datagrams = encode("ns/pool", &mut sender(7), 10_000, &key, &c);
+            assert_eq!(datagrams.len(), 3, "48 + 48 + 4 entries");
+            let mut back = Vec::new();
+            let mut heard = Heard::default();
+            for d in &datagrams {
+                assert!(d.len() < MAX_DATAGRAM, "{}", d.len());
+                let (peer, part) = receiver(9, &key)
+                    .decode(d, &mut heard, 10_100)
+                    .expect("decodes");
+                assert_eq!(peer, 7);
+                back.extend(part);
+            }
+            assert_eq!(back, c);
         }
-        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn a_keyed_exchange_refuses_forged_replayed_and_old_datagrams() {
+        let key = PeerKey::of(b"0123456789abcdef-pool-key");
+        let other = PeerKey::of(b"another-pool-key-0123456789");
+        let r = receiver(9, &key);
+        let mut heard = Heard::default();
+        let mut s7 = sender(7);
+        let good = encode("ns/pool", &mut s7, 10_000, &key, &counts(2)).remove(0);
+        // no tag (an unkeyed sender, or a forger without the key), or another key's tag
+        let plain = encode(
+            "ns/pool",
+            &mut sender(8),
+            10_000,
+            &PeerKey::default(),
+            &counts(2),
+        );
+        assert_eq!(
+            r.decode(&plain[0], &mut heard, 10_000),
+            Err(Rejected::Unauthenticated)
+        );
+        let foreign = encode("ns/pool", &mut sender(8), 10_000, &other, &counts(2));
+        assert_eq!(
+            r.decode(&foreign[0], &mut heard, 10_000),
+            Err(Rejected::Unauthenticated)
+        );
+        // a tag over other bytes: one count changed after sealing
+        let mut tampered = good.clone();
+        let at = tampered.len() - 3;
+        tampered[at] = if tampered[at] == b'1' { b'2' } else { b'1' };
+        assert_eq!(
+            r.decode(&tampered, &mut heard, 10_000),
+            Err(Rejected::Unauthenticated)
+        );
+        assert_eq!(
+            r.decode(&[1, 2, 3], &mut heard, 10_000),
+            Err(Rejected::Unauthenticated)
+        );
+        // the real one counts once; sent again, it is refused
+        assert!(r.decode(&good, &mut heard, 10_050).is_ok());
+        assert_eq!(r.decode(&good, &mut heard, 10_060), Err(Rejected::Stale));
+        // a later one counts; one sent long ago (or far ahead of this clock) does not
+        let next = encode("ns/pool", &mut s7, 10_020, &key, &counts(2)).remove(0);
+        assert!(r.decode(&next, &mut heard, 10_070).is_ok());
+        let old = encode("ns/pool", &mut s7, 1_000, &key, &counts(2)).remove(0);
+        assert_eq!(r.decode(&old, &mut heard, 10_080), Err(Rejected::Stale));
+        let ahead = encode("ns/pool", &mut s7, 20_000, &key, &counts(2)).remove(0);
+        assert_eq!(r.decode(&ahead, &mut heard, 10_080), Err(Rejected::Stale));
+    }
+
+    #[test]
+    fn replicas_heard_are_bounded() {
+        let mut heard = Heard::default();
+        for r in 0..(MAX_PEERS as u64 * 4 + 10) {
+            assert!(heard.fresh(r, 1, r));
+        }
+        assert_eq!(heard.last.len(), MAX_PEERS * 4);
+        // the most recently heard are kept
+        assert!(!heard.fresh(MAX_PEERS as u64 * 4 + 9, 1, 10_000));
     }
 
     #[test]
     fn foreign_own_and_malformed_datagrams_do_not_count() {
-        let d = encode("ns/pool", 7, &counts(2)).remove(0);
-        assert_eq!(decode(&d, "ns/other", 9), Err(Rejected::OtherGroup));
-        assert_eq!(decode(&d, "ns/pool", 7), Err(Rejected::Own));
+        let none = PeerKey::default();
+        let mut heard = Heard::default();
+        let d = encode("ns/pool", &mut sender(7), 0, &none, &counts(2)).remove(0);
+        let other_group = Receiver {
+            group: "ns/other",
+            ..receiver(9, &none)
+        };
+        assert_eq!(
+            other_group.decode(&d, &mut heard, 0),
+            Err(Rejected::OtherGroup)
+        );
+        assert_eq!(
+            receiver(7, &none).decode(&d, &mut heard, 0),
+            Err(Rejected::Own)
+        );
         for bad in [
             &b"not json"[..],
             br#"{"v":2,"group":"ns/pool","replica":1,"counts":[]}"#,
             br#"{"v":1,"group":"ns/pool","replica":1,"counts":[["10.0.0.1",1,0,1,1,1,1]]}"#,
             br#"{"v":1,"group":"ns/pool","replica":1,"counts":[["10.0.0.1",1,0,-1,1,1,1,1]]}"#,
         ] {
-            assert_eq!(decode(bad, "ns/pool", 9), Err(Rejected::Malformed));
+            assert_eq!(
+                receiver(9, &none).decode(bad, &mut heard, 0),
+                Err(Rejected::Malformed)
+            );
         }
-        let too_many = encode("ns/pool", 1, &counts(49)).remove(0);
+        let too_many = encode("ns/pool", &mut sender(1), 0, &none, &counts(49)).remove(0);
         // a sender may not pack more than the bound into one datagram
         let mut m: serde_json::Value = serde_json::from_slice(&too_many).unwrap();
         let extra = m["counts"][0].clone();
         m["counts"].as_array_mut().unwrap().push(extra);
         let bytes = serde_json::to_vec(&m).unwrap();
-        assert_eq!(decode(&bytes, "ns/pool", 9), Err(Rejected::Malformed));
+        assert_eq!(
+            receiver(9, &none).decode(&bytes, &mut heard, 0),
+            Err(Rejected::Malformed)
+        );
     }
 }

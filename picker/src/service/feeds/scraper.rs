@@ -286,7 +286,7 @@ pub async fn run_scraper(
         picker.observe_engines(&latencies);
         for change in outcome.changes {
             if change.stale {
-                tracing::warn!(endpoint = %change.endpoint, dropped = change.dropped, "endpoint is stale: no good metrics scrape within the threshold; its cached blocks are forgotten");
+                tracing::warn!(endpoint = %change.endpoint, dropped = change.dropped, "endpoint is stale: no good metrics scrape within the threshold (an approximate view is forgotten; a precise one is kept for its event feed to confirm)");
             } else {
                 tracing::info!(endpoint = %change.endpoint, "endpoint recovered");
             }
