@@ -9,6 +9,11 @@
 #
 #   scripts/idle-streams.sh                      # one connection trying 33,000 streams
 #   CONNS=40 STREAMS=1024 SKIP_BUILD=1 scripts/idle-streams.sh
+#   FROM=127.0.0.1 CONNS=70 STREAMS=1024 scripts/idle-streams.sh   # the stranger on the gateway's address
+#
+# The idle connections come from FROM (default 127.0.0.2), the legitimate picks from
+# 127.0.0.1, as a gateway and a stranger on the pod network have addresses of their own (the
+# picker shares the opening room per peer address).
 #
 # Needs python3 with the h2 package (pip install h2). Everything binds 127.0.0.1; every
 # process it starts is stopped on exit.
@@ -18,6 +23,7 @@ CONNS=${CONNS:-1}
 STREAMS=${STREAMS:-33000}
 PICKS=${PICKS:-20}
 HOLD_S=${HOLD_S:-15}
+FROM=${FROM:-127.0.0.2}
 BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release}
 if [[ -z ${SKIP_BUILD:-} ]]; then
   cargo build --release -q -p kvroute-picker --bin kvroute-picker -p kvroute-sim --bin kvroute-sim
@@ -38,13 +44,13 @@ METRICS=$(picker_addr metrics)
 sleep 2
 echo "picker RSS before: $(rss) kB"
 
-python3 - "$EXT" "$CONNS" "$STREAMS" "$PICKS" "$HOLD_S" "$PICKER" "$METRICS" <<'PY'
+python3 - "$EXT" "$CONNS" "$STREAMS" "$PICKS" "$HOLD_S" "$PICKER" "$METRICS" "$FROM" <<'PY'
 import socket, sys, time, threading, urllib.request
 import h2.connection, h2.config, h2.events, h2.settings
 
 host, port = sys.argv[1].rsplit(":", 1)
 conns, streams, picks, hold = (int(x) for x in sys.argv[2:6])
-picker_pid, metrics = sys.argv[6], sys.argv[7]
+picker_pid, metrics, source = sys.argv[6], sys.argv[7], sys.argv[8]
 PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 def rss():
@@ -52,8 +58,8 @@ def rss():
         if line.startswith("VmRSS"):
             return line.split()[1] + " kB"
 
-def connect():
-    s = socket.create_connection((host, int(port)))
+def connect(source="127.0.0.1"):
+    s = socket.create_connection((host, int(port)), source_address=(source, 0))
     c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     c.initiate_connection()
     s.sendall(c.data_to_send())
@@ -85,7 +91,7 @@ held = []
 opened = refused = answered = 0
 codes = {}
 for _ in range(conns):
-    s, c = connect()
+    s, c = connect(source)
     pump(s, c)
     # a hostile client ignores the advertised SETTINGS_MAX_CONCURRENT_STREAMS
     c.remote_settings = h2.settings.Settings(
