@@ -617,3 +617,69 @@ async fn a_body_larger_than_the_queue_is_refused() {
     .await;
     picker.shutdown().await;
 }
+
+/// Issue 49: a request whose answer comes whole shows no first token, and it used to count as
+/// waiting at its endpoint until its answer ended, so flow control held requests back from an
+/// engine that was running them (40 non-streamed completions: 1.88 s with flow control, 0.25 s
+/// without). Its prefill is taken to be over once its predicted first token is due: here the
+/// engine runs twelve requests that never end, more than its queue depth of 5.
+#[tokio::test]
+async fn non_streamed_requests_leave_the_queue_once_their_prefill_is_due() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let picker = start_picker(&yaml(engine.addr.port(), "ttl: 60s")).await;
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.125"#,
+    )
+    .await;
+    engine.state.hang.store(true, Ordering::SeqCst);
+    let http = picker.addrs.http;
+    let held: Vec<_> = (0..12)
+        .map(|_| tokio::spawn(async move { complete(http, None).await }))
+        .collect();
+    // bounded, not timed: each request's predicted first token is a few ms away
+    let mut seen = 0;
+    for _ in 0..1_000 {
+        seen = engine.state.requests.load(Ordering::SeqCst);
+        if seen == 12 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(seen, 12, "the engine runs every request, none held back");
+    for h in held {
+        h.abort();
+    }
+    picker.shutdown().await;
+}
+
+/// Issue 49: the pool-saturation gauge, meant for an autoscaler, read only the engines' own
+/// counters and stayed at 0 while the picker held requests. It counts what the picker holds:
+/// at the engines' thresholds and three requests held it reads above 1; idle again, what the
+/// engine's KV usage alone says.
+#[tokio::test]
+async fn the_saturation_gauge_counts_the_requests_the_picker_holds() {
+    let (engine, picker) = picker_at(5, "ttl: 30s", "{}", "1.0").await;
+    let http = picker.addrs.http;
+    let held: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(async move { complete(http, None).await }))
+        .collect();
+    queued(&picker, 3).await;
+    // 1.0 from the engine, 3 held over a depth of 5
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 1.6"#,
+    )
+    .await;
+    engine.state.waiting.store(0, Ordering::SeqCst);
+    for h in held {
+        assert_eq!(h.await.unwrap().0, 200);
+    }
+    // (the fake engine's KV cache is an eighth full)
+    metric(
+        &picker,
+        r#"kvroute_picker_pool_saturation{model_config="llama"} 0.125"#,
+    )
+    .await;
+    picker.shutdown().await;
+}

@@ -349,7 +349,8 @@ pub struct InflightGuard {
     counters: Arc<Counters>,
     prompt_tokens: u64,
     uncached_tokens: u64,
-    pending: bool,
+    /// Still waiting for its first token; shared with its [`PrefillMark`]s.
+    pending: Arc<AtomicBool>,
 }
 
 impl InflightGuard {
@@ -368,13 +369,41 @@ impl InflightGuard {
             counters,
             prompt_tokens,
             uncached_tokens,
-            pending: true,
+            pending: Arc::new(AtomicBool::new(true)),
         }
     }
 
     /// The first token arrived: the request's prefill is no longer queued work.
     pub fn first_token(&mut self) {
-        if std::mem::take(&mut self.pending) {
+        self.prefill_mark().prefill_done();
+    }
+
+    /// A handle that ends the request's prefill from elsewhere: for a request whose answer
+    /// comes whole (not streamed), its first token is never seen, so its owner marks the
+    /// prefill done when it predicts it to be (the guard's end marks it at the latest).
+    pub fn prefill_mark(&self) -> PrefillMark {
+        PrefillMark {
+            counters: self.counters.clone(),
+            prompt_tokens: self.prompt_tokens,
+            uncached_tokens: self.uncached_tokens,
+            pending: self.pending.clone(),
+        }
+    }
+}
+
+/// Marks one request's prefill done ([`InflightGuard::prefill_mark`]); only the first mark
+/// (of the handle or the guard) counts.
+#[derive(Debug, Clone)]
+pub struct PrefillMark {
+    counters: Arc<Counters>,
+    prompt_tokens: u64,
+    uncached_tokens: u64,
+    pending: Arc<AtomicBool>,
+}
+
+impl PrefillMark {
+    pub fn prefill_done(&self) {
+        if self.pending.swap(false, Ordering::AcqRel) {
             self.counters
                 .pending_requests
                 .fetch_sub(1, Ordering::Relaxed);
@@ -539,6 +568,28 @@ mod tests {
         assert_eq!(got.pending_requests, 2048);
         assert_eq!(got.pending_tokens, 2_048_000);
         assert_eq!(got.tokens, 4_096_000);
+    }
+
+    #[test]
+    fn a_prefill_mark_ends_the_prefill_once() {
+        let t = InflightTracker::new();
+        let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 1, 0);
+        let mut g = t.begin(id, 100, 60);
+        let mark = g.prefill_mark();
+        assert_eq!(t.get(&id).pending_requests, 1);
+        mark.prefill_done();
+        let got = t.get(&id);
+        assert_eq!(
+            (got.requests, got.pending_requests, got.pending_tokens),
+            (1, 0, 0)
+        );
+        // the guard's own mark, and a second from the handle, count nothing more
+        g.first_token();
+        mark.prefill_done();
+        assert_eq!(t.get(&id).pending_prompt_tokens, 0);
+        drop(g);
+        mark.prefill_done();
+        assert_eq!(t.get(&id), InflightCounts::default());
     }
 
     #[test]

@@ -238,8 +238,9 @@ impl Pool {
 
     /// Requests model config `model_config` can take before its endpoints are saturated
     /// (`routing.saturation`): per ready endpoint below the KV-cache usage threshold,
-    /// `queueDepth` minus its waiting requests (the engine's count, or this picker's requests
-    /// still without a first token, whichever is larger). A stale, draining or never-scraped
+    /// `queueDepth` minus its waiting requests (the engine's count, or the requests this picker
+    /// and its peers sent that have no first token yet beyond what one engine step prefills,
+    /// [`queued_beyond_one_step`], whichever is larger). A stale, draining or never-scraped
     /// endpoint offers none.
     pub fn free_slots(&self, model_config: &str, s: &crate::config::SaturationSettings) -> u64 {
         self.rooms(model_config, s).iter().map(|(_, n)| n).sum()
@@ -252,6 +253,14 @@ impl Pool {
         model_config: &str,
         s: &crate::config::SaturationSettings,
     ) -> Vec<(EndpointId, u64)> {
+        let step = u64::from(
+            self.router
+                .load()
+                .config()
+                .cost_model
+                .max_batched_tokens
+                .max(1),
+        );
         let pool = self.state.read();
         pool.endpoints
             .endpoints()
@@ -265,10 +274,66 @@ impl Pool {
                 if load.kv_usage >= s.kv_cache_usage {
                     return None;
                 }
-                let waiting = (load.waiting.max(0.0) as u64)
-                    .max(self.inflight.get_with_peers(&e.id).pending_requests);
+                let waiting = (load.waiting.max(0.0) as u64).max(queued_beyond_one_step(
+                    self.inflight.get_with_peers(&e.id),
+                    step,
+                ));
                 let room = u64::from(s.queue_depth).saturating_sub(waiting);
                 (room > 0).then_some((e.id, room))
+            })
+            .collect()
+    }
+
+    /// The pool's saturation per model config, what an autoscaler reads
+    /// (`kvroute_picker_pool_saturation`): the mean over its serving endpoints of the larger of
+    /// waiting requests over `queueDepth` (the engine's count, or the requests this picker and
+    /// its peers sent that have no first token yet beyond one engine step,
+    /// [`queued_beyond_one_step`], whichever is larger) and KV-cache usage over
+    /// its threshold (a stale endpoint counts 1), plus the requests the picker itself holds in
+    /// flow control's queue (`queued`, per model config) over the pool's queue depth: a
+    /// picker holding requests back is saturation the engines' counters cannot show. 0 idle;
+    /// 1 when every endpoint is at its thresholds.
+    pub fn saturation(
+        &self,
+        s: &crate::config::SaturationSettings,
+        queued: &[(String, usize)],
+    ) -> Vec<(String, f64)> {
+        let step = u64::from(
+            self.router
+                .load()
+                .config()
+                .cost_model
+                .max_batched_tokens
+                .max(1),
+        );
+        let pool = self.state.read();
+        let mut sums: std::collections::BTreeMap<&str, (f64, u32)> =
+            std::collections::BTreeMap::new();
+        for e in pool.endpoints.endpoints() {
+            if e.state == crate::endpoint::EndpointState::Draining {
+                continue;
+            }
+            let stale = e.state == crate::endpoint::EndpointState::Stale;
+            let load = pool.loads().get(&e.id).map(|l| {
+                let pending =
+                    queued_beyond_one_step(self.inflight.get_with_peers(&e.id), step) as f64;
+                crate::load::EndpointLoad {
+                    waiting: l.waiting.max(pending),
+                    ..*l
+                }
+            });
+            let entry = sums.entry(&e.model_config.name).or_default();
+            entry.0 += s.of(load.as_ref(), stale);
+            entry.1 += 1;
+        }
+        sums.into_iter()
+            .map(|(name, (sum, n))| {
+                let held = queued
+                    .iter()
+                    .find(|(c, _)| c == name)
+                    .map_or(0, |(_, q)| *q) as f64;
+                let depth = f64::from(s.queue_depth.max(1)) * f64::from(n.max(1));
+                (name.to_owned(), sum / f64::from(n.max(1)) + held / depth)
             })
             .collect()
     }
@@ -740,6 +805,19 @@ impl Pool {
     }
 }
 
+/// Of the requests sent to an endpoint that have no first token yet (`c`), those its engine
+/// cannot be prefilling now: the part of their uncached tokens past one engine step
+/// (`step`, `costModel.maxBatchedTokens`), in requests. A burst of short prompts that one
+/// step prefills together is not a queue (vLLM schedules them all at once); forty prompts of
+/// 8k tokens are.
+pub fn queued_beyond_one_step(c: crate::inflight::InflightCounts, step: u64) -> u64 {
+    if c.pending_tokens <= step || c.pending_requests == 0 {
+        return 0;
+    }
+    let beyond = c.pending_tokens - step;
+    (c.pending_requests.saturating_mul(beyond)).div_ceil(c.pending_tokens)
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::{IpAddr, Ipv4Addr};
@@ -1151,6 +1229,24 @@ mod tests {
         routing.admission.overcommit = 1.5;
         pool.set_router(Router::new(routing));
         assert_eq!(pool.room(&new, 0).expect("asked").capacity_tokens, 4_800);
+    }
+
+    /// Issue 49: requests one engine step prefills together are not a queue; what is past the
+    /// step is, in proportion.
+    #[test]
+    fn only_what_one_step_cannot_prefill_counts_as_waiting() {
+        let c = |requests, tokens| crate::inflight::InflightCounts {
+            requests,
+            pending_requests: requests,
+            pending_tokens: tokens,
+            ..Default::default()
+        };
+        // forty prompts of 200 tokens: one step of 8,192 takes all but one
+        assert_eq!(queued_beyond_one_step(c(40, 8_000), 8_192), 0);
+        assert_eq!(queued_beyond_one_step(c(40, 8_400), 8_192), 1);
+        // forty of 8k: all but one wait
+        assert_eq!(queued_beyond_one_step(c(40, 40 * 8_192), 8_192), 39);
+        assert_eq!(queued_beyond_one_step(c(0, 0), 8_192), 0);
     }
 
     /// Hardening IV, 12: the room (and `/v1/pick`'s answer) aged its sessions out only when a

@@ -541,28 +541,6 @@ impl PoolState {
         }
     }
 
-    /// Each model config's pool saturation under `settings` (see
-    /// [`crate::config::SaturationSettings`]): the mean of its endpoints', a draining endpoint
-    /// left out; in model config name order.
-    pub fn saturation(&self, settings: &crate::config::SaturationSettings) -> Vec<(String, f64)> {
-        let pool = self.read();
-        let mut sums: std::collections::BTreeMap<&str, (f64, u32)> =
-            std::collections::BTreeMap::new();
-        for e in pool.endpoints.endpoints() {
-            if e.state == crate::endpoint::EndpointState::Draining {
-                continue;
-            }
-            let stale = e.state == crate::endpoint::EndpointState::Stale;
-            let s = settings.of(pool.loads().get(&e.id), stale);
-            let entry = sums.entry(&e.model_config.name).or_default();
-            entry.0 += s;
-            entry.1 += 1;
-        }
-        sums.into_iter()
-            .map(|(name, (sum, n))| (name.to_owned(), sum / f64::from(n.max(1))))
-            .collect()
-    }
-
     /// A request for adapter `hash` was routed to `endpoint` (see
     /// [`crate::load::RecentAdapters`]).
     pub fn record_adapter(&self, endpoint: EndpointId, hash: u64) {

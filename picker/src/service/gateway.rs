@@ -118,6 +118,9 @@ impl GatewayPicker {
             }
         }
         let guard = picker.begin(&routed, d.endpoint);
+        if !parsed.stream {
+            picker.prefill_clock(&guard, &routed);
+        }
         // a split request: the decode endpoint's sidecar runs the prefill step on this one
         let prefill = routed.prefill.as_ref().map(|p| p.decision.endpoint);
         let prefill_guard = prefill.map(|p| picker.begin(&routed, p));

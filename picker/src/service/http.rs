@@ -460,6 +460,9 @@ async fn proxy_traced(
             Some(g) if ep == d.endpoint => g,
             _ => picker.begin(&routed, ep),
         };
+        if !parsed.stream {
+            picker.prefill_clock(&guard, &routed);
+        }
         let mut req = picker
             .http
             .post(format!(

@@ -298,7 +298,7 @@ impl Metrics {
         let pool_saturation = Family::<ModelConfigLabels, FloatGauge>::default();
         registry.register(
             "pool_saturation",
-            "Per model config, the mean over its endpoints of max(waiting requests / routing.saturation.queueDepth, KV-cache usage / routing.saturation.kvCacheUsage), a stale endpoint counting 1: at 1 or more, on average every endpoint is at a threshold (what an autoscaler scales on)",
+            "Per model config, the mean over its endpoints of max(waiting requests / routing.saturation.queueDepth, KV-cache usage / routing.saturation.kvCacheUsage) (waiting: the engine's count or the picker's requests without a first token, whichever is larger; a stale endpoint counting 1), plus the requests flow control holds over queueDepth times the endpoints: at 1 or more, on average every endpoint is at a threshold or the picker holds requests (what an autoscaler scales on)",
             pool_saturation.clone(),
         );
         let flow_queued = Family::<ModelConfigLabels, Gauge>::default();

@@ -1271,6 +1271,28 @@ impl PickerState {
         )
     }
 
+    /// A request whose answer comes whole (not streamed) shows no first token: its prefill
+    /// is taken to be over once the time the cost model predicts for its own prefill on the
+    /// chosen endpoint has passed (the engine's own waiting count, which headroom also reads,
+    /// still shows it if it is queued longer). Without this it counted as waiting at its
+    /// endpoint until its whole answer arrived, and flow control held requests back from
+    /// engines that had room (issue 49).
+    pub fn prefill_clock(&self, guard: &InflightGuard, routed: &Routed) {
+        let cal = &self.routing.load().cost_model;
+        // its own prefill (and the decode step it shares), not the queue ahead: the requests
+        // ahead are counted by their own clocks, and an engine prefills them together
+        let mut own = routed.placement.decision.features;
+        own.pending_tokens = 0;
+        own.waiting = 0.0;
+        let ms = crate::policy::estimated_ttft_ms(cal, &own);
+        let wait = Duration::from_secs_f64((ms / 1000.0).clamp(0.0, 600.0));
+        let mark = guard.prefill_mark();
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            mark.prefill_done();
+        });
+    }
+
     /// Count a request against the global in-flight bound; `None` when it is full.
     pub fn admit(self: &Arc<Self>) -> Option<Admission> {
         let n = self.inflight_total.fetch_add(1, Ordering::AcqRel);
