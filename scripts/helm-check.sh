@@ -119,6 +119,15 @@ awk '/^kind: CustomResourceDefinition$/{f=1} f&&/^---$/{exit} f' "$out/default.y
 cmp -s "$out/crd.committed" "$out/crd.rendered" \
     || fail "the rendered CRD's spec differs from crds/kvroutepool.yaml"
 
+# the operator's peer-key seed: generated (and kept) by default, mounted, granted Secrets by name
+expect default 'name: kvroute-operator-peer-seed$'
+expect default '--peer-key-seed-file=/var/run/secrets/kvroute/peer-seed/seed$'
+expect default 'resources: \["secrets"\]'
+# a Secret of the user's: none generated, theirs mounted
+render own-seed --set operator.peerKeySeedSecret=my-seed
+refute own-seed '^kind: Secret$'
+expect own-seed 'secretName: my-seed$'
+
 render no-rbac --set rbac.create=false
 refute no-rbac '^kind: (Cluster)?Role(Binding)?$'
 expect no-rbac '^kind: ServiceAccount$'
@@ -165,6 +174,7 @@ refute default '^kind: ScaledObject$'
 
 # bad values: the schema, or the chart's relational checks, reject them
 reject unknown-key 'additional propert|not allowed' --set operator.replicaz=2
+reject bad-seed-secret 'peerKeySeedSecret|pattern' --set operator.peerKeySeedSecret=Not_A_Name
 reject unknown-top-level-key 'additional propert|not allowed' --set watchNamespace=team-a
 reject negative-replicas 'minimum|must be >=' --set operator.replicas=-1
 reject replicas-type 'integer|number|type' --set-string operator.replicas=two
