@@ -207,6 +207,18 @@ fn upstream_request(
     })
 }
 
+/// The routing configuration of the router in force ([`PickerState::routing`]).
+#[derive(Debug, Clone)]
+pub struct Routing(Arc<Router>);
+
+impl std::ops::Deref for Routing {
+    type Target = RoutingConfig;
+
+    fn deref(&self) -> &RoutingConfig {
+        self.0.config()
+    }
+}
+
 /// The shared state of one picker.
 pub struct PickerState {
     /// Every per-endpoint table a decision reads (the endpoint set, index, loads, in-flight
@@ -216,7 +228,6 @@ pub struct PickerState {
     /// readiness wake on it).
     pool_changes: tokio::sync::watch::Sender<u64>,
     catalog: ArcSwap<BTreeMap<String, Arc<ModelEntry>>>,
-    routing: ArcSwap<RoutingConfig>,
     tenancy: ArcSwap<Tenancy>,
     pub limits: Limits,
     pub metrics: Metrics,
@@ -266,7 +277,6 @@ impl PickerState {
             ),
             pool_changes: tokio::sync::watch::Sender::new(0),
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
-            routing: ArcSwap::from_pointee(RoutingConfig::default()),
             tenancy: ArcSwap::from_pointee(Tenancy::default()),
             render_slots: Semaphore::new(limits.max_render_concurrency),
             body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
@@ -330,8 +340,11 @@ impl PickerState {
         self.start.elapsed().as_millis() as u64
     }
 
-    pub fn routing(&self) -> Arc<RoutingConfig> {
-        self.routing.load_full()
+    /// The routing configuration in force: the router's own, so one request reads the
+    /// policy, flow control and admission of one edit together (they had two owners, stored
+    /// one after the other).
+    pub fn routing(&self) -> Routing {
+        Routing(self.pool.router())
     }
 
     pub fn router(&self) -> Arc<Router> {
@@ -362,7 +375,7 @@ impl PickerState {
     /// Apply what a source reports. Invalid views are rejected whole and the previous one
     /// stays in force, so a bad edit never drops traffic.
     pub fn apply_pool(&self, view: &DeclaredPool) -> Result<PoolChange, PickerError> {
-        let routing_changed = **self.routing.load() != view.routing;
+        let routing_changed = *self.routing() != view.routing;
         view.routing.validate()?;
         view.routing
             .check_rewrite_targets(&view.model_configs)
@@ -413,7 +426,6 @@ impl PickerState {
             if routing_changed {
                 // the new policy; pins, turns, calibration and ejections are the pool's
                 self.pool.set_router(Router::new(view.routing.clone()));
-                self.routing.store(Arc::new(view.routing.clone()));
             }
         })?;
         self.pool_changed();
@@ -502,7 +514,7 @@ impl PickerState {
                 Known::Unknown => {}
             }
         }
-        let fail_open = self.routing.load().failure_mode == FailureMode::FailOpen;
+        let fail_open = self.routing().failure_mode == FailureMode::FailOpen;
         let least_loaded = |state: EndpointState| {
             snapshot
                 .endpoints()
@@ -560,7 +572,7 @@ impl PickerState {
         let explain = purpose == Purpose::Explain;
         let started = Instant::now();
         let snapshot = self.pool.state().endpoints();
-        let routing = self.routing.load();
+        let routing = self.routing();
         let tenancy = self.tenancy.load_full();
         let tenant = tenancy.tenant_of(headers)?;
         // another tenant's stored response does not exist for this one (its engine would
@@ -935,7 +947,7 @@ impl PickerState {
             band,
             deadline_ms,
         } = *line;
-        let routing = self.routing.load();
+        let routing = self.routing();
         let fc = &routing.flow_control;
         if !fc.enabled {
             return Ok(Passed::Off);
@@ -1257,7 +1269,7 @@ impl PickerState {
         if let Some(ticket) = admission_ticket {
             self.pool.admission().lock().release(ticket);
         }
-        if self.routing.load().admission.enabled {
+        if self.routing().admission.enabled {
             self.admission_changed.notify_waiters();
         }
     }
@@ -1278,7 +1290,7 @@ impl PickerState {
     /// endpoint until its whole answer arrived, and flow control held requests back from
     /// engines that had room (issue 49).
     pub fn prefill_clock(&self, guard: &InflightGuard, routed: &Routed) {
-        let cal = &self.routing.load().cost_model;
+        let cal = &self.routing().cost_model;
         // its own prefill (and the decode step it shares), not the queue ahead: the requests
         // ahead are counted by their own clocks, and an engine prefills them together
         let mut own = routed.placement.decision.features;
