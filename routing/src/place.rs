@@ -1289,11 +1289,9 @@ mod tests {
         assert_eq!(picker_waiting(&full, c(40, 8_000), 8_192, &s), 40);
     }
 
-    /// Hardening IV, 12: the room (and `/v1/pick`'s answer) aged its sessions out only when a
-    /// turn was served: a pool that went quiet still answered "hold" long after its sessions
-    /// had left.
-    #[test]
-    fn a_quiet_pool_has_room_again_once_its_sessions_age_out() {
+    /// Two endpoints of 100 blocks of 16 tokens each (reported), session admission on, and
+    /// the session key of a name.
+    fn admitting_pool() -> (Pool, Arc<ModelConfig>, impl Fn(&str) -> u64) {
         let (pool, mc) = pool(Strategy::CostModel, FailureMode::FailOpen, 2);
         let mut routing = RoutingConfig::default();
         routing.admission.enabled = true;
@@ -1310,7 +1308,17 @@ mod tests {
                 )
             }),
         );
-        let key = |s: &str| Router::session_key(None, Some(s)).expect("key");
+        (pool, mc, |s: &str| {
+            Router::session_key(None, Some(s)).expect("key")
+        })
+    }
+
+    /// Hardening IV, 12: the room (and `/v1/pick`'s answer) aged its sessions out only when a
+    /// turn was served: a pool that went quiet still answered "hold" long after its sessions
+    /// had left.
+    #[test]
+    fn a_quiet_pool_has_room_again_once_its_sessions_age_out() {
+        let (pool, mc, key) = admitting_pool();
         pool.pin(key("a"), id(1), 1_600, 0);
         pool.pin(key("b"), id(2), 1_600, 0);
         let new = request(&mc, Some("new"));
@@ -1326,24 +1334,7 @@ mod tests {
     /// so every new session waited `maxWait` while it stayed live.
     #[test]
     fn an_oversized_session_counts_for_one_engine_and_not_in_the_mean() {
-        let (pool, mc) = pool(Strategy::CostModel, FailureMode::FailOpen, 2);
-        let mut routing = RoutingConfig::default();
-        routing.admission.enabled = true;
-        pool.set_router(Router::new(routing));
-        // 2 × 100 blocks of 16 tokens
-        pool.observe_scrape(
-            0,
-            (1..=2).map(|i| {
-                (
-                    id(i),
-                    EndpointLoad {
-                        kv_capacity_blocks: Some(100),
-                        ..load(0.0, 0)
-                    },
-                )
-            }),
-        );
-        let key = |s: &str| Router::session_key(None, Some(s)).expect("key");
+        let (pool, mc, key) = admitting_pool();
         pool.pin(key("small"), id(1), 400, 0);
         // a turn of 50,000 tokens on an engine that holds 1,600
         pool.pin(key("huge"), id(2), 50_000, 0);
