@@ -9,7 +9,7 @@ mod k8s_support;
 
 use anyhow::bail;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
@@ -88,6 +88,16 @@ async fn sample_pool_and_servers_become_eligibility_sets_and_a_picker() {
     let spec = peers.spec.unwrap();
     assert_eq!(spec.cluster_ip.as_deref(), Some("None"), "headless");
     assert_eq!(spec.ports.unwrap()[0].protocol.as_deref(), Some("UDP"));
+    // the pool's peer key, derived from the operator's seed, which the pickers mount
+    let key = Api::<Secret>::namespaced(client.clone(), &ns.name)
+        .get(&contract::picker_peers_name("llama"))
+        .await
+        .unwrap();
+    assert_eq!(
+        key.data.unwrap()[contract::PEER_KEY_FILE].0.len(),
+        64,
+        "HMAC-SHA256 of the pool's uid, in hex"
+    );
     Api::<ConfigMap>::namespaced(client.clone(), &ns.name)
         .get(&name)
         .await
@@ -292,6 +302,13 @@ async fn deleting_a_pool_garbage_collects_what_it_owns() {
                 .is_some()
             {
                 left.push("ConfigMap");
+            }
+            if Api::<Secret>::namespaced(client.clone(), &ns.name)
+                .get_opt(&contract::picker_peers_name("llama"))
+                .await?
+                .is_some()
+            {
+                left.push("Secret");
             }
             if Api::<ServiceAccount>::namespaced(client.clone(), &ns.name)
                 .get_opt(&name)
