@@ -77,24 +77,15 @@ where
         + DeserializeOwned
         + Debug,
 {
-    let ns = obj
-        .namespace()
-        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
-    let name = obj.name_any();
-    if let Some(live) = store.get(&ObjectRef::new(&name).within(&ns))
-        && up_to_date(obj, live.as_ref())
-    {
-        return Ok(false);
-    }
-    let api: Api<K> = Api::namespaced(client.clone(), &ns);
-    api.patch(&name, &params(), &Patch::Apply(obj))
-        .await
-        .map_err(|source| Error::Apply {
-            kind: K::kind(&()).into_owned(),
-            name: name.clone(),
-            source,
-        })?;
-    Ok(true)
+    let (ns, name) = namespaced_name(obj)?;
+    let live = store.get(&ObjectRef::new(&name).within(&ns));
+    patch_unless_current(
+        Api::namespaced(client.clone(), &ns),
+        &name,
+        obj,
+        live.as_deref(),
+    )
+    .await
 }
 
 /// Apply `obj` of a kind the operator does not watch (Secrets: it keeps no cache of them and
@@ -107,23 +98,35 @@ where
         + DeserializeOwned
         + Debug,
 {
-    let ns = obj
-        .namespace()
-        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
-    let name = obj.name_any();
+    let (ns, name) = namespaced_name(obj)?;
     let api: Api<K> = Api::namespaced(client.clone(), &ns);
     let live = api.get_opt(&name).await.map_err(|source| Error::Read {
         what: format!("{} {name}", K::kind(&())),
         source,
     })?;
-    if live.as_ref().is_some_and(|l| up_to_date(obj, l)) {
+    patch_unless_current(api, &name, obj, live.as_ref()).await
+}
+
+fn namespaced_name<K: Resource>(obj: &K) -> Result<(String, String)> {
+    let ns = obj
+        .namespace()
+        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
+    Ok((ns, obj.name_any()))
+}
+
+/// Server-side apply `obj` as `name` unless `live` is already what that would make it.
+async fn patch_unless_current<K>(api: Api<K>, name: &str, obj: &K, live: Option<&K>) -> Result<bool>
+where
+    K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
+{
+    if live.is_some_and(|l| up_to_date(obj, l)) {
         return Ok(false);
     }
-    api.patch(&name, &params(), &Patch::Apply(obj))
+    api.patch(name, &params(), &Patch::Apply(obj))
         .await
         .map_err(|source| Error::Apply {
             kind: K::kind(&()).into_owned(),
-            name: name.clone(),
+            name: name.to_owned(),
             source,
         })?;
     Ok(true)
@@ -132,10 +135,7 @@ where
 /// Apply a dynamic object (no cache: read it first). Returns whether a write was sent.
 pub async fn apply_dynamic(client: &Client, obj: &DynamicObject) -> Result<bool> {
     let ar = crate::desired::gateway_pool_resource();
-    let ns = obj
-        .namespace()
-        .ok_or(Error::MissingObjectKey("metadata.namespace"))?;
-    let name = obj.name_any();
+    let (ns, name) = namespaced_name(obj)?;
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
     let live = api.get_opt(&name).await.map_err(|source| Error::Read {
         what: format!("{} {name}", ar.kind),

@@ -164,10 +164,10 @@ async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
     b.shutdown().await;
 }
 
-/// Wait up to 2 s for the metrics at `addr` to hold the line `want`.
+/// Wait (at most 5 s) for the metrics at `addr` to hold the line `want`.
 async fn wait_metric(addr: SocketAddr, want: &str) {
     let mut text = String::new();
-    for _ in 0..100 {
+    for _ in 0..250 {
         text = metrics_text(addr).await;
         if text.lines().any(|l| l == want) {
             return;

@@ -253,14 +253,7 @@ impl Pool {
         model_config: &str,
         s: &crate::config::SaturationSettings,
     ) -> Vec<(EndpointId, u64)> {
-        let step = u64::from(
-            self.router
-                .load()
-                .config()
-                .cost_model
-                .max_batched_tokens
-                .max(1),
-        );
+        let step = self.step_tokens();
         let pool = self.state.read();
         pool.endpoints
             .endpoints()
@@ -274,16 +267,23 @@ impl Pool {
                 if load.kv_usage >= s.kv_cache_usage {
                     return None;
                 }
-                let waiting = (load.waiting.max(0.0) as u64).max(picker_waiting(
-                    load,
-                    self.inflight.get_with_peers(&e.id),
-                    step,
-                    s,
-                ));
+                let waiting = waiting_requests(load, self.inflight.get_with_peers(&e.id), step, s);
                 let room = u64::from(s.queue_depth).saturating_sub(waiting);
                 (room > 0).then_some((e.id, room))
             })
             .collect()
+    }
+
+    /// Tokens one engine step prefills (`costModel.maxBatchedTokens`).
+    fn step_tokens(&self) -> u64 {
+        u64::from(
+            self.router
+                .load()
+                .config()
+                .cost_model
+                .max_batched_tokens
+                .max(1),
+        )
     }
 
     /// The pool's saturation per model config, what an autoscaler reads
@@ -300,14 +300,7 @@ impl Pool {
         s: &crate::config::SaturationSettings,
         queued: &[(String, usize)],
     ) -> Vec<(String, f64)> {
-        let step = u64::from(
-            self.router
-                .load()
-                .config()
-                .cost_model
-                .max_batched_tokens
-                .max(1),
-        );
+        let step = self.step_tokens();
         let pool = self.state.read();
         let mut sums: std::collections::BTreeMap<&str, (f64, u32)> =
             std::collections::BTreeMap::new();
@@ -316,13 +309,9 @@ impl Pool {
                 continue;
             }
             let stale = e.state == crate::endpoint::EndpointState::Stale;
-            let load = pool.loads().get(&e.id).map(|l| {
-                let pending =
-                    picker_waiting(l, self.inflight.get_with_peers(&e.id), step, s) as f64;
-                crate::load::EndpointLoad {
-                    waiting: l.waiting.max(pending),
-                    ..*l
-                }
+            let load = pool.loads().get(&e.id).map(|l| crate::load::EndpointLoad {
+                waiting: waiting_requests(l, self.inflight.get_with_peers(&e.id), step, s) as f64,
+                ..*l
             });
             let entry = sums.entry(&e.model_config.name).or_default();
             entry.0 += s.of(load.as_ref(), stale);
@@ -766,11 +755,7 @@ impl Pool {
     /// The KV capacity `endpoint`'s engine reports, in tokens.
     fn capacity_tokens(&self, endpoint: &EndpointId) -> Option<u64> {
         let pool = self.state.read();
-        let e = pool
-            .endpoints
-            .endpoints()
-            .iter()
-            .find(|e| e.id == *endpoint)?;
+        let e = pool.endpoints.get(endpoint)?;
         let blocks = pool.loads().get(endpoint)?.kv_capacity_blocks?;
         Some(blocks.saturating_mul(u64::from(e.model_config.block_size.max(1))))
     }
@@ -807,24 +792,27 @@ impl Pool {
     }
 }
 
-/// The requests sent to an endpoint with `load` that have no first token yet (`c`), as
-/// waiting requests. While its engine is lightly used (no queue of its own, its KV cache under
-/// half the saturation threshold) only those past one engine step
-/// ([`queued_beyond_one_step`]): a burst it prefills together is not a queue. Otherwise all of
-/// them: a busy engine's next steps are shared with what it is already running, and counting
-/// fewer let overload through to the protected bands (§9 of the benchmarks: the critical
-/// band's p90 +14%, the light tenant's +19%, with the exemption at every load).
-fn picker_waiting(
+/// The waiting requests of an endpoint with `load`, to which the picker and its peers sent the
+/// requests `c` (those without a first token yet are its own view of the queue): the engine's
+/// count or the picker's, whichever is larger. While the engine is lightly used (no queue of its
+/// own, its KV cache under half the saturation threshold) the picker counts only those past one
+/// engine step ([`queued_beyond_one_step`]): a burst it prefills together is not a queue.
+/// Otherwise all of them: a busy engine's next steps are shared with what it already runs, and
+/// counting fewer let overload through to the protected bands (§9c of the benchmarks: the
+/// critical band's p90 +14%, the light tenant's +19%, with the exemption at every load).
+fn waiting_requests(
     load: &crate::load::EndpointLoad,
     c: crate::inflight::InflightCounts,
     step: u64,
     s: &crate::config::SaturationSettings,
 ) -> u64 {
-    if load.waiting > 0.0 || load.kv_usage >= s.kv_cache_usage / 2.0 {
+    let engine = load.waiting.max(0.0) as u64;
+    let picker = if load.waiting > 0.0 || load.kv_usage >= s.kv_cache_usage / 2.0 {
         c.pending_requests
     } else {
         queued_beyond_one_step(c, step)
-    }
+    };
+    engine.max(picker)
 }
 
 /// Of the requests sent to an endpoint that have no first token yet (`c`), those its engine
@@ -1276,17 +1264,17 @@ mod tests {
             kv_usage: 0.1,
             ..EndpointLoad::default()
         };
-        assert_eq!(picker_waiting(&idle, c(40, 8_000), 8_192, &s), 0);
+        assert_eq!(waiting_requests(&idle, c(40, 8_000), 8_192, &s), 0);
         let queued = EndpointLoad {
             waiting: 1.0,
             ..idle
         };
-        assert_eq!(picker_waiting(&queued, c(40, 8_000), 8_192, &s), 40);
+        assert_eq!(waiting_requests(&queued, c(40, 8_000), 8_192, &s), 40);
         let full = EndpointLoad {
             kv_usage: s.kv_cache_usage / 2.0,
             ..idle
         };
-        assert_eq!(picker_waiting(&full, c(40, 8_000), 8_192, &s), 40);
+        assert_eq!(waiting_requests(&full, c(40, 8_000), 8_192, &s), 40);
     }
 
     /// Two endpoints of 100 blocks of 16 tokens each (reported), session admission on, and
