@@ -6,7 +6,7 @@
 pub use kvroute_routing::{
     admission, block_keys, calibration, chat_mapping, config, endpoint, engine_metrics, flow,
     index, inflight, kv_events, load, outlier, place, plan, policy, pool, pool_state, request,
-    router, session, tokenize,
+    router, session, tokenize, waiting,
 };
 
 pub mod cli;

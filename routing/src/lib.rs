@@ -42,3 +42,4 @@ pub mod request;
 pub mod router;
 pub mod session;
 pub mod tokenize;
+pub mod waiting;

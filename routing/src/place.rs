@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 use parking_lot::{Mutex, RwLock};
 
-use crate::admission::{AdmissionQueue, Admitted, Gate, Room, Ticket, Turn};
+use crate::admission::{Admitted, Gate, Room};
 use crate::block_keys::BlockKey;
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::DisaggregationMode;
@@ -41,6 +41,7 @@ use crate::outlier::{OutlierDetection, OutlierDetector};
 use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState, ScrapeOutcome};
 use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, Stage};
 use crate::session::SessionTable;
+use crate::waiting::{Action, Arrival, Arrived, GateSettings, Headroom, WaitingRoom};
 use serde::Serialize;
 
 /// Sessions a pool remembers by default (least recently served forgotten first).
@@ -194,8 +195,8 @@ pub struct Pool {
     decode_router: ArcSwap<Router>,
     calibration: RwLock<Calibration>,
     outliers: Mutex<OutlierDetector>,
-    /// Session admission's waiting turns (`routing.admission`).
-    admission: Mutex<AdmissionQueue>,
+    /// Every request waiting for its turn: flow control, session admission, SLO retries.
+    waiting: Mutex<WaitingRoom>,
     max_inflight_per_endpoint: u64,
 }
 
@@ -221,7 +222,7 @@ impl Pool {
             router: ArcSwap::from_pointee(router),
             calibration: RwLock::new(Calibration::new(prior)),
             outliers: Mutex::new(OutlierDetector::new(settings.outlier_detection)),
-            admission: Mutex::new(AdmissionQueue::new()),
+            waiting: Mutex::new(WaitingRoom::new()),
             max_inflight_per_endpoint: settings.max_inflight_per_endpoint,
         }
     }
@@ -292,14 +293,11 @@ impl Pool {
     /// its peers sent that have no first token yet beyond one engine step,
     /// [`queued_beyond_one_step`], whichever is larger) and KV-cache usage over
     /// its threshold (a stale endpoint counts 1), plus the requests the picker itself holds in
-    /// flow control's queue (`queued`, per model config) over the pool's queue depth: a
+    /// flow control's queue (per model config) over the pool's queue depth: a
     /// picker holding requests back is saturation the engines' counters cannot show. 0 idle;
     /// 1 when every endpoint is at its thresholds.
-    pub fn saturation(
-        &self,
-        s: &crate::config::SaturationSettings,
-        queued: &[(String, usize)],
-    ) -> Vec<(String, f64)> {
+    pub fn saturation(&self, s: &crate::config::SaturationSettings) -> Vec<(String, f64)> {
+        let queued = self.waiting.lock().queued();
         let step = self.step_tokens();
         let pool = self.state.read();
         let mut sums: std::collections::BTreeMap<&str, (f64, u32)> =
@@ -630,7 +628,25 @@ impl Pool {
     /// The pool's room for `req`'s session, or why it is not asked: no session, a session
     /// with live context, an endpoint without a reported KV capacity.
     pub fn room(&self, req: &RouteRequest<'_>, now_ms: u64) -> Result<Room, Admitted> {
-        let key = Router::session_key(req.tenant, req.session).ok_or(Admitted::NoSession)?;
+        let reserved = self.waiting.lock().reserved(now_ms);
+        self.room_of(
+            Router::session_key(req.tenant, req.session),
+            req.prompt_tokens,
+            reserved,
+            now_ms,
+        )
+    }
+
+    /// The room for a turn of session `key` with `prompt_tokens`, `reserved` tokens being
+    /// promised to turns admitted and not yet served ([`Self::room`]).
+    fn room_of(
+        &self,
+        key: Option<u64>,
+        prompt_tokens: u32,
+        reserved: u64,
+        now_ms: u64,
+    ) -> Result<Room, Admitted> {
+        let key = key.ok_or(Admitted::NoSession)?;
         let (live, mean, returning) = {
             let mut table = self.sessions.lock();
             // the sessions past the horizon leave now, not at the next served turn: a pool
@@ -672,53 +688,47 @@ impl Pool {
         // larger than the pool waits for one engine's worth of room, not for `maxWait`
         let mean = if returning { 0 } else { mean };
         Ok(Room {
-            live_tokens: live.saturating_add(self.admission.lock().reserved(now_ms)),
+            live_tokens: live.saturating_add(reserved),
             capacity_tokens: capacity,
-            footprint_tokens: mean.max(u64::from(req.prompt_tokens)).min(largest),
+            footprint_tokens: mean.max(u64::from(prompt_tokens)).min(largest),
         })
     }
 
-    /// Session admission's queue (join, leave, release: [`AdmissionQueue`]).
-    pub fn admission(&self) -> &Mutex<AdmissionQueue> {
-        &self.admission
+    /// The waiting room ([`WaitingRoom`]): what waits, and what it reserved.
+    pub fn waiting(&self) -> &Mutex<WaitingRoom> {
+        &self.waiting
     }
 
-    /// Join the admission queue for `req` at `now_ms`; `None` when `maxQueue` turns wait.
-    pub fn join_admission(&self, now_ms: u64) -> Option<Ticket> {
-        let max = self.router.load().config().admission.max_queue as usize;
-        self.admission.lock().join(now_ms, max)
+    /// `a` arrives at the waiting room at `now_ms` ([`WaitingRoom::arrive`]), under the
+    /// routing config's flow control and admission and this pool's headroom.
+    pub fn arrive(&self, now_ms: u64, a: Arrival) -> Arrived {
+        let router = self.router.load();
+        let s = GateSettings::of(router.config());
+        let h = PoolHeadroom::new(self, router.config(), now_ms);
+        self.waiting.lock().arrive(now_ms, a, &s, &h)
     }
 
-    /// `ticket`'s turn for `req` at `now_ms` ([`AdmissionQueue::poll`]), with the sessions
-    /// idle past the reuse horizon taken out of the working sets first. A turn whose room is
-    /// no longer asked (its session became live, admission was switched off) leaves the
-    /// queue admitted.
-    pub fn poll_admission(&self, ticket: Ticket, req: &RouteRequest<'_>, now_ms: u64) -> Turn {
-        let settings = self.router.load().config().admission;
-        self.sessions.lock().expire(now_ms);
-        let room = if settings.enabled {
-            self.room(req, now_ms)
-        } else {
-            Err(Admitted::Disabled)
+    /// What the waiting room does at `now_ms` ([`WaitingRoom::step`]).
+    pub fn step_waiting(&self, now_ms: u64) -> Vec<Action> {
+        let router = self.router.load();
+        let s = GateSettings::of(router.config());
+        let h = PoolHeadroom::new(self, router.config(), now_ms);
+        self.waiting.lock().step(now_ms, &s, &h)
+    }
+
+    /// When the waiting room must be stepped at the latest: its own deadlines, and while
+    /// admission holds turns, the first moment a session's context passes the horizon (the
+    /// working sets shrink).
+    pub fn next_wake(&self) -> Option<u64> {
+        let s = GateSettings::of(self.router.load().config());
+        let (wake, holds) = {
+            let w = self.waiting.lock();
+            (w.next_wake(&s), w.admission_waiting() > 0)
         };
-        let room = match room {
-            Ok(room) => room,
-            Err(why) => {
-                self.admission.lock().leave(ticket);
-                return Turn::Admit(why);
-            }
-        };
-        let max_wait = settings.max_wait.as_millis() as u64;
-        self.admission.lock().poll(ticket, now_ms, max_wait, &room)
-    }
-
-    /// When the waiting turns should be polled again at the latest: the first deadline, or
-    /// the first moment a session's context passes the horizon (the working sets shrink).
-    pub fn next_admission_check(&self) -> Option<u64> {
-        let max_wait = self.router.load().config().admission.max_wait.as_millis() as u64;
-        let deadline = self.admission.lock().next_deadline(max_wait)?;
-        let expiry = self.sessions.lock().next_expiry_ms();
-        Some(expiry.map_or(deadline, |e| e.min(deadline)))
+        let expiry = holds
+            .then(|| self.sessions.lock().next_expiry_ms())
+            .flatten();
+        [wake, expiry].into_iter().flatten().min()
     }
 
     /// `placement` is being sent: the turn advances, an approximate index credits its
@@ -789,6 +799,46 @@ impl Pool {
         }
         self.inflight
             .begin_blocks(endpoint, prompt_tokens, uncached_tokens, has_blocks)
+    }
+}
+
+/// The pool's headroom as the waiting room reads it, at one moment.
+struct PoolHeadroom<'a> {
+    pool: &'a Pool,
+    saturation: crate::config::SaturationSettings,
+    now_ms: u64,
+}
+
+impl<'a> PoolHeadroom<'a> {
+    fn new(pool: &'a Pool, routing: &crate::config::RoutingConfig, now_ms: u64) -> Self {
+        Self {
+            pool,
+            saturation: routing.saturation,
+            now_ms,
+        }
+    }
+}
+
+impl Headroom for PoolHeadroom<'_> {
+    fn free(&self, config: &str) -> (u64, u64) {
+        let s = &self.saturation;
+        let all = self.pool.free_slots(config, s);
+        let sheddable = if s.for_band(-1) == *s {
+            all
+        } else {
+            self.pool.free_slots(config, &s.for_band(-1))
+        };
+        (all, sheddable)
+    }
+
+    fn room(
+        &self,
+        session: Option<u64>,
+        prompt_tokens: u32,
+        reserved: u64,
+    ) -> Result<Room, Admitted> {
+        self.pool
+            .room_of(session, prompt_tokens, reserved, self.now_ms)
     }
 }
 

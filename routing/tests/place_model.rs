@@ -285,8 +285,8 @@ fn seen(pool: &Pool, n: usize) -> Seen {
         working_sets: pool.working_sets(10).into_iter().collect(),
         horizon_ms: pool.reuse_horizon_ms(),
         admission: {
-            let q = pool.admission().lock();
-            (q.len(), q.reserved(0))
+            let w = pool.waiting().lock();
+            (w.len(), w.reserved(0))
         },
     }
 }

@@ -1,275 +1,183 @@
-//! Flow control in the service (`routing.flowControl`): one [`FlowQueue`] per model config, a
-//! dispatcher task that releases waiting requests as the model config's endpoints get headroom
-//! ([`kvroute_routing::place::Pool::free_slots`]), and the answers of the ones that cannot wait.
+//! The service's side of the waiting room ([`kvroute_routing::waiting`]): the pool's gate
+//! decides who waits and who goes; this holds one oneshot sender per waiting request and one
+//! task that steps the gate and answers them.
 //!
-//! A waiting request holds a oneshot receiver; the dispatcher (one task, woken by arrivals and
-//! every [`ROUND`]) expires, dispatches and sheds under one lock, so 100k waiting requests cost
+//! The task steps the gate when something arrives or leaves, when a session is served, at
+//! the gate's next deadline ([`Pool::next_wake`]) and, while requests wait for headroom (which
+//! grows with scrapes and answers, unannounced), every [`ROUND`]. 100k waiting requests cost
 //! no wakeups until their turn. A request whose client leaves drops its receiver and its guard
-//! takes it out of the queue.
+//! takes it out of the gate; a turn given to a request already gone is given back.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use kvroute_routing::config::{FlowControlSettings, FlowFairness, FlowOrder};
-use kvroute_routing::flow::{Fairness, FlowQueue, FlowSettings, Order, Refused, Waiting};
+use kvroute_routing::place::Pool;
+use kvroute_routing::waiting::{Action, Arrival, Arrived, Pass, Refusal};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::state::PickerState;
 
-/// How often the dispatcher looks for headroom when nothing wakes it.
+/// How often the task looks for headroom while requests wait for it.
 pub const ROUND: Duration = Duration::from_millis(10);
 
-/// How a waiting request's wait ended.
+/// How a wait ended without a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Its model config has headroom: place it now.
-    Dispatched,
-    /// It waited the queue's TTL.
-    Expired,
-    /// A higher-priority request took its place in a full queue.
-    Displaced,
-}
-
-struct Entry {
-    config: String,
-    tx: oneshot::Sender<Outcome>,
-    since: Instant,
-}
-
-#[derive(Default)]
-struct Inner {
-    queues: HashMap<String, FlowQueue>,
-    waiting: HashMap<u64, Entry>,
-    /// Per model config: requests dispatched whose placement has not started yet (they do not
-    /// count in the endpoints' pending requests until it has).
-    in_transit: HashMap<String, u64>,
-    next_id: u64,
+pub enum NoTurn {
+    /// The gate answered it without service.
+    Refused(Refusal),
+    /// The picker is stopping.
+    ShuttingDown,
 }
 
 /// See the module documentation.
 #[derive(Default)]
-pub struct FlowControl {
-    inner: Mutex<Inner>,
+pub struct Waiters {
+    /// Per waiting request: its model config and where its answer goes.
+    senders: Mutex<HashMap<u64, (String, oneshot::Sender<Action>)>>,
+    next_id: AtomicU64,
     wake: tokio::sync::Notify,
 }
 
-/// The queue's settings from the routing config.
-pub fn queue_settings(fc: &FlowControlSettings) -> FlowSettings {
-    FlowSettings {
-        max_requests: fc.max_queued as usize,
-        max_bytes: fc.max_queued_bytes,
-        ttl_ms: u64::try_from(fc.ttl.as_millis()).unwrap_or(u64::MAX),
-        fairness: match fc.fairness {
-            FlowFairness::LeastAttainedService => Fairness::LeastAttainedService,
-            FlowFairness::RoundRobin => Fairness::RoundRobin,
-        },
-        order: match fc.order {
-            FlowOrder::EarliestDeadline => Order::EarliestDeadline,
-            FlowOrder::FirstComeFirstServed => Order::Fcfs,
-        },
-    }
-}
-
-/// A request about to wait.
-pub struct Arrival {
-    pub band: i32,
-    pub flow: u64,
-    pub tokens: u64,
-    pub bytes: u64,
-    pub now_ms: u64,
-    /// Its arrival plus its TTFT objective (`Order::EarliestDeadline`).
-    pub deadline_ms: Option<u64>,
-}
-
-/// What [`FlowControl::enqueue`] hands the waiting request.
-pub struct Ticket {
-    pub id: u64,
-    pub rx: oneshot::Receiver<Outcome>,
-}
-
-impl FlowControl {
-    /// Whether nothing of `config` waits (a request may then go straight on).
-    pub fn is_empty_for(&self, config: &str) -> bool {
-        self.inner
-            .lock()
-            .queues
-            .get(config)
-            .is_none_or(FlowQueue::is_empty)
-    }
-
-    /// Puts a request of `config` in line; the lower-band requests it pushes out are answered
-    /// [`Outcome::Displaced`] (their bands are returned).
-    ///
-    /// # Errors
-    /// [`Refused`] when it cannot wait.
-    pub fn enqueue(
-        &self,
-        config: &str,
-        settings: FlowSettings,
-        a: &Arrival,
-    ) -> Result<(Ticket, Vec<i32>), Refused> {
-        let mut inner = self.inner.lock();
-        inner.next_id += 1;
-        let id = inner.next_id;
-        let queue = inner
-            .queues
-            .entry(config.to_owned())
-            .or_insert_with(|| FlowQueue::new(settings));
-        queue.set_settings(settings);
-        let pushed = queue.push(Waiting {
-            id,
-            band: a.band,
-            flow: a.flow,
-            tokens: a.tokens,
-            bytes: a.bytes,
-            arrival_ms: a.now_ms,
-            deadline_ms: a.deadline_ms,
-        })?;
-        let displaced: Vec<i32> = pushed.shed.iter().map(|w| w.band).collect();
-        for w in pushed.shed {
-            if let Some(e) = inner.waiting.remove(&w.id) {
-                let _ = e.tx.send(Outcome::Displaced);
-            }
+/// Gives back what a turn took when nobody will use it: flow control's in-transit count and
+/// admission's reservation.
+fn give_back(pool: &Pool, config: &str, action: &Action) {
+    if let Action::Go { pass, .. } = action {
+        let mut w = pool.waiting().lock();
+        if pass.flow_wait_ms.is_some() {
+            w.placed(config);
         }
-        let (tx, rx) = oneshot::channel();
-        inner.waiting.insert(
-            id,
-            Entry {
-                config: config.to_owned(),
-                tx,
-                since: Instant::now(),
-            },
-        );
-        drop(inner);
+        if let Some(r) = pass.reservation {
+            w.release(r);
+        }
+    }
+}
+
+impl Waiters {
+    /// The gate may have something to do (a session was served, a request left).
+    pub fn poke(&self) {
         self.wake.notify_one();
-        Ok((Ticket { id, rx }, displaced))
     }
 
-    /// Takes request `id` out of line (its client left); nothing when it is not waiting.
-    pub fn cancel(&self, id: u64) {
-        let mut inner = self.inner.lock();
-        if let Some(e) = inner.waiting.remove(&id)
-            && let Some(q) = inner.queues.get_mut(&e.config)
-        {
-            q.remove(id);
+    /// `a` (its id is set here) waits for its turn at `pool`'s gate: at once when the gate
+    /// lets it by, else when the task answers it. A request released by flow control counts
+    /// as placed once this returns.
+    pub async fn turn(&self, pool: &Pool, now_ms: u64, mut a: Arrival) -> Result<Pass, NoTurn> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        a.id = id;
+        let config = a.config.clone();
+        let (tx, rx) = oneshot::channel();
+        // registered before it arrives, so the task never answers an id it does not know
+        self.senders.lock().insert(id, (config.clone(), tx));
+        match pool.arrive(now_ms, a) {
+            Arrived::Go(pass) => {
+                self.senders.lock().remove(&id);
+                return Ok(pass);
+            }
+            Arrived::Refused(r) => {
+                self.senders.lock().remove(&id);
+                return Err(NoTurn::Refused(r));
+            }
+            Arrived::Wait => self.wake.notify_one(),
+        }
+        /// Leaves the gate when the wait ends any way but an answer (the client left).
+        struct InLine<'a> {
+            waiters: &'a Waiters,
+            pool: &'a Pool,
+            id: u64,
+            config: String,
+            rx: oneshot::Receiver<Action>,
+            answered: bool,
+        }
+        impl Drop for InLine<'_> {
+            fn drop(&mut self) {
+                if self.answered {
+                    return;
+                }
+                // no answer gets in from now on: one sent before is taken back here, one sent
+                // after is given back by its sender
+                self.rx.close();
+                if self.pool.waiting().lock().leave(self.id) {
+                    self.waiters.senders.lock().remove(&self.id);
+                } else if let Ok(action) = self.rx.try_recv() {
+                    give_back(self.pool, &self.config, &action);
+                }
+                self.waiters.wake.notify_one();
+            }
+        }
+        let mut line = InLine {
+            waiters: self,
+            pool,
+            id,
+            config,
+            rx,
+            answered: false,
+        };
+        let action = (&mut line.rx).await;
+        line.answered = true;
+        match action {
+            Ok(Action::Go { pass, .. }) => {
+                if pass.flow_wait_ms.is_some() {
+                    pool.waiting().lock().placed(&line.config);
+                }
+                Ok(pass)
+            }
+            Ok(Action::Refuse { reason, .. }) => Err(NoTurn::Refused(reason)),
+            Err(_) => Err(NoTurn::ShuttingDown),
         }
     }
 
-    /// A dispatched request of `config` has started its placement.
-    pub fn placed(&self, config: &str) {
-        if let Some(n) = self.inner.lock().in_transit.get_mut(config) {
-            *n = n.saturating_sub(1);
-        }
-    }
-
-    /// Requests waiting per model config.
-    pub fn queued(&self) -> Vec<(String, usize)> {
-        let inner = self.inner.lock();
-        let mut v: Vec<(String, usize)> = inner
-            .queues
-            .iter()
-            .map(|(c, q)| (c.clone(), q.len()))
-            .collect();
-        v.sort();
-        v
-    }
-
-    /// One dispatcher round at `now_ms`: expire, then release as many requests of each model
-    /// config as `free(config)` allows (less those dispatched and not yet placed): its first
-    /// figure is the room for every band, its second the room for negative bands (of the
-    /// same places, so a release counts against both). Returns the waits of the released
-    /// requests and the bands of those expired.
-    pub fn round(
-        &self,
-        now_ms: u64,
-        settings: FlowSettings,
-        mut free: impl FnMut(&str) -> (u64, u64),
-    ) -> (Vec<Duration>, Vec<i32>) {
-        let mut inner = self.inner.lock();
-        let Inner {
-            queues,
-            waiting,
-            in_transit,
-            ..
-        } = &mut *inner;
-        let mut released = Vec::new();
-        let mut expired = Vec::new();
-        for (config, q) in queues.iter_mut() {
-            q.set_settings(settings);
-            for w in q.expire(now_ms) {
-                if let Some(e) = waiting.remove(&w.id) {
-                    let _ = e.tx.send(Outcome::Expired);
-                    expired.push(w.band);
-                }
-            }
-            if q.is_empty() {
-                continue;
-            }
-            let transit = in_transit.entry(config.clone()).or_default();
-            let (all, sheddable) = free(config);
-            let mut room = all.saturating_sub(*transit);
-            let mut sheddable_room = sheddable.saturating_sub(*transit);
-            while room > 0 {
-                if q.peek().is_some_and(|w| w.band < 0) {
-                    // lower bands are all that is left
-                    if sheddable_room == 0 {
-                        break;
-                    }
-                    sheddable_room -= 1;
-                }
-                let Some(w) = q.pop() else { break };
-                let Some(e) = waiting.remove(&w.id) else {
-                    continue;
-                };
-                if e.tx.send(Outcome::Dispatched).is_ok() {
-                    *transit += 1;
-                    room -= 1;
-                    released.push(e.since.elapsed());
-                }
+    /// Hands out what one step of the gate decided.
+    fn answer(&self, pool: &Pool, actions: Vec<Action>) {
+        for action in actions {
+            let id = match action {
+                Action::Go { id, .. } | Action::Refuse { id, .. } => id,
+            };
+            let entry = self.senders.lock().remove(&id);
+            // a request decided by the gate is registered until it is answered here
+            if let Some((config, tx)) = entry
+                && let Err(action) = tx.send(action)
+            {
+                give_back(pool, &config, &action);
             }
         }
-        queues.retain(|_, q| !q.is_empty());
-        (released, expired)
     }
 }
 
-/// The dispatcher: a round on every arrival and every [`ROUND`], while flow control is on.
-pub async fn run_dispatcher(picker: Arc<PickerState>, cancel: CancellationToken) {
+/// The task that steps the gate (see the module documentation).
+pub async fn run_gate(picker: Arc<PickerState>, cancel: CancellationToken) {
     loop {
+        let now = picker.now_ms();
+        let actions = picker.pool.step_waiting(now);
+        picker.waiters.answer(&picker.pool, actions);
+        let (queued, held, polls) = {
+            let w = picker.pool.waiting().lock();
+            (w.queued(), w.admission_waiting(), w.waits_for_headroom())
+        };
+        picker.metrics.set_flow_queued(&queued);
+        picker.metrics.admission_waiting.set(held as i64);
+        let deadline = picker
+            .pool
+            .next_wake()
+            .map(|t| Duration::from_millis(t.saturating_sub(now).max(1)));
+        let wait = match (deadline, polls) {
+            (Some(d), true) => Some(d.min(ROUND)),
+            (Some(d), false) => Some(d),
+            (None, true) => Some(ROUND),
+            (None, false) => None,
+        };
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = picker.flow.wake.notified() => {}
-            () = tokio::time::sleep(ROUND) => {}
+            () = picker.waiters.wake.notified() => {}
+            () = async {
+                match wait {
+                    Some(w) => tokio::time::sleep(w).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
         }
-        let routing = picker.routing();
-        let settings = queue_settings(&routing.flow_control);
-        let now = picker.now_ms();
-        // turned off (a live edit), what waits goes on
-        let enabled = routing.flow_control.enabled;
-        let (released, expired) = picker.flow.round(now, settings, |config| {
-            if enabled {
-                let s = &routing.saturation;
-                let all = picker.pool.free_slots(config, s);
-                let sheddable = if s.for_band(-1) == *s {
-                    all
-                } else {
-                    picker.pool.free_slots(config, &s.for_band(-1))
-                };
-                (all, sheddable)
-            } else {
-                (u64::MAX, u64::MAX)
-            }
-        });
-        for wait in released {
-            picker.metrics.flow_dispatched.inc();
-            picker.metrics.flow_wait_seconds.observe(wait.as_secs_f64());
-        }
-        for band in expired {
-            picker.metrics.flow_shed("queue_expired", band);
-        }
-        picker.metrics.set_flow_queued(&picker.flow.queued());
     }
 }

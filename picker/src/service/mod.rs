@@ -354,7 +354,7 @@ pub async fn start(
             }
         }
     });
-    tasks.spawn(flow::run_dispatcher(picker.clone(), cancel.clone()));
+    tasks.spawn(flow::run_gate(picker.clone(), cancel.clone()));
     if let Some((socket, _)) = peer_socket {
         tasks.spawn(feeds::peers::run_peers(
             picker.clone(),

@@ -24,12 +24,14 @@ use super::telemetry;
 use super::tenancy::Tenancy;
 use tracing::Instrument as _;
 
-use crate::admission::{Admitted, Gate, Ticket, Turn};
+use super::flow::{NoTurn, Waiters};
+use crate::admission::{Admitted, Gate, Ticket};
 use crate::config::{FailureMode, FlowPlacement, RoutingConfig, UnattainableSlo};
 use crate::endpoint::{
     Endpoint, EndpointId, EndpointState, EngineKind, ModelConfig, RankSelection,
 };
 use crate::error::PickerError;
+use crate::waiting::{Arrival, Pass, Refusal, Slo, slo_verdict};
 
 use crate::inflight::InflightGuard;
 use crate::place::{PlaceError, Placement, Pool, SplitPlacement, Verdict};
@@ -41,32 +43,6 @@ use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
 /// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
 const BLOCKING_TOKENIZE_BYTES: usize = 32 * 1024;
-
-/// With `routing.flowControl.unattainableSlo: Queue`, how long a request whose objective no
-/// endpoint is predicted to meet waits before it is placed again.
-const SLO_RETRY_MS: u64 = 50;
-
-/// How a request passed flow control.
-#[derive(Debug, PartialEq, Eq)]
-enum Passed {
-    /// Flow control is off (or the request is not forwarded).
-    Off,
-    /// Nothing waited and these endpoints had room (in id order): it went straight on.
-    Straight(Vec<EndpointId>),
-    /// It waited in the queue until the dispatcher released it.
-    Waited,
-}
-
-/// A request about to pass flow control.
-#[derive(Clone, Copy)]
-struct FlowLine<'a> {
-    config: &'a str,
-    tenant: Option<&'a str>,
-    /// Its priority.
-    band: i32,
-    /// Its arrival plus its TTFT objective, when it carries one.
-    deadline_ms: Option<u64>,
-}
 
 /// Headers the picker sets on the request it forwards (name, value).
 pub type UpstreamHeaders = Vec<(&'static str, String)>;
@@ -244,13 +220,10 @@ pub struct PickerState {
     pub body_buffer: Semaphore,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
     pub diagnostics: parking_lot::Mutex<Diagnostics>,
-    /// Woken when session admission's room may have grown (a session served, a turn
-    /// admitted or gone).
-    admission_changed: tokio::sync::Notify,
     /// Recent Responses and the endpoints storing them.
     pub responses: Responses,
-    /// Flow control's queues (`routing.flowControl`).
-    pub flow: super::flow::FlowControl,
+    /// The requests waiting at the pool's gate ([`super::flow`]).
+    pub waiters: Waiters,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -288,9 +261,8 @@ impl PickerState {
             first_metrics: tokio::sync::watch::Sender::new(false),
             pool_loaded: tokio::sync::watch::Sender::new(false),
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
-            admission_changed: tokio::sync::Notify::new(),
             responses: Responses::default(),
-            flow: super::flow::FlowControl::default(),
+            waiters: Waiters::default(),
         })
     }
 
@@ -560,8 +532,10 @@ impl PickerState {
         Ok(routed)
     }
 
-    /// Tokenize, hash, pass session admission and decide. The pick API's requests are
-    /// explained per candidate and never held (the gate's answer is shown instead).
+    /// Tokenize, hash, wait for the request's turn (forwarded requests only: the pick API's
+    /// are explained per candidate and never held, the gate's answer is shown instead) and
+    /// decide; a TTFT objective no endpoint is predicted to meet sends it back through the
+    /// gate or answers it now ([`slo_verdict`]).
     async fn route(
         &self,
         req: &ParsedRequest,
@@ -569,273 +543,97 @@ impl PickerState {
         subset: Option<&[SocketAddr]>,
         purpose: Purpose,
     ) -> Result<Routed, ApiError> {
-        let explain = purpose == Purpose::Explain;
-        let started = Instant::now();
+        let mut started = Instant::now();
         let snapshot = self.pool.state().endpoints();
         let routing = self.routing();
         let tenancy = self.tenancy.load_full();
-        let tenant = tenancy.tenant_of(headers)?;
-        // another tenant's stored response does not exist for this one (its engine would
-        // continue it: vLLM has no tenants)
-        if let Some(previous) = req.previous_response_id.as_deref()
-            && self.responses.lookup(previous, tenant.as_deref()) == Known::OtherTenant
-        {
-            return Err(ApiError::unknown_response(previous));
-        }
-        let session = self.conversation(req, headers, &routing, tenant.as_deref());
-        // a rewrite rule: a session keeps its target, anything else goes by its body's hash
-        // (hashed only when the model has a rule)
-        let rewrite = routing
-            .model_rewrites
-            .iter()
-            .any(|r| r.model == req.model)
-            .then(|| {
-                let key = session.as_deref().map_or(&req.raw[..], str::as_bytes);
-                routing.rewrite_model(&req.model, xxhash_rust::xxh3::xxh3_64(key))
-            })
-            .flatten()
-            .filter(|t| *t != req.model)
-            .map(|t| ModelRewritten {
-                asked: req.model.clone(),
-                target: t.to_owned(),
-            });
-        let model = rewrite
-            .as_ref()
-            .map_or(req.model.as_str(), |r| r.target.as_str());
-        let (config, lora) = Router::resolve_model(&snapshot, model).map_err(|_| {
-            // a configured model without endpoints is "no endpoint", not "unknown model"
-            if self
-                .catalog
-                .load()
-                .values()
-                .any(|e| e.config.serves(model).is_some())
-            {
-                ApiError::unavailable(
-                    "no_eligible_endpoint",
-                    format!("no endpoint is serving `{model}` right now"),
-                )
-            } else {
-                self.no_such_model(model)
-            }
-        })?;
-        let entry = self
-            .model_entry(&config.name)
-            .ok_or_else(|| self.no_such_model(model))?;
-        if let Some(r) = &rewrite {
-            self.metrics.model_rewritten(&r.asked, &r.target);
-        }
-
-        // another API's prompt is not read (nor one whose rendering is not reproduced): it is
-        // routed by model, tenant and load alone
-        let (ids, kind) = if req.kind == ApiKind::Other || req.unread.is_some() {
-            if let Some(why) = req.unread {
-                self.metrics.unread_prompt(why);
-            }
-            (Vec::new(), TokenKind::Tokens)
-        } else {
-            let span = tracing::info_span!(
-                target: telemetry::TARGET,
-                "tokenize",
-                tokens = tracing::field::Empty,
-            );
-            let out = self
-                .tokens(&entry, req, &snapshot)
-                .instrument(span.clone())
-                .await?;
-            span.record("tokens", out.0.len());
-            out
-        };
-        let plan = RequestPlan::new(PlanInput {
-            config: &config,
-            lora: lora.as_deref(),
-            tokens: &ids,
-            token_kind: kind,
-            char_chunk_tokens: entry.tokenizer.char_chunk_tokens() as u32,
-            tenant_salt: tenancy.salt(tenant.as_deref()),
-            client_salt: req.cache_salt.as_deref(),
-            session: session.as_deref(),
-            request_bytes: &req.raw,
-            max_prompt_tokens: self.limits.max_prompt_tokens,
-        })
-        .map_err(|e| ApiError::bad_request("prompt_too_long", e.to_string()))?;
+        let (tenant, session) = self.caller(req, headers, &routing, &tenancy)?;
+        let target = self.target(req, &snapshot, &routing, session.as_deref())?;
+        let salt = tenancy.salt(tenant.as_deref());
+        let plan = self.plan(req, &target, &snapshot, salt, session).await?;
+        let mut ask = (purpose == Purpose::Forward)
+            .then(|| self.ask(req, headers, &routing, tenant.as_deref(), &target, &plan));
         let dedicated = tenancy.spec.isolation == Isolation::DedicatedEndpoints;
-        // a TTFT objective (flow control on): the request's deadline in line, and what is
-        // done when no endpoint is predicted to meet it
-        let fc = &routing.flow_control;
-        let slo = if purpose == Purpose::Forward && fc.enabled {
-            let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
-            fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header))
-        } else {
-            None
-        };
-        let arrived_ms = self.now_ms();
-        let band = {
-            let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
-            // a raw priority only from the header the operator trusts (none by default)
-            let raw = fc.priority_header.as_deref().and_then(header);
-            fc.priority(raw, header(&fc.objective_header))
-        };
-        let mut again = false;
-        let mut waited = false;
-        let (placement, prefill, verdict, admission, admission_ticket, started) = loop {
-            let passed = if purpose == Purpose::Forward {
-                let line = FlowLine {
-                    config: &config.name,
-                    tenant: tenant.as_deref(),
-                    band,
-                    deadline_ms: slo.map(|v| arrived_ms + u64::from(v)),
-                };
-                self.pass_flow_control(&line, headers, &plan, req).await?
-            } else {
-                Passed::Off
+        let (split, admission, admission_ticket) = loop {
+            let pass = match &ask {
+                Some(ask) => Some(self.wait_turn(ask).await?),
+                None => None,
             };
-            waited |= passed == Passed::Waited;
-            // flow control places on an endpoint with room for the band, when one has (the
-            // rooms a request that went straight on found are still current)
-            let room: Option<Vec<EndpointId>> = match passed {
-                _ if fc.placement != FlowPlacement::WithRoom => None,
-                Passed::Off => None,
-                Passed::Straight(rooms) => Some(rooms),
-                Passed::Waited => Some(self.rooms(&config.name, &routing, band)),
+            if pass.is_some_and(|p| p.waited()) || ask.as_ref().is_some_and(|a| a.retried) {
+                // the decision's time does not include the wait
+                started = Instant::now();
             }
-            .filter(|r| !r.is_empty());
+            let rooms = ask.as_ref().and_then(|a| self.flow_rooms(&routing, a));
             let allow_fn = |e: &Endpoint| {
                 (!dedicated || tenancy.allows(tenant.as_deref(), e))
-                    && room.as_ref().is_none_or(|r| r.binary_search(&e.id).is_ok())
+                    && rooms
+                        .as_ref()
+                        .is_none_or(|r| r.binary_search(&e.id).is_ok())
             };
             let scope = Scope {
                 tenant: tenant.as_deref(),
                 subset,
-                allow: (dedicated || room.is_some())
+                allow: (dedicated || rooms.is_some())
                     .then_some(&allow_fn as &(dyn Fn(&Endpoint) -> bool + Sync)),
             };
-            let route_request = plan.route_request(&config, scope, explain);
-            let (admission, admission_ticket) = match purpose {
-                Purpose::Explain => (self.pool.gate(&route_request, self.now_ms()), None),
-                Purpose::Forward => self.pass_admission(&route_request).await,
-            };
-            let started = if admission_ticket.is_some() || again || waited {
-                // the decision's time does not include the wait
-                Instant::now()
-            } else {
-                started
-            };
-            let decide = tracing::info_span!(
-                target: telemetry::TARGET,
-                "decide",
-                model_config = &*config.name,
-                candidates = tracing::field::Empty,
-                endpoint = tracing::field::Empty,
-                rank = tracing::field::Empty,
-                prompt_tokens = plan.prompt_tokens,
-                cached_tokens = tracing::field::Empty,
-                policy = tracing::field::Empty,
-                reason = tracing::field::Empty,
-                failed_open = tracing::field::Empty,
+            let route_request = plan.route_request(&target.config, scope, ask.is_none());
+            let admission = pass.map_or_else(
+                || self.pool.gate(&route_request, self.now_ms()),
+                |p| Gate::Admit(p.admitted),
             );
-            let placed = {
-                let _entered = decide.enter();
-                if matches!(req.kind, ApiKind::Completions | ApiKind::ChatCompletions) {
-                    self.pool.place_split(&route_request, self.now_ms())
-                } else {
-                    self.pool
-                        .place(&route_request, self.now_ms())
-                        .map(|placement| SplitPlacement {
-                            placement,
-                            prefill: None,
-                            verdict: Verdict::Unsplittable,
-                        })
-                }
-            };
-            // the attributes are built only for a span that is recorded
-            if let Ok(p) = &placed
-                && !decide.is_disabled()
+            let split = self.place(&route_request, req.kind)?;
+            let reservation = pass.and_then(|p| p.reservation);
+            if let Some(ask) = ask.as_mut()
+                && self.slo_retry(ask, &routing, &split, reservation)?
             {
-                let d = &p.placement.decision;
-                decide.record("candidates", 1 + d.fallbacks.len());
-                decide.record("endpoint", d.endpoint.host_port().as_str());
-                decide.record("rank", d.endpoint.rank);
-                decide.record("cached_tokens", d.cached_tokens);
-                decide.record("policy", d.policy);
-                decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
-                decide.record("failed_open", d.failed_open);
+                continue;
             }
-            let split = placed.map_err(|e| {
-                self.metrics.error(e.kind());
-                match e {
-                    PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
-                    PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
-                        ApiError::unavailable("no_eligible_endpoint", e.to_string())
-                    }
-                    PlaceError::Route(e @ RouteError::AllStale(_)) => {
-                        ApiError::unavailable("all_endpoints_stale", e.to_string())
-                    }
-                    PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
-                }
-            })?;
-            let placement = split.placement;
-            // a TTFT objective no endpoint is predicted to meet: answered now, not late, or
-            // back in line while the objective can still be met (a split request: its
-            // prefill's prediction)
-            let best_ttft = split
-                .prefill
-                .as_ref()
-                .unwrap_or(&placement)
-                .decision
-                .best_ttft_ms;
-            if let (Some(slo), Some(best)) = (slo, best_ttft) {
-                // what is left of it after the wait in the picker
-                let left = (arrived_ms + u64::from(slo)).saturating_sub(self.now_ms());
-                if best > left as f64 {
-                    if fc.unattainable_slo == UnattainableSlo::Queue && left > SLO_RETRY_MS {
-                        // the prediction is asked again later (through the line, when the
-                        // pool is saturated), not in a busy loop
-                        tokio::time::sleep(Duration::from_millis(SLO_RETRY_MS)).await;
-                        again = true;
-                        continue;
-                    }
-                    self.metrics.flow_shed("slo_unattainable", band);
-                    return Err(ApiError::shed_because(
-                        "slo_unattainable",
-                        format!(
-                            "no endpoint is predicted to give the first token within the {slo} ms objective ({left} ms of it left; the best: {best:.0} ms)"
-                        ),
-                    ));
-                }
-            }
-            break (
-                placement,
-                split.prefill,
-                split.verdict,
-                admission,
-                admission_ticket,
-                started,
-            );
+            break (split, admission, reservation);
         };
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
         let upstream = upstream_request(
-            &entry.config,
+            &target.entry.config,
             &plan,
             req,
-            placement.decision.endpoint,
-            rewrite.as_ref(),
+            split.placement.decision.endpoint,
+            target.rewrite.as_ref(),
         )?;
         Ok(Routed {
-            placement,
-            entry,
+            placement: split.placement,
+            entry: target.entry,
             plan,
             tenant,
-            lora,
+            lora: target.lora,
             upstream,
             admission,
             admission_ticket,
             api: req.kind,
-            rewrite,
-            prefill,
-            verdict,
+            rewrite: target.rewrite,
+            prefill: split.prefill,
+            verdict: split.verdict,
         })
+    }
+
+    /// Who sends a request: its tenant, and the session it belongs to ([`Self::conversation`]).
+    /// Another tenant's stored response does not exist for it (its engine would continue it:
+    /// vLLM has no tenants).
+    fn caller(
+        &self,
+        req: &ParsedRequest,
+        headers: &HeaderMap,
+        routing: &RoutingConfig,
+        tenancy: &Tenancy,
+    ) -> Result<(Option<String>, Option<String>), ApiError> {
+        let tenant = tenancy.tenant_of(headers)?;
+        if let Some(previous) = req.previous_response_id.as_deref()
+            && self.responses.lookup(previous, tenant.as_deref()) == Known::OtherTenant
+        {
+            return Err(ApiError::unknown_response(previous));
+        }
+        let session = self.conversation(req, headers, routing, tenant.as_deref());
+        Ok((tenant, session))
     }
 
     /// The session a request belongs to: the session header's; for a Responses request, its
@@ -930,112 +728,323 @@ fn expected_output_tokens(raw: &[u8]) -> u64 {
         .min(1 << 24)
 }
 
+/// Where a request goes: its model config and entry, its adapter, and the rewrite rule that
+/// sent it there.
+struct Target {
+    config: Arc<ModelConfig>,
+    lora: Option<String>,
+    entry: Arc<ModelEntry>,
+    rewrite: Option<ModelRewritten>,
+}
+
+/// A forwarded request as the waiting room sees it.
+struct Ask {
+    arrival: Arrival,
+    /// Its TTFT objective, ms.
+    slo_ms: Option<u32>,
+    /// It came back through the gate (its objective was not met the first time).
+    retried: bool,
+}
+
 impl PickerState {
-    /// Flow control: go on while model config `config` has headroom and nothing of it waits;
-    /// else wait in its queue until the dispatcher releases the request, or answer 429.
-    /// Returns how it passed.
-    async fn pass_flow_control(
+    /// The model config a request is served by (after `routing.modelRewrites`: a session
+    /// keeps its target, anything else goes by its body's hash, hashed only when the model
+    /// has a rule).
+    fn target(
         &self,
-        line: &FlowLine<'_>,
-        headers: &HeaderMap,
-        plan: &RequestPlan,
         req: &ParsedRequest,
-    ) -> Result<Passed, ApiError> {
-        let FlowLine {
-            config,
-            tenant,
-            band,
-            deadline_ms,
-        } = *line;
-        let routing = self.routing();
-        let fc = &routing.flow_control;
-        if !fc.enabled {
-            return Ok(Passed::Off);
-        }
-        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        if self.flow.is_empty_for(config) {
-            let rooms = self.rooms(config, &routing, band);
-            if !rooms.is_empty() {
-                return Ok(Passed::Straight(rooms));
+        snapshot: &crate::endpoint::EndpointSnapshot,
+        routing: &RoutingConfig,
+        session: Option<&str>,
+    ) -> Result<Target, ApiError> {
+        let rewrite = routing
+            .model_rewrites
+            .iter()
+            .any(|r| r.model == req.model)
+            .then(|| {
+                let key = session.map_or(&req.raw[..], str::as_bytes);
+                routing.rewrite_model(&req.model, xxhash_rust::xxh3::xxh3_64(key))
+            })
+            .flatten()
+            .filter(|t| *t != req.model)
+            .map(|t| ModelRewritten {
+                asked: req.model.clone(),
+                target: t.to_owned(),
+            });
+        let model = rewrite
+            .as_ref()
+            .map_or(req.model.as_str(), |r| r.target.as_str());
+        let (config, lora) = Router::resolve_model(snapshot, model).map_err(|_| {
+            // a configured model without endpoints is "no endpoint", not "unknown model"
+            if self
+                .catalog
+                .load()
+                .values()
+                .any(|e| e.config.serves(model).is_some())
+            {
+                ApiError::unavailable(
+                    "no_eligible_endpoint",
+                    format!("no endpoint is serving `{model}` right now"),
+                )
+            } else {
+                self.no_such_model(model)
             }
+        })?;
+        let entry = self
+            .model_entry(&config.name)
+            .ok_or_else(|| self.no_such_model(model))?;
+        if let Some(r) = &rewrite {
+            self.metrics.model_rewritten(&r.asked, &r.target);
         }
+        Ok(Target {
+            config,
+            lora,
+            entry,
+            rewrite,
+        })
+    }
+
+    /// The request's prompt read and hashed. Another API's prompt is not read (nor one whose
+    /// rendering is not reproduced): it is routed by model, tenant and load alone.
+    async fn plan(
+        &self,
+        req: &ParsedRequest,
+        target: &Target,
+        snapshot: &crate::endpoint::EndpointSnapshot,
+        tenant_salt: Option<String>,
+        session: Option<String>,
+    ) -> Result<RequestPlan, ApiError> {
+        let (ids, kind) = if req.kind == ApiKind::Other || req.unread.is_some() {
+            if let Some(why) = req.unread {
+                self.metrics.unread_prompt(why);
+            }
+            (Vec::new(), TokenKind::Tokens)
+        } else {
+            let span = tracing::info_span!(
+                target: telemetry::TARGET,
+                "tokenize",
+                tokens = tracing::field::Empty,
+            );
+            let out = self
+                .tokens(&target.entry, req, snapshot)
+                .instrument(span.clone())
+                .await?;
+            span.record("tokens", out.0.len());
+            out
+        };
+        RequestPlan::new(PlanInput {
+            config: &target.config,
+            lora: target.lora.as_deref(),
+            tokens: &ids,
+            token_kind: kind,
+            char_chunk_tokens: target.entry.tokenizer.char_chunk_tokens() as u32,
+            tenant_salt,
+            client_salt: req.cache_salt.as_deref(),
+            session: session.as_deref(),
+            request_bytes: &req.raw,
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+        })
+        .map_err(|e| ApiError::bad_request("prompt_too_long", e.to_string()))
+    }
+
+    /// What the waiting room reads of a forwarded request: its band (a raw priority only
+    /// from the header the operator trusts, none by default; else its objective's), its flow
+    /// (the tenant, else the fairness header), its TTFT objective (flow control on) and so
+    /// its deadline, its session and its cost.
+    fn ask(
+        &self,
+        req: &ParsedRequest,
+        headers: &HeaderMap,
+        routing: &RoutingConfig,
+        tenant: Option<&str>,
+        target: &Target,
+        plan: &RequestPlan,
+    ) -> Ask {
+        let fc = &routing.flow_control;
+        let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+        let slo_ms = if fc.enabled {
+            fc.ttft_slo_ms(header(&fc.ttft_slo_header), header(&fc.objective_header))
+        } else {
+            None
+        };
+        let raw = fc.priority_header.as_deref().and_then(header);
+        let band = fc.priority(raw, header(&fc.objective_header));
         let flow = tenant
             .or_else(|| header(&fc.fairness_header))
             .map_or(0, |f| xxhash_rust::xxh3::xxh3_64(f.as_bytes()));
-        let arrival = super::flow::Arrival {
-            band,
-            flow,
-            tokens: u64::from(plan.prompt_tokens) + expected_output_tokens(&req.raw),
-            bytes: req.raw.len() as u64,
-            now_ms: self.now_ms(),
-            deadline_ms,
+        // the body is read again only when flow control weighs it
+        let output = if fc.enabled {
+            expected_output_tokens(&req.raw)
+        } else {
+            0
         };
-        let (ticket, displaced) = self
-            .flow
-            .enqueue(config, super::flow::queue_settings(fc), &arrival)
-            .map_err(|why| {
-                let (code, message) = match why {
-                    kvroute_routing::flow::Refused::TooLarge => (
-                        "too_large",
-                        "the request is larger than flow control's queue (routing.flowControl.maxQueuedBytes)",
-                    ),
-                    _ => (
-                        "queue_full",
-                        "the pool is saturated and flow control's queue is full of requests of this priority or higher",
-                    ),
-                };
-                self.metrics.flow_shed(code, band);
-                ApiError::shed_because(code, message)
-            })?;
-        for b in displaced {
-            self.metrics.flow_shed("displaced", b);
+        Ask {
+            arrival: Arrival {
+                id: 0,
+                config: target.config.name.to_string(),
+                band,
+                flow,
+                tokens: u64::from(plan.prompt_tokens) + output,
+                bytes: req.raw.len() as u64,
+                deadline_ms: slo_ms.map(|v| self.now_ms() + u64::from(v)),
+                session: Router::session_key(tenant, plan.session.as_deref()),
+                prompt_tokens: plan.prompt_tokens,
+                not_before_ms: None,
+            },
+            slo_ms,
+            retried: false,
         }
-        /// Leaves the line when the wait ends any way but an answer (the client left); a
-        /// request released just as its client left gives its dispatch back.
-        struct InLine<'a> {
-            flow: &'a super::flow::FlowControl,
-            id: u64,
-            config: &'a str,
-            rx: tokio::sync::oneshot::Receiver<super::flow::Outcome>,
-            answered: bool,
+    }
+
+    /// Waits for the request's turn at the pool's gate ([`Waiters::turn`]); an answer
+    /// without service is a 429 with the gate's reason.
+    async fn wait_turn(&self, ask: &Ask) -> Result<Pass, ApiError> {
+        let routing = self.routing();
+        if !routing.flow_control.enabled && !routing.admission.enabled && !ask.retried {
+            return Ok(Pass::straight(Admitted::Disabled));
         }
-        impl Drop for InLine<'_> {
-            fn drop(&mut self) {
-                if self.answered {
-                    return;
-                }
-                match self.rx.try_recv() {
-                    Ok(super::flow::Outcome::Dispatched) => self.flow.placed(self.config),
-                    _ => self.flow.cancel(self.id),
-                }
+        let band = ask.arrival.band;
+        let pass = match self
+            .waiters
+            .turn(&self.pool, self.now_ms(), ask.arrival.clone())
+            .await
+        {
+            Ok(pass) => pass,
+            Err(NoTurn::Refused(r)) => {
+                self.metrics.flow_shed(r.code(), band);
+                return Err(ApiError::shed_because(r.code(), r.message()));
             }
-        }
-        let mut line = InLine {
-            flow: &self.flow,
-            id: ticket.id,
-            config,
-            rx: ticket.rx,
-            answered: false,
+            Err(NoTurn::ShuttingDown) => {
+                return Err(ApiError::unavailable(
+                    "shutting_down",
+                    "the picker is shutting down",
+                ));
+            }
         };
-        let outcome = (&mut line.rx).await;
-        line.answered = true;
-        match outcome {
-            Ok(super::flow::Outcome::Dispatched) => {
-                self.flow.placed(config);
-                Ok(Passed::Waited)
+        if let Some(ms) = pass.flow_wait_ms {
+            self.metrics.flow_dispatched.inc();
+            self.metrics.flow_wait_seconds.observe(ms as f64 / 1000.0);
+        }
+        if pass.admitted != Admitted::Disabled {
+            self.metrics.admitted(pass.admitted);
+        }
+        if let Some(ms) = pass.admission_wait_ms {
+            self.metrics
+                .admission_wait_seconds
+                .observe(ms as f64 / 1000.0);
+        }
+        Ok(pass)
+    }
+
+    /// Flow control places on an endpoint with room for the band, when one has: with
+    /// `placement: WithRoom`, the endpoints with room for the request's band
+    /// (in id order), when any has.
+    fn flow_rooms(&self, routing: &RoutingConfig, ask: &Ask) -> Option<Vec<EndpointId>> {
+        let fc = &routing.flow_control;
+        if !fc.enabled || fc.placement != FlowPlacement::WithRoom {
+            return None;
+        }
+        let rooms = self.rooms(&ask.arrival.config, routing, ask.arrival.band);
+        (!rooms.is_empty()).then_some(rooms)
+    }
+
+    /// Places `req` ([`Pool::place_split`] for the APIs that can be split, else
+    /// [`Pool::place`]), in a `decide` span.
+    fn place(&self, req: &RouteRequest<'_>, api: ApiKind) -> Result<SplitPlacement, ApiError> {
+        let decide = tracing::info_span!(
+            target: telemetry::TARGET,
+            "decide",
+            model_config = &*req.model_config.name,
+            candidates = tracing::field::Empty,
+            endpoint = tracing::field::Empty,
+            rank = tracing::field::Empty,
+            prompt_tokens = req.prompt_tokens,
+            cached_tokens = tracing::field::Empty,
+            policy = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            failed_open = tracing::field::Empty,
+        );
+        let placed = {
+            let _entered = decide.enter();
+            if matches!(api, ApiKind::Completions | ApiKind::ChatCompletions) {
+                self.pool.place_split(req, self.now_ms())
+            } else {
+                self.pool
+                    .place(req, self.now_ms())
+                    .map(|placement| SplitPlacement {
+                        placement,
+                        prefill: None,
+                        verdict: Verdict::Unsplittable,
+                    })
             }
-            Ok(super::flow::Outcome::Expired) => Err(ApiError::shed_because(
-                "queue_expired",
-                "the request waited flow control's ttl (routing.flowControl.ttl) for the pool to have headroom",
-            )),
-            Ok(super::flow::Outcome::Displaced) => Err(ApiError::shed_because(
-                "displaced",
-                "a request of a higher priority took this one's place in flow control's full queue",
-            )),
-            Err(_) => Err(ApiError::unavailable(
-                "shutting_down",
-                "the picker is shutting down",
-            )),
+        };
+        // the attributes are built only for a span that is recorded
+        if let Ok(p) = &placed
+            && !decide.is_disabled()
+        {
+            let d = &p.placement.decision;
+            decide.record("candidates", 1 + d.fallbacks.len());
+            decide.record("endpoint", d.endpoint.host_port().as_str());
+            decide.record("rank", d.endpoint.rank);
+            decide.record("cached_tokens", d.cached_tokens);
+            decide.record("policy", d.policy);
+            decide.record("reason", format!("{:?}", d.reason).to_lowercase().as_str());
+            decide.record("failed_open", d.failed_open);
+        }
+        placed.map_err(|e| {
+            self.metrics.error(e.kind());
+            match e {
+                PlaceError::Route(RouteError::UnknownModel(m)) => self.no_such_model(&m),
+                PlaceError::Route(e @ RouteError::NoEligibleEndpoint(_)) => {
+                    ApiError::unavailable("no_eligible_endpoint", e.to_string())
+                }
+                PlaceError::Route(e @ RouteError::AllStale(_)) => {
+                    ApiError::unavailable("all_endpoints_stale", e.to_string())
+                }
+                PlaceError::Shed { .. } => ApiError::shed(e.to_string()),
+            }
+        })
+    }
+
+    /// A TTFT objective no endpoint is predicted to meet ([`slo_verdict`]; a split request:
+    /// its prefill's prediction): `true` when the request goes back through the gate (what
+    /// admission reserved for it is given back), a 429 `slo_unattainable` when it cannot
+    /// wait, `false` when it is met or has none.
+    fn slo_retry(
+        &self,
+        ask: &mut Ask,
+        routing: &RoutingConfig,
+        split: &SplitPlacement,
+        reservation: Option<Ticket>,
+    ) -> Result<bool, ApiError> {
+        let (Some(deadline), Some(slo)) = (ask.arrival.deadline_ms, ask.slo_ms) else {
+            return Ok(false);
+        };
+        let first = split.prefill.as_ref().unwrap_or(&split.placement);
+        let Some(best) = first.decision.best_ttft_ms else {
+            return Ok(false);
+        };
+        let queue = routing.flow_control.unattainable_slo == UnattainableSlo::Queue;
+        match slo_verdict(deadline, self.now_ms(), best, queue) {
+            Slo::Met => Ok(false),
+            Slo::Retry { at_ms } => {
+                if let Some(r) = reservation {
+                    self.pool.waiting().lock().release(r);
+                }
+                ask.arrival.not_before_ms = Some(at_ms);
+                ask.retried = true;
+                Ok(true)
+            }
+            Slo::Refuse { left_ms } => {
+                self.metrics
+                    .flow_shed(Refusal::SloUnattainable.code(), ask.arrival.band);
+                Err(ApiError::shed_because(
+                    Refusal::SloUnattainable.code(),
+                    format!(
+                        "no endpoint is predicted to give the first token within the {slo} ms objective ({left_ms} ms of it left; the best: {best:.0} ms)"
+                    ),
+                ))
+            }
         }
     }
 
@@ -1046,78 +1055,6 @@ impl PickerState {
             .into_iter()
             .map(|(e, _)| e)
             .collect()
-    }
-
-    /// Session admission (`routing.admission`) for a request about to be placed: returns at
-    /// once unless the gate holds it, else when it is admitted (first in line with room, or
-    /// after `maxWait`). A client that goes away while held leaves the line (the future is
-    /// dropped). Returns the gate's first answer, and the ticket when the request waited.
-    async fn pass_admission(&self, req: &RouteRequest<'_>) -> (Gate, Option<Ticket>) {
-        let gate = self.pool.gate(req, self.now_ms());
-        match gate {
-            // off: nothing to count on every request
-            Gate::Admit(Admitted::Disabled) => return (gate, None),
-            Gate::Admit(why) => {
-                self.metrics.admitted(why);
-                return (gate, None);
-            }
-            Gate::Hold(_) => {}
-        }
-        let Some(ticket) = self.pool.join_admission(self.now_ms()) else {
-            self.metrics.admitted(Admitted::QueueFull);
-            return (gate, None);
-        };
-        /// Leaves the line when the wait ends any way but admission.
-        struct InLine<'a> {
-            state: &'a PickerState,
-            ticket: Ticket,
-            admitted: bool,
-        }
-        impl Drop for InLine<'_> {
-            fn drop(&mut self) {
-                self.state.metrics.admission_waiting.dec();
-                if !self.admitted {
-                    self.state.pool.admission().lock().leave(self.ticket);
-                    self.state.admission_changed.notify_waiters();
-                }
-            }
-        }
-        self.metrics.admission_waiting.inc();
-        let mut line = InLine {
-            state: self,
-            ticket,
-            admitted: false,
-        };
-        let started = Instant::now();
-        loop {
-            let changed = self.admission_changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let now = self.now_ms();
-            match self.pool.poll_admission(ticket, req, now) {
-                Turn::Admit(why) => {
-                    line.admitted = true;
-                    self.metrics.admitted(why);
-                    self.metrics
-                        .admission_wait_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                    // the next in line may go now
-                    self.admission_changed.notify_waiters();
-                    return (gate, Some(ticket));
-                }
-                Turn::Wait { deadline_ms } => {
-                    let next = self
-                        .pool
-                        .next_admission_check()
-                        .map_or(deadline_ms, |c| c.min(deadline_ms));
-                    let wait = Duration::from_millis(next.saturating_sub(now).max(1));
-                    tokio::select! {
-                        () = &mut changed => {}
-                        () = tokio::time::sleep(wait) => {}
-                    }
-                }
-            }
-        }
     }
 
     /// Token ids of a request: from the engine's render endpoint when configured (exact
@@ -1267,10 +1204,10 @@ impl PickerState {
     /// waiting look at the room again.
     pub fn session_served(&self, admission_ticket: Option<Ticket>) {
         if let Some(ticket) = admission_ticket {
-            self.pool.admission().lock().release(ticket);
+            self.pool.waiting().lock().release(ticket);
         }
         if self.routing().admission.enabled {
-            self.admission_changed.notify_waiters();
+            self.waiters.poke();
         }
     }
 
@@ -1501,6 +1438,9 @@ endpoints:
             format!("{POOL}routing: {{admission: {{enabled: true, maxWait: {max_wait}}}}}\n")
         };
         let picker = Arc::new(picker(Limits::default()));
+        // the task that steps the pool's gate
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let gate = tokio::spawn(super::super::flow::run_gate(picker.clone(), cancel.clone()));
         let config = PickerConfig::from_yaml(&pool("1m")).expect("valid");
         picker
             .apply_pool(&view_from_config(&config))
@@ -1582,7 +1522,7 @@ endpoints:
         });
         until_waiting(1).await;
         assert!(!b.is_finished());
-        assert_eq!(picker.pool.admission().lock().len(), 1);
+        assert_eq!(picker.pool.waiting().lock().admission_waiting(), 1);
         // a's next turn is short: its live context shrinks, and b goes on
         let short = picker
             .decide(&completion("ok"), &session("a"), None, Purpose::Forward)
@@ -1592,7 +1532,7 @@ endpoints:
         let b = b.await.expect("joined").expect("decided");
         assert_eq!(waiting(), 0);
         let ticket = b.admission_ticket.expect("admitted after waiting");
-        assert!(picker.pool.admission().lock().reserved(picker.now_ms()) >= p.min(blocks * block));
+        assert!(picker.pool.waiting().lock().reserved(picker.now_ms()) >= p.min(blocks * block));
         let text = picker.metrics.encode();
         assert!(
             text.contains("kvroute_picker_admission_total{kind=\"fits\"} 1"),
@@ -1604,7 +1544,7 @@ endpoints:
         );
         // served: its reservation goes, its context counts instead
         picker.served(&b, b.placement.decision.endpoint);
-        assert_eq!(picker.pool.admission().lock().reserved(picker.now_ms()), 0);
+        assert_eq!(picker.pool.waiting().lock().reserved(picker.now_ms()), 0);
         let _ = ticket;
         // c does not fit beside b; its client leaves while it waits: out of the line
         let c = tokio::spawn({
@@ -1614,8 +1554,8 @@ endpoints:
         until_waiting(1).await;
         c.abort();
         assert!(c.await.expect_err("aborted").is_cancelled());
-        assert_eq!(waiting(), 0);
-        assert!(picker.pool.admission().lock().is_empty());
+        until_waiting(0).await;
+        assert!(picker.pool.waiting().lock().is_empty());
         // with a short maxWait, d goes on when it has waited that long
         let config = PickerConfig::from_yaml(&pool("50ms")).expect("valid");
         picker
@@ -1635,6 +1575,8 @@ endpoints:
                 .encode()
                 .contains("kvroute_picker_admission_total{kind=\"timeout\"} 1")
         );
+        cancel.cancel();
+        gate.await.expect("the gate's task stops");
     }
 
     #[tokio::test]

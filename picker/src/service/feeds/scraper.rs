@@ -295,9 +295,7 @@ pub async fn run_scraper(
         let stale = outcome.stale;
         picker.metrics.stale_endpoints.set(stale as i64);
         // the pool-saturation gauge: one series per model config that has endpoints
-        let saturation = picker
-            .pool
-            .saturation(&picker.routing().saturation, &picker.flow.queued());
+        let saturation = picker.pool.saturation(&picker.routing().saturation);
         let now_configs: Vec<String> = saturation.iter().map(|(c, _)| c.clone()).collect();
         for model_config in saturated_configs.drain(..) {
             if !now_configs.contains(&model_config) {

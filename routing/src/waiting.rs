@@ -1,0 +1,632 @@
+//! The waiting room: the one gate in front of [`Pool::place`](crate::place::Pool::place) that
+//! owns every request waiting for its turn (issue 49).
+//!
+//! A request passes three stages, in order, each skipped when it is off or has nothing to say:
+//! 1. **Later**: a request whose TTFT objective no endpoint was predicted to meet, and which
+//!    may still wait for it (`unattainableSlo: Queue`), comes back in [`SLO_RETRY_MS`]
+//!    ([`slo_verdict`]).
+//! 2. **Flow control** (`routing.flowControl`): while its model config has no headroom, or
+//!    others of it wait already, the request waits in the config's [`FlowQueue`] (priority
+//!    bands, fairness between flows, deadline order inside a flow, bounds by count, bytes and
+//!    time). Released as the endpoints get room, the sheddable bands under their own
+//!    thresholds.
+//! 3. **Session admission** (`routing.admission`): a new session's first turn waits in the
+//!    [`AdmissionQueue`] while its footprint does not fit beside the live context of the
+//!    sessions already in the pool.
+//!
+//! It holds no timers, wakers or channels: its owner tells it what arrives
+//! ([`WaitingRoom::arrive`]) and leaves ([`WaitingRoom::leave`]), and asks it what to do
+//! ([`WaitingRoom::step`]: dispatch this request, refuse that one) whenever the pool may have
+//! changed and at [`WaitingRoom::next_wake`]. The pool's state comes in through [`Headroom`].
+//! The service drives it from one task; the offline benchmark drives the same code in virtual
+//! time.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::admission::{AdmissionQueue, Admitted, Room, Ticket as Reservation, Turn};
+use crate::flow::{FlowQueue, FlowSettings, Refused, Waiting};
+
+/// With `unattainableSlo: Queue`, how long a request whose objective no endpoint is predicted
+/// to meet waits before it is placed again.
+pub const SLO_RETRY_MS: u64 = 50;
+
+/// The gate's policies, read from one routing config at every call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateSettings {
+    /// Flow control's queue, when it is on.
+    pub flow: Option<FlowSettings>,
+    /// Session admission, when it is on.
+    pub admission: Option<AdmissionLimits>,
+}
+
+impl GateSettings {
+    /// The gate's policies in `routing`.
+    pub fn of(routing: &crate::config::RoutingConfig) -> Self {
+        use crate::config::{FlowFairness, FlowOrder};
+        use crate::flow::{Fairness, Order};
+        let fc = &routing.flow_control;
+        let ad = &routing.admission;
+        Self {
+            flow: fc.enabled.then(|| FlowSettings {
+                max_requests: fc.max_queued as usize,
+                max_bytes: fc.max_queued_bytes,
+                ttl_ms: u64::try_from(fc.ttl.as_millis()).unwrap_or(u64::MAX),
+                fairness: match fc.fairness {
+                    FlowFairness::LeastAttainedService => Fairness::LeastAttainedService,
+                    FlowFairness::RoundRobin => Fairness::RoundRobin,
+                },
+                order: match fc.order {
+                    FlowOrder::EarliestDeadline => Order::EarliestDeadline,
+                    FlowOrder::FirstComeFirstServed => Order::Fcfs,
+                },
+            }),
+            admission: ad.enabled.then(|| AdmissionLimits {
+                max_queue: ad.max_queue as usize,
+                max_wait_ms: u64::try_from(ad.max_wait.as_millis()).unwrap_or(u64::MAX),
+            }),
+        }
+    }
+}
+
+/// Session admission's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// First turns waiting at once; one more goes on without waiting.
+    pub max_queue: usize,
+    /// Longest a first turn waits, ms.
+    pub max_wait_ms: u64,
+}
+
+/// What the pool offers the waiting requests, read at every arrival and step.
+pub trait Headroom {
+    /// Requests model config `config` can take now before its endpoints are saturated: under
+    /// the thresholds of every band, and under the sheddable (negative) bands' thresholds.
+    fn free(&self, config: &str) -> (u64, u64);
+    /// The pool's room for a turn of session `session` (a session key) with `prompt_tokens`,
+    /// `reserved` tokens being promised to turns admitted and not yet served; `Err` says why
+    /// the room is not asked (no session, a live one, capacity unknown).
+    fn room(
+        &self,
+        session: Option<u64>,
+        prompt_tokens: u32,
+        reserved: u64,
+    ) -> Result<Room, Admitted>;
+}
+
+/// A request arriving at the gate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrival {
+    /// The caller's id for it, unique among the requests waiting.
+    pub id: u64,
+    /// Its model config.
+    pub config: String,
+    /// Its priority band.
+    pub band: i32,
+    /// Its fairness flow.
+    pub flow: u64,
+    /// Prompt + expected output tokens (what serving it costs its flow).
+    pub tokens: u64,
+    /// Its body's size.
+    pub bytes: u64,
+    /// When it wants its first token at the latest (ms), if it said.
+    pub deadline_ms: Option<u64>,
+    /// Its session key, if it has one.
+    pub session: Option<u64>,
+    /// Its prompt's size.
+    pub prompt_tokens: u32,
+    /// Not before this time (an SLO retry).
+    pub not_before_ms: Option<u64>,
+}
+
+/// Why a request is answered without service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// Flow control's queue is full of requests of its band or higher.
+    QueueFull,
+    /// Its body is larger than flow control's byte bound.
+    TooLarge,
+    /// It waited flow control's TTL.
+    Expired,
+    /// A request of a higher band took its place in the full queue.
+    Displaced,
+    /// No endpoint is predicted to meet its TTFT objective in the time left.
+    SloUnattainable,
+}
+
+impl Refusal {
+    /// The code of its answer (and its metric label).
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::QueueFull => "queue_full",
+            Self::TooLarge => "too_large",
+            Self::Expired => "queue_expired",
+            Self::Displaced => "displaced",
+            Self::SloUnattainable => "slo_unattainable",
+        }
+    }
+
+    /// What its answer tells the client.
+    pub fn message(self) -> &'static str {
+        match self {
+            Self::QueueFull => {
+                "the pool is saturated and flow control's queue is full of requests of this priority or higher"
+            }
+            Self::TooLarge => {
+                "the request is larger than flow control's queue (routing.flowControl.maxQueuedBytes)"
+            }
+            Self::Expired => {
+                "the request waited flow control's ttl (routing.flowControl.ttl) for the pool to have headroom"
+            }
+            Self::Displaced => {
+                "a request of a higher priority took this one's place in flow control's full queue"
+            }
+            Self::SloUnattainable => {
+                "no endpoint is predicted to give the first token within the request's objective"
+            }
+        }
+    }
+}
+
+/// How a request passed the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    /// Why session admission let it by ([`Admitted::Disabled`] when admission is off).
+    pub admitted: Admitted,
+    /// Its footprint's reservation, when admission held it: give it back with
+    /// [`WaitingRoom::release`] once its session is served.
+    pub reservation: Option<Reservation>,
+    /// How long it waited in flow control's queue, when it did.
+    pub flow_wait_ms: Option<u64>,
+    /// How long admission held it, when it did.
+    pub admission_wait_ms: Option<u64>,
+}
+
+impl Pass {
+    pub fn straight(admitted: Admitted) -> Self {
+        Self {
+            admitted,
+            reservation: None,
+            flow_wait_ms: None,
+            admission_wait_ms: None,
+        }
+    }
+
+    /// Whether it waited at all.
+    pub fn waited(&self) -> bool {
+        self.flow_wait_ms.is_some() || self.admission_wait_ms.is_some()
+    }
+}
+
+/// The gate's answer to an arrival.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrived {
+    /// Go on to placement now.
+    Go(Pass),
+    /// Wait: a later [`WaitingRoom::step`] answers it.
+    Wait,
+    /// Answer it now, without service.
+    Refused(Refusal),
+}
+
+/// What a step tells its owner to do with a waiting request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Its turn came: place it.
+    Go { id: u64, pass: Pass },
+    /// Answer it without service.
+    Refuse { id: u64, band: i32, reason: Refusal },
+}
+
+/// A request's deadline against the best prediction ([`slo_verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slo {
+    /// Place it.
+    Met,
+    /// Come back through the gate at this time (`unattainableSlo: Queue`).
+    Retry { at_ms: u64 },
+    /// Answer it `slo_unattainable`, with what was left of its objective.
+    Refuse { left_ms: u64 },
+}
+
+/// A request with its first token due by `deadline_ms`, predicted at best in `best_ms` at
+/// `now_ms`: placed when the prediction meets the time left; else, when it may wait
+/// (`queue`) and more than [`SLO_RETRY_MS`] is left, asked again then; else refused now
+/// rather than answered late.
+pub fn slo_verdict(deadline_ms: u64, now_ms: u64, best_ms: f64, queue: bool) -> Slo {
+    let left = deadline_ms.saturating_sub(now_ms);
+    if best_ms <= left as f64 {
+        Slo::Met
+    } else if queue && left > SLO_RETRY_MS {
+        Slo::Retry {
+            at_ms: now_ms + SLO_RETRY_MS,
+        }
+    } else {
+        Slo::Refuse { left_ms: left }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Later(u64),
+    Flow,
+    Admission(Reservation),
+}
+
+#[derive(Debug)]
+struct Held {
+    arrival: Arrival,
+    stage: Stage,
+    /// When it entered its stage.
+    since_ms: u64,
+    flow_wait_ms: Option<u64>,
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct WaitingRoom {
+    held: HashMap<u64, Held>,
+    /// (time, id) of the requests waiting to come back.
+    later: BTreeMap<(u64, u64), ()>,
+    /// Flow control's queue per model config.
+    queues: BTreeMap<String, FlowQueue>,
+    admission: AdmissionQueue,
+    /// Ids in admission's line, in arrival order.
+    admission_line: VecDeque<u64>,
+    /// Per model config: requests flow control released whose placement has not started
+    /// (they do not count in the endpoints' pending requests until it has).
+    in_transit: HashMap<String, u64>,
+    /// Answers decided outside a step (requests pushed out by an arrival), for the next one.
+    outbox: Vec<Action>,
+}
+
+impl WaitingRoom {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests waiting, at any stage.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Requests in flow control's queue per model config (configs with none left out).
+    pub fn queued(&self) -> Vec<(String, usize)> {
+        self.queues
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(c, q)| (c.clone(), q.len()))
+            .collect()
+    }
+
+    /// First turns held by session admission.
+    pub fn admission_waiting(&self) -> usize {
+        self.admission_line.len()
+    }
+
+    /// Whether a step may have something to do before [`Self::next_wake`]: requests wait for
+    /// headroom, which grows without the gate being told (scrapes, answers).
+    pub fn waits_for_headroom(&self) -> bool {
+        self.queues.values().any(|q| !q.is_empty()) || !self.outbox.is_empty()
+    }
+
+    /// Footprints reserved at `now_ms` for turns admitted and not yet served.
+    pub fn reserved(&self, now_ms: u64) -> u64 {
+        self.admission.reserved(now_ms)
+    }
+
+    /// `a` arrives at `now_ms`.
+    pub fn arrive(
+        &mut self,
+        now_ms: u64,
+        a: Arrival,
+        s: &GateSettings,
+        h: &impl Headroom,
+    ) -> Arrived {
+        if self.held.contains_key(&a.id) {
+            return Arrived::Refused(Refusal::QueueFull);
+        }
+        if let Some(at) = a.not_before_ms.filter(|&t| t > now_ms) {
+            self.later.insert((at, a.id), ());
+            self.hold(a, Stage::Later(at), now_ms, None);
+            return Arrived::Wait;
+        }
+        self.enter_flow(now_ms, a, s, h)
+    }
+
+    fn hold(&mut self, arrival: Arrival, stage: Stage, now_ms: u64, flow_wait_ms: Option<u64>) {
+        self.held.insert(
+            arrival.id,
+            Held {
+                arrival,
+                stage,
+                since_ms: now_ms,
+                flow_wait_ms,
+            },
+        );
+    }
+
+    fn enter_flow(
+        &mut self,
+        now_ms: u64,
+        a: Arrival,
+        s: &GateSettings,
+        h: &impl Headroom,
+    ) -> Arrived {
+        let Some(fs) = s.flow else {
+            return self.enter_admission(now_ms, a, None, s, h);
+        };
+        let queue = self
+            .queues
+            .entry(a.config.clone())
+            .or_insert_with(|| FlowQueue::new(fs));
+        queue.set_settings(fs);
+        if queue.is_empty() {
+            let (all, sheddable) = h.free(&a.config);
+            let room = if a.band < 0 { sheddable } else { all };
+            if room > 0 {
+                return self.enter_admission(now_ms, a, None, s, h);
+            }
+        }
+        let pushed = queue.push(Waiting {
+            id: a.id,
+            band: a.band,
+            flow: a.flow,
+            tokens: a.tokens,
+            bytes: a.bytes,
+            arrival_ms: now_ms,
+            deadline_ms: a.deadline_ms,
+        });
+        match pushed {
+            Ok(pushed) => {
+                for w in pushed.shed {
+                    self.held.remove(&w.id);
+                    self.outbox.push(Action::Refuse {
+                        id: w.id,
+                        band: w.band,
+                        reason: Refusal::Displaced,
+                    });
+                }
+                self.hold(a, Stage::Flow, now_ms, None);
+                Arrived::Wait
+            }
+            Err(Refused::TooLarge) => Arrived::Refused(Refusal::TooLarge),
+            Err(Refused::QueueFull | Refused::Duplicate) => Arrived::Refused(Refusal::QueueFull),
+        }
+    }
+
+    fn enter_admission(
+        &mut self,
+        now_ms: u64,
+        a: Arrival,
+        flow_wait_ms: Option<u64>,
+        s: &GateSettings,
+        h: &impl Headroom,
+    ) -> Arrived {
+        let go = |admitted| {
+            Arrived::Go(Pass {
+                flow_wait_ms,
+                ..Pass::straight(admitted)
+            })
+        };
+        let Some(limits) = s.admission else {
+            return go(Admitted::Disabled);
+        };
+        match h.room(a.session, a.prompt_tokens, self.reserved(now_ms)) {
+            Err(why) => go(why),
+            Ok(room) if room.fits() => go(Admitted::Fits),
+            Ok(_) => match self.admission.join(now_ms, limits.max_queue) {
+                None => go(Admitted::QueueFull),
+                Some(ticket) => {
+                    self.admission_line.push_back(a.id);
+                    self.hold(a, Stage::Admission(ticket), now_ms, flow_wait_ms);
+                    Arrived::Wait
+                }
+            },
+        }
+    }
+
+    /// Request `id` leaves (its client went away). Returns whether it was waiting (`false`:
+    /// a step has already decided it, or it never waited).
+    pub fn leave(&mut self, id: u64) -> bool {
+        let Some(held) = self.held.remove(&id) else {
+            return false;
+        };
+        match held.stage {
+            Stage::Later(at) => {
+                self.later.remove(&(at, id));
+            }
+            Stage::Flow => {
+                if let Some(q) = self.queues.get_mut(&held.arrival.config) {
+                    q.remove(id);
+                }
+            }
+            Stage::Admission(ticket) => {
+                self.admission.leave(ticket);
+                self.admission_line.retain(|&i| i != id);
+            }
+        }
+        true
+    }
+
+    /// A request flow control released for `config` has started its placement.
+    pub fn placed(&mut self, config: &str) {
+        if let Some(n) = self.in_transit.get_mut(config) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    /// A turn admission held was served (its session now counts in the working sets): its
+    /// reservation goes.
+    pub fn release(&mut self, reservation: Reservation) {
+        self.admission.release(reservation);
+    }
+
+    /// What to do at `now_ms`: the requests whose time came back, flow control's expiries and
+    /// releases (as much as each config's headroom allows, less what was released and not
+    /// yet placed), then admission's line in order.
+    pub fn step(&mut self, now_ms: u64, s: &GateSettings, h: &impl Headroom) -> Vec<Action> {
+        let mut out = std::mem::take(&mut self.outbox);
+        // back from later
+        while let Some((&(at, id), ())) = self.later.first_key_value() {
+            if at > now_ms {
+                break;
+            }
+            self.later.remove(&(at, id));
+            if let Some(held) = self.held.remove(&id) {
+                let a = held.arrival;
+                let band = a.band;
+                match self.enter_flow(now_ms, a, s, h) {
+                    Arrived::Go(pass) => out.push(Action::Go { id, pass }),
+                    Arrived::Wait => {}
+                    Arrived::Refused(reason) => out.push(Action::Refuse { id, band, reason }),
+                }
+            }
+        }
+        out.append(&mut self.outbox);
+        self.flow_step(now_ms, s, h, &mut out);
+        self.admission_step(now_ms, s, h, &mut out);
+        out
+    }
+
+    fn flow_step(
+        &mut self,
+        now_ms: u64,
+        s: &GateSettings,
+        h: &impl Headroom,
+        out: &mut Vec<Action>,
+    ) {
+        let mut released = Vec::new();
+        for (config, q) in &mut self.queues {
+            if let Some(fs) = s.flow {
+                q.set_settings(fs);
+            }
+            for w in q.expire(now_ms) {
+                if self.held.remove(&w.id).is_some() {
+                    out.push(Action::Refuse {
+                        id: w.id,
+                        band: w.band,
+                        reason: Refusal::Expired,
+                    });
+                }
+            }
+            if q.is_empty() {
+                continue;
+            }
+            let transit = self.in_transit.entry(config.clone()).or_default();
+            // turned off (a live edit): what waits goes on
+            let (all, sheddable) = match s.flow {
+                Some(_) => h.free(config),
+                None => (u64::MAX, u64::MAX),
+            };
+            let mut room = all.saturating_sub(*transit);
+            let mut sheddable_room = sheddable.saturating_sub(*transit);
+            while room > 0 {
+                if q.peek().is_some_and(|w| w.band < 0) {
+                    // the sheddable bands are all that is left
+                    if sheddable_room == 0 {
+                        break;
+                    }
+                    sheddable_room -= 1;
+                }
+                let Some(w) = q.pop() else { break };
+                if let Some(held) = self.held.remove(&w.id) {
+                    room -= 1;
+                    released.push(held);
+                }
+            }
+        }
+        self.queues.retain(|_, q| !q.is_empty());
+        for held in released {
+            let id = held.arrival.id;
+            let config = held.arrival.config.clone();
+            let waited = now_ms.saturating_sub(held.since_ms);
+            match self.enter_admission(now_ms, held.arrival, Some(waited), s, h) {
+                Arrived::Go(pass) => {
+                    *self.in_transit.entry(config).or_default() += 1;
+                    out.push(Action::Go { id, pass });
+                }
+                Arrived::Wait | Arrived::Refused(_) => {}
+            }
+        }
+    }
+
+    fn admission_step(
+        &mut self,
+        now_ms: u64,
+        s: &GateSettings,
+        h: &impl Headroom,
+        out: &mut Vec<Action>,
+    ) {
+        let line: Vec<u64> = self.admission_line.iter().copied().collect();
+        for id in line {
+            let Some(held) = self.held.get(&id) else {
+                continue;
+            };
+            let Stage::Admission(ticket) = held.stage else {
+                continue;
+            };
+            let a = &held.arrival;
+            // a turn whose room is no longer asked (its session became live, admission was
+            // switched off) goes on
+            let asked = s.admission.map(|l| {
+                (
+                    l,
+                    h.room(a.session, a.prompt_tokens, self.admission.reserved(now_ms)),
+                )
+            });
+            let turn = match asked {
+                Some((limits, Ok(room))) => {
+                    self.admission
+                        .poll(ticket, now_ms, limits.max_wait_ms, &room)
+                }
+                Some((_, Err(why))) => {
+                    self.admission.leave(ticket);
+                    Turn::Admit(why)
+                }
+                None => {
+                    self.admission.leave(ticket);
+                    Turn::Admit(Admitted::Disabled)
+                }
+            };
+            let reserved = matches!(asked, Some((_, Ok(_))));
+            let Turn::Admit(admitted) = turn else {
+                continue;
+            };
+            let Some(held) = self.held.remove(&id) else {
+                continue;
+            };
+            self.admission_line.retain(|&i| i != id);
+            out.push(Action::Go {
+                id,
+                pass: Pass {
+                    admitted,
+                    reservation: reserved.then_some(ticket),
+                    flow_wait_ms: held.flow_wait_ms,
+                    admission_wait_ms: Some(now_ms.saturating_sub(held.since_ms)),
+                },
+            });
+        }
+    }
+
+    /// When the gate must be stepped at the latest, whatever else happens: the first request
+    /// due back, flow control's first expiry, admission's first deadline.
+    pub fn next_wake(&self, s: &GateSettings) -> Option<u64> {
+        let later = self.later.keys().next().map(|&(t, _)| t);
+        let expiry = self
+            .queues
+            .values()
+            .filter_map(FlowQueue::next_deadline)
+            .min();
+        let admission = s
+            .admission
+            .and_then(|l| self.admission.next_deadline(l.max_wait_ms));
+        [later, expiry, admission].into_iter().flatten().min()
+    }
+}
