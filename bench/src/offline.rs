@@ -25,13 +25,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use kvroute_picker::admission::{Admitted, Gate, Ticket, Turn};
+use kvroute_picker::admission::Admitted;
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::config::FlowPlacement;
 use kvroute_picker::endpoint::{Endpoint, EndpointId, ModelConfig, Role};
 use kvroute_picker::engine_metrics::LoraActivity;
-use kvroute_picker::flow::{Fairness, FlowQueue, FlowSettings, Order, Waiting};
 use kvroute_picker::inflight::InflightGuard;
 use kvroute_picker::kv_events::ingest::IngestKeys;
 use kvroute_picker::kv_events::resequence::ResyncReason;
@@ -43,6 +42,7 @@ use kvroute_picker::pool_state::PoolMember;
 use kvroute_picker::router::Router;
 use kvroute_picker::service::settings::Limits;
 use kvroute_picker::tokenize::TokenKind;
+use kvroute_picker::waiting::{Action as GateAction, Arrival, Arrived, Pass};
 use kvroute_sim::engine::{Rank, Request, StepOutcome};
 use rustc_hash::FxHashMap;
 
@@ -63,8 +63,8 @@ enum Event {
     /// The step of engine rank `.0` started in its generation `.1` ends.
     StepEnd(usize, u64),
     Scrape,
-    /// Poll the turns session admission holds (a deadline or a session's context expiring).
-    Admission,
+    /// Step the pickers' gates (a deadline, or a session's context expiring).
+    Gate,
     /// The scenario's item `.0` takes effect.
     Scenario(usize),
     /// Engine rank `.0` joins the pool (cold).
@@ -194,18 +194,13 @@ struct Sim<'a> {
     ceilings: Ceilings,
     scrapes: u64,
     series_every: u64,
-    /// Turns session admission holds, in arrival order, with their plans (what the gate reads).
-    held: Vec<(Issue, Ticket, RequestPlan)>,
-    /// When an `Event::Admission` is scheduled, if one is.
-    admission_check: Option<f64>,
-    /// How long each held turn waited (ms), and how it left the queue.
+    /// The requests waiting at a picker's gate (flow control, session admission), by id.
+    waiting: FxHashMap<u64, Issue>,
+    /// When an `Event::Gate` is scheduled, if one is.
+    gate_check: Option<f64>,
+    /// How long each turn admission held waited (ms), and how many left at `maxWait`.
     held_waits: Vec<f64>,
     held_timeouts: usize,
-    /// Flow control's queue (`--flow-control`) and the requests waiting in it.
-    flow: Option<FlowQueue>,
-    flow_waiting: FxHashMap<u64, Issue>,
-    /// Requests pushed out of the full queue, answered at the next round.
-    flow_shed: Vec<Issue>,
     /// The class of each record, in record order ([`Sim::class`]).
     record_class: Vec<usize>,
     /// KV-event batches an `event-delay` item holds back, in publication order.
@@ -226,16 +221,6 @@ fn new_pool(policy: PolicySpec, opts: &BenchOptions, limits: &Limits) -> anyhow:
         opts.index_settings().pool_settings(limits),
         router,
     ))
-}
-
-fn new_flow_queue() -> FlowQueue {
-    FlowQueue::new(FlowSettings {
-        max_requests: 10_000,
-        max_bytes: u64::MAX,
-        ttl_ms: 60_000,
-        fairness: Fairness::LeastAttainedService,
-        order: Order::Fcfs,
-    })
 }
 
 impl<'a> Sim<'a> {
@@ -319,13 +304,10 @@ impl<'a> Sim<'a> {
             ceilings: Ceilings::new(workload.block_tokens, block, c.capacity_tokens()),
             scrapes: 0,
             series_every,
-            held: Vec::new(),
-            admission_check: None,
+            waiting: FxHashMap::default(),
+            gate_check: None,
             held_waits: Vec::new(),
             held_timeouts: 0,
-            flow: opts.flow_control.then(new_flow_queue),
-            flow_waiting: FxHashMap::default(),
-            flow_shed: Vec::new(),
             record_class: Vec::new(),
             delayed: Vec::new(),
             replay_keep_ms,
@@ -340,81 +322,6 @@ impl<'a> Sim<'a> {
     /// The request class of `session` ([`classes::of`]).
     fn class(&self, session: u64) -> usize {
         classes::of(self.opts, session)
-    }
-
-    /// Flow control: whether `issue` waits in the queue (the pool has no headroom, or others
-    /// wait already).
-    fn flow_holds(&mut self, issue: &Issue, t: f64) -> bool {
-        let Some(q) = self.flow.as_ref() else {
-            return false;
-        };
-        let class = self.class(issue.session);
-        let band = classes::priority(class);
-        let saturation = self.pickers[0].router().config().saturation.for_band(band);
-        if q.is_empty() && self.pickers[0].free_slots(&self.model_config.name, &saturation) > 0 {
-            return false;
-        }
-        let w = Waiting {
-            id: issue.id,
-            band,
-            flow: classes::flow(class),
-            tokens: u64::from(issue.input_len) + u64::from(issue.output_len),
-            bytes: 0,
-            arrival_ms: t as u64,
-            deadline_ms: None,
-        };
-        let Some(q) = self.flow.as_mut() else {
-            return false;
-        };
-        match q.push(w) {
-            Ok(pushed) => {
-                for w in pushed.shed {
-                    if let Some(i) = self.flow_waiting.remove(&w.id) {
-                        self.flow_shed.push(i);
-                    }
-                }
-                self.flow_waiting.insert(issue.id, issue.clone());
-                true
-            }
-            // refused (the queue is full of its band or higher): answered at the next round,
-            // as the service answers it 429
-            Err(_) => {
-                self.flow_shed.push(issue.clone());
-                true
-            }
-        }
-    }
-
-    /// Flow control's round at `t`: the requests released to be sent, and those answered
-    /// without service (expired or pushed out).
-    fn flow_round(&mut self, t: f64) -> (Vec<Issue>, Vec<Issue>) {
-        let mut gone: Vec<Issue> = std::mem::take(&mut self.flow_shed);
-        let Some(q) = self.flow.as_mut() else {
-            return (Vec::new(), gone);
-        };
-        for w in q.expire(t as u64) {
-            gone.extend(self.flow_waiting.remove(&w.id));
-        }
-        let saturation = self.pickers[0].router().config().saturation;
-        let mut room = self.pickers[0].free_slots(&self.model_config.name, &saturation);
-        let mut low_room =
-            self.pickers[0].free_slots(&self.model_config.name, &saturation.for_band(-1));
-        let mut send = Vec::new();
-        while room > 0 {
-            let Some(q) = self.flow.as_mut() else { break };
-            if q.peek().is_some_and(|w| w.band < 0) {
-                if low_room == 0 {
-                    break;
-                }
-                low_room -= 1;
-            }
-            let Some(w) = q.pop() else { break };
-            if let Some(i) = self.flow_waiting.remove(&w.id) {
-                send.push(i);
-                room -= 1;
-            }
-        }
-        (send, gone)
     }
 
     fn fail(&mut self, issue: &Issue, t: f64, error: String) {
@@ -489,83 +396,102 @@ impl<'a> Sim<'a> {
         .map_err(|e| e.to_string())
     }
 
-    /// A released request at `t`: held by session admission when its session does not fit
-    /// (as the service's gate holds it), else sent. Returns `false` when it failed (and must
-    /// be completed in the driver right away).
+    /// The picker a request goes through: the client spreads them over the pickers.
+    fn picker_of(&self, issue: &Issue) -> usize {
+        (issue.id % self.pickers.len() as u64) as usize
+    }
+
+    /// A released request at `t` arrives at its picker's gate ([`Pool::arrive`]): sent now,
+    /// held (answered by a later [`Self::step_gates`]) or refused. Returns `false` when it
+    /// failed (and must be completed in the driver right away).
     fn dispatch(&mut self, issue: &Issue, t: f64) -> bool {
-        if self.flow_holds(issue, t) {
-            return true;
-        }
-        if self.admission_holds(issue, t) {
-            return true;
-        }
-        self.send(issue, t, None)
-    }
-
-    /// Whether the gate holds `issue` (it then waits in the pool's admission queue).
-    fn admission_holds(&mut self, issue: &Issue, t: f64) -> bool {
-        if !self.pickers[0].router().config().admission.enabled {
-            return false;
-        }
-        let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
+        let class = self.class(issue.session);
         let session = self.session(issue);
-        let Ok(plan) = self.plan(issue, &tokens, session.as_deref()) else {
-            return false;
+        let prompt = issue
+            .input_len
+            .min(u32::try_from(issue.hash_ids.len()).unwrap_or(u32::MAX) * self.block_tokens);
+        let arrival = Arrival {
+            id: issue.id,
+            config: self.model_config.name.to_string(),
+            band: classes::priority(class),
+            flow: classes::flow(class),
+            tokens: u64::from(issue.input_len) + u64::from(issue.output_len),
+            bytes: 0,
+            deadline_ms: None,
+            session: Router::session_key(None, session.as_deref()),
+            prompt_tokens: prompt,
+            not_before_ms: None,
         };
-        let req = plan.route_request(&self.model_config, Scope::default(), false);
-        if !matches!(self.pickers[0].gate(&req, t as u64), Gate::Hold(_)) {
-            return false;
+        let k = self.picker_of(issue);
+        match self.pickers[k].arrive(t as u64, arrival) {
+            Arrived::Go(pass) => self.send(issue, t, pass),
+            Arrived::Wait => {
+                self.waiting.insert(issue.id, issue.clone());
+                self.schedule_gate_check();
+                true
+            }
+            Arrived::Refused(_) => {
+                self.fail(
+                    issue,
+                    t,
+                    "flow control: answered 429 without service".into(),
+                );
+                false
+            }
         }
-        let Some(ticket) = self.pickers[0].join_admission(t as u64) else {
-            return false;
-        };
-        self.held.push((issue.clone(), ticket, plan));
-        self.schedule_admission_check();
-        true
     }
 
-    fn schedule_admission_check(&mut self) {
-        if let Some(at) = self.pickers[0].next_admission_check() {
+    fn schedule_gate_check(&mut self) {
+        let next = self.pickers.iter().filter_map(Pool::next_wake).min();
+        if let Some(at) = next {
             let at = at as f64;
-            if self.admission_check.is_none_or(|s| at < s) {
-                self.admission_check = Some(at);
-                self.push(at, Event::Admission);
+            if self.gate_check.is_none_or(|s| at < s) {
+                self.gate_check = Some(at);
+                self.push(at, Event::Gate);
             }
         }
     }
 
-    /// Poll the held turns in arrival order at `t`; the ones admitted are returned to be sent.
-    fn admit_waiting(&mut self, t: f64) -> Vec<(Issue, Option<Ticket>)> {
-        let mut out = Vec::new();
-        if self.held.is_empty() {
-            return out;
+    /// Every picker's gate at `t` ([`Pool::step_waiting`]): the requests whose turn came, to
+    /// be sent, and those answered without service.
+    fn step_gates(&mut self, t: f64) -> (Vec<(Issue, Pass)>, Vec<Issue>) {
+        let (mut go, mut gone) = (Vec::new(), Vec::new());
+        if self.waiting.is_empty() {
+            return (go, gone);
         }
-        let held = std::mem::take(&mut self.held);
-        for (issue, ticket, plan) in held {
-            let req = plan.route_request(&self.model_config, Scope::default(), false);
-            let turn = self.pickers[0].poll_admission(ticket, &req, t as u64);
-            match turn {
-                Turn::Admit(why) => {
-                    self.held_waits.push(t - issue.release_ms);
-                    if why == Admitted::Timeout {
-                        self.held_timeouts += 1;
+        for k in 0..self.pickers.len() {
+            for action in self.pickers[k].step_waiting(t as u64) {
+                match action {
+                    GateAction::Go { id, pass } => {
+                        let Some(issue) = self.waiting.remove(&id) else {
+                            continue;
+                        };
+                        if pass.admission_wait_ms.is_some() {
+                            self.held_waits.push(t - issue.release_ms);
+                            self.held_timeouts += usize::from(pass.admitted == Admitted::Timeout);
+                        }
+                        go.push((issue, pass));
                     }
-                    out.push((issue, Some(ticket)));
+                    GateAction::Refuse { id, .. } => gone.extend(self.waiting.remove(&id)),
                 }
-                Turn::Wait { .. } => self.held.push((issue, ticket, plan)),
             }
         }
-        self.schedule_admission_check();
-        out
+        self.schedule_gate_check();
+        (go, gone)
     }
 
-    /// Route and submit one request at `t` (`admitted`: its ticket, when admission held it:
-    /// the reservation goes once it is served). Returns `false` when it failed (and must be
+    /// Route and submit one request at `t` that passed its picker's gate with `pass`: what
+    /// the pass took is given back once it is placed (flow control's in-transit count) and
+    /// served (admission's reservation). Returns `false` when it failed (and must be
     /// completed in the driver right away).
-    fn send(&mut self, issue: &Issue, t: f64, admitted: Option<Ticket>) -> bool {
+    fn send(&mut self, issue: &Issue, t: f64, pass: Pass) -> bool {
         let sent = self.route_and_submit(issue, t);
-        if let Some(ticket) = admitted {
-            self.pickers[0].admission().lock().release(ticket);
+        let mut w = self.pickers[self.picker_of(issue)].waiting().lock();
+        if pass.flow_wait_ms.is_some() {
+            w.placed(&self.model_config.name);
+        }
+        if let Some(r) = pass.reservation {
+            w.release(r);
         }
         sent
     }
@@ -577,12 +503,11 @@ impl<'a> Sim<'a> {
         let started = self.opts.time_decisions.then(Instant::now);
         let plan = self.plan(issue, &tokens, session.as_deref());
         let now = t as u64;
-        // the client spreads requests over the pickers
-        let k = (issue.id % self.pickers.len() as u64) as usize;
+        let k = self.picker_of(issue);
         // flow control places a request on an endpoint with room for its band, when one has
         let router = self.pickers[k].router();
         let routing = router.config();
-        let room: Option<Vec<EndpointId>> = (self.flow.is_some()
+        let room: Option<Vec<EndpointId>> = (routing.flow_control.enabled
             && routing.flow_control.placement == FlowPlacement::WithRoom)
             .then(|| {
                 let band = classes::priority(self.class(issue.session));
@@ -1154,19 +1079,20 @@ impl<'a> Sim<'a> {
         for id in ids {
             self.end_inflight(id, t, "the picker restarted", done);
         }
-        for (issue, _, _) in std::mem::take(&mut self.held) {
-            self.fail(&issue, t, "the picker restarted".into());
-            done.push(issue.id);
+        // what waited at its gate
+        let mut waiting: Vec<u64> = self
+            .waiting
+            .keys()
+            .copied()
+            .filter(|&id| id % self.pickers.len() as u64 == 0)
+            .collect();
+        waiting.sort_unstable();
+        for id in waiting {
+            if let Some(issue) = self.waiting.remove(&id) {
+                self.fail(&issue, t, "the picker restarted".into());
+                done.push(issue.id);
+            }
         }
-        let mut waiting: Vec<Issue> = self.flow_waiting.drain().map(|(_, i)| i).collect();
-        waiting.append(&mut self.flow_shed);
-        waiting.sort_by_key(|i| i.id);
-        for issue in waiting {
-            self.fail(&issue, t, "the picker restarted".into());
-            done.push(issue.id);
-        }
-        self.flow = self.opts.flow_control.then(new_flow_queue);
-        self.admission_check = None;
         let pool = new_pool(self.policy, self.opts, &self.limits)?;
         pool.apply_view(members(&self.engines), || {})
             .map_err(|err| anyhow::anyhow!("index: {err}"))?;
@@ -1268,7 +1194,7 @@ pub fn run(
                             sim.push(t + opts.scrape_ms.max(1.0), Event::Scrape);
                         }
                     }
-                    Event::Admission => sim.admission_check = None,
+                    Event::Gate => sim.gate_check = None,
                     Event::PeerSync => {
                         sim.peer_sync(t);
                         if !driver.finished() || sim.busy() {
@@ -1296,7 +1222,7 @@ pub fn run(
                     }
                 }
             }
-            let (released, gone) = sim.flow_round(t);
+            let (released, gone) = sim.step_gates(t);
             for issue in gone {
                 sim.fail(
                     &issue,
@@ -1306,18 +1232,11 @@ pub fn run(
                 completed += 1;
                 driver.complete(issue.id, t, &mut issues);
             }
-            for issue in &released {
-                if !sim.send(issue, t, None) {
-                    completed += 1;
-                    driver.complete(issue.id, t, &mut issues);
-                }
-            }
-            let admitted = sim.admit_waiting(t);
-            if admitted.is_empty() && released.is_empty() && issues.is_empty() {
+            if released.is_empty() && issues.is_empty() {
                 break;
             }
-            for (issue, ticket) in admitted {
-                if !sim.send(&issue, t, ticket) {
+            for (issue, pass) in released {
+                if !sim.send(&issue, t, pass) {
                     completed += 1;
                     driver.complete(issue.id, t, &mut issues);
                 }

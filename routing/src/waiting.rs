@@ -630,3 +630,269 @@ impl WaitingRoom {
         [later, expiry, admission].into_iter().flatten().min()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::flow::{Fairness, Order};
+
+    /// A pool whose headroom the test sets: free slots, and the live context beside a
+    /// capacity (the footprint is the prompt).
+    struct Scripted {
+        free: Cell<(u64, u64)>,
+        live: Cell<u64>,
+        capacity: u64,
+    }
+
+    impl Scripted {
+        fn new(free: u64) -> Self {
+            Self {
+                free: Cell::new((free, free)),
+                live: Cell::new(0),
+                capacity: 1_000,
+            }
+        }
+    }
+
+    impl Headroom for Scripted {
+        fn free(&self, _: &str) -> (u64, u64) {
+            self.free.get()
+        }
+
+        fn room(&self, session: Option<u64>, prompt: u32, reserved: u64) -> Result<Room, Admitted> {
+            session.ok_or(Admitted::NoSession)?;
+            Ok(Room {
+                live_tokens: self.live.get() + reserved,
+                capacity_tokens: self.capacity,
+                footprint_tokens: u64::from(prompt),
+            })
+        }
+    }
+
+    fn flow() -> FlowSettings {
+        FlowSettings {
+            max_requests: 3,
+            max_bytes: 1 << 20,
+            ttl_ms: 1_000,
+            fairness: Fairness::RoundRobin,
+            order: Order::Fcfs,
+        }
+    }
+
+    fn both() -> GateSettings {
+        GateSettings {
+            flow: Some(flow()),
+            admission: Some(AdmissionLimits {
+                max_queue: 8,
+                max_wait_ms: 500,
+            }),
+        }
+    }
+
+    fn arrival(id: u64, band: i32, session: Option<u64>, prompt: u32) -> Arrival {
+        Arrival {
+            id,
+            config: "m".into(),
+            band,
+            flow: 0,
+            tokens: u64::from(prompt),
+            bytes: 10,
+            deadline_ms: None,
+            session,
+            prompt_tokens: prompt,
+            not_before_ms: None,
+        }
+    }
+
+    fn gone(actions: &[Action]) -> Vec<u64> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Go { id, .. } => Some(*id),
+                Action::Refuse { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn with_everything_off_a_request_goes_straight_on() {
+        let mut w = WaitingRoom::new();
+        let off = GateSettings {
+            flow: None,
+            admission: None,
+        };
+        let a = w.arrive(0, arrival(1, 0, Some(7), 5_000), &off, &Scripted::new(0));
+        assert_eq!(a, Arrived::Go(Pass::straight(Admitted::Disabled)));
+        assert!(w.is_empty());
+        assert_eq!(w.next_wake(&off), None);
+    }
+
+    #[test]
+    fn flow_control_releases_as_room_comes_and_counts_what_is_not_yet_placed() {
+        let (mut w, s, h) = (WaitingRoom::new(), both(), Scripted::new(0));
+        for id in 1..=2 {
+            assert_eq!(w.arrive(0, arrival(id, 0, None, 10), &s, &h), Arrived::Wait);
+        }
+        assert_eq!(w.queued(), vec![("m".to_owned(), 2)]);
+        assert!(w.step(5, &s, &h).is_empty(), "no room");
+        // one place frees: the first goes, having waited 10 ms; it is in transit until placed
+        h.free.set((1, 1));
+        let out = w.step(10, &s, &h);
+        assert_eq!(gone(&out), vec![1]);
+        let Action::Go { pass, .. } = out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(pass.flow_wait_ms, Some(10));
+        assert_eq!(pass.admitted, Admitted::NoSession);
+        assert!(w.step(11, &s, &h).is_empty(), "its place is taken");
+        // placed, the endpoints count it (the headroom says so, not the gate)
+        w.placed("m");
+        h.free.set((0, 0));
+        assert!(w.step(12, &s, &h).is_empty());
+        h.free.set((1, 1));
+        assert_eq!(gone(&w.step(13, &s, &h)), vec![2]);
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn a_released_request_then_waits_for_admission_and_reserves_its_footprint() {
+        let (mut w, s, h) = (WaitingRoom::new(), both(), Scripted::new(0));
+        h.live.set(900);
+        assert_eq!(
+            w.arrive(0, arrival(1, 0, Some(1), 200), &s, &h),
+            Arrived::Wait
+        );
+        h.free.set((5, 5));
+        // through flow control at 20, held by admission: 900 + 200 > 1,000
+        assert!(w.step(20, &s, &h).is_empty());
+        assert_eq!((w.queued().len(), w.admission_waiting()), (0, 1));
+        assert_eq!(w.next_wake(&s), Some(520), "its maxWait");
+        h.live.set(700);
+        let out = w.step(50, &s, &h);
+        let [Action::Go { id: 1, pass }] = out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(pass.admitted, Admitted::Fits);
+        assert_eq!(
+            (pass.flow_wait_ms, pass.admission_wait_ms),
+            (Some(20), Some(30))
+        );
+        assert_eq!(w.reserved(50), 200);
+        // a second session does not fit beside the reservation, until it is released
+        assert_eq!(
+            w.arrive(60, arrival(2, 0, Some(2), 200), &s, &h),
+            Arrived::Wait
+        );
+        assert!(w.step(61, &s, &h).is_empty());
+        w.release(pass.reservation.expect("reserved"));
+        assert_eq!(gone(&w.step(62, &s, &h)), vec![2]);
+    }
+
+    #[test]
+    fn leaving_takes_a_request_out_of_any_stage_once() {
+        let (mut w, s, h) = (WaitingRoom::new(), both(), Scripted::new(0));
+        let later = Arrival {
+            not_before_ms: Some(50),
+            ..arrival(1, 0, None, 1)
+        };
+        assert_eq!(w.arrive(0, later, &s, &h), Arrived::Wait);
+        assert_eq!(w.arrive(0, arrival(2, 0, None, 1), &s, &h), Arrived::Wait);
+        h.free.set((9, 9));
+        h.live.set(1_000);
+        assert_eq!(
+            w.arrive(0, arrival(3, 0, Some(3), 1), &s, &h),
+            Arrived::Wait
+        );
+        assert_eq!(w.len(), 3);
+        for id in 1..=3 {
+            assert!(w.leave(id), "{id} was waiting");
+            assert!(!w.leave(id));
+        }
+        assert!(w.is_empty());
+        assert!(w.step(10_000, &s, &h).is_empty(), "nothing left to answer");
+        assert_eq!(w.next_wake(&s), None);
+    }
+
+    #[test]
+    fn a_retry_comes_back_at_its_time_through_flow_control() {
+        let (mut w, s, h) = (WaitingRoom::new(), both(), Scripted::new(1));
+        let retry = Arrival {
+            not_before_ms: Some(SLO_RETRY_MS),
+            ..arrival(1, 0, None, 1)
+        };
+        assert_eq!(w.arrive(0, retry, &s, &h), Arrived::Wait);
+        assert_eq!(w.next_wake(&s), Some(SLO_RETRY_MS));
+        assert!(w.step(SLO_RETRY_MS - 1, &s, &h).is_empty());
+        let out = w.step(SLO_RETRY_MS, &s, &h);
+        assert_eq!(gone(&out), vec![1]);
+        // straight through flow control: it did not wait in its queue
+        assert!(matches!(out[0], Action::Go { pass, .. } if pass.flow_wait_ms.is_none()));
+    }
+
+    #[test]
+    fn the_queue_sheds_expires_and_refuses_with_its_reasons() {
+        let (mut w, s, h) = (WaitingRoom::new(), both(), Scripted::new(0));
+        for id in 1..=3 {
+            assert_eq!(
+                w.arrive(id, arrival(id, -1, None, 1), &s, &h),
+                Arrived::Wait
+            );
+        }
+        // full: a higher band pushes out the newest sheddable one, answered at the next step
+        assert_eq!(w.arrive(4, arrival(4, 1, None, 1), &s, &h), Arrived::Wait);
+        let refused = |out: &[Action]| -> Vec<(u64, Refusal)> {
+            out.iter()
+                .filter_map(|a| match *a {
+                    Action::Refuse { id, reason, .. } => Some((id, reason)),
+                    Action::Go { .. } => None,
+                })
+                .collect()
+        };
+        assert_eq!(refused(&w.step(5, &s, &h)), vec![(3, Refusal::Displaced)]);
+        // full of its band or higher: refused at once
+        assert_eq!(
+            w.arrive(6, arrival(5, -1, None, 1), &s, &h),
+            Arrived::Refused(Refusal::QueueFull)
+        );
+        let big = Arrival {
+            bytes: 2 << 20,
+            ..arrival(6, 1, None, 1)
+        };
+        assert_eq!(
+            w.arrive(6, big, &s, &h),
+            Arrived::Refused(Refusal::TooLarge)
+        );
+        // the TTL
+        assert_eq!(w.next_wake(&s), Some(1_001));
+        let out = w.step(1_004, &s, &h);
+        assert_eq!(
+            refused(&out),
+            vec![
+                (1, Refusal::Expired),
+                (2, Refusal::Expired),
+                (4, Refusal::Expired)
+            ]
+        );
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn an_objective_is_met_retried_or_refused() {
+        assert_eq!(slo_verdict(1_000, 0, 999.0, false), Slo::Met);
+        assert_eq!(
+            slo_verdict(1_000, 100, 950.0, true),
+            Slo::Retry { at_ms: 150 }
+        );
+        assert_eq!(
+            slo_verdict(1_000, 100, 950.0, false),
+            Slo::Refuse { left_ms: 900 }
+        );
+        // too little left to come back
+        assert_eq!(
+            slo_verdict(1_000, 960, 100.0, true),
+            Slo::Refuse { left_ms: 40 }
+        );
+    }
+}
