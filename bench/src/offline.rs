@@ -274,6 +274,9 @@ impl<'a> Sim<'a> {
             let pool = new_pool(policy, opts, &limits)?;
             pool.apply_view(members(&engines), || {})
                 .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+            if opts.pickers > 1 && opts.peer_sync_ms > 0.0 {
+                pool.share_sessions();
+            }
             pickers.push(pool);
         }
         let replay_keep_ms = opts
@@ -934,6 +937,7 @@ impl<'a> Sim<'a> {
         let ttl = kvroute_picker::inflight::peer_ttl_ms(self.opts.peer_sync_ms as u64);
         for (k, from) in self.pickers.iter().enumerate() {
             let counts = from.inflight().own_counts();
+            let (turns, reserved) = from.take_shared(now);
             for (j, to) in self.pickers.iter().enumerate() {
                 if j != k {
                     to.inflight().apply_peer(
@@ -942,11 +946,13 @@ impl<'a> Sim<'a> {
                         now,
                         kvroute_picker::inflight::PeerBound::default(),
                     );
+                    to.apply_shared(k as u64, &turns, reserved, now);
                 }
             }
         }
         for p in &self.pickers {
             p.inflight().expire_peers(now.saturating_sub(ttl));
+            p.expire_peers(now.saturating_sub(ttl));
         }
     }
 
@@ -1096,6 +1102,9 @@ impl<'a> Sim<'a> {
         let pool = new_pool(self.policy, self.opts, &self.limits)?;
         pool.apply_view(members(&self.engines), || {})
             .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+        if self.pickers.len() > 1 && self.opts.peer_sync_ms > 0.0 {
+            pool.share_sessions();
+        }
         self.pickers[0] = pool;
         // what the new subscriptions get replayed (a batch still delayed reaches the others
         // and, after the replay, the new one too)

@@ -40,7 +40,7 @@ use crate::load::EndpointLoad;
 use crate::outlier::{OutlierDetection, OutlierDetector};
 use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState, ScrapeOutcome};
 use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, Stage};
-use crate::session::SessionTable;
+use crate::session::{SessionTable, SharedTurn, SharedTurns};
 use crate::waiting::{Action, Arrival, Arrived, GateSettings, Headroom, WaitingRoom};
 use serde::Serialize;
 
@@ -188,6 +188,10 @@ pub struct Pool {
     state: PoolState,
     inflight: InflightTracker,
     sessions: Mutex<SessionTable>,
+    /// Turns served here, for the peers ([`Pool::share_sessions`]).
+    shared: Mutex<SharedTurns>,
+    /// What the peers' session admission reserved (tokens), and when they said it.
+    peer_reserved: Mutex<std::collections::HashMap<u64, (u64, u64)>>,
     /// Placements recorded: round robin's turn, the random policy's draw.
     turn: AtomicU64,
     router: ArcSwap<Router>,
@@ -217,6 +221,8 @@ impl Pool {
             state: PoolState::new(settings.index, settings.budget),
             inflight: InflightTracker::new(),
             sessions: Mutex::new(SessionTable::new(settings.session_capacity)),
+            shared: Mutex::new(SharedTurns::default()),
+            peer_reserved: Mutex::new(std::collections::HashMap::new()),
             turn: AtomicU64::new(0),
             decode_router: ArcSwap::from_pointee(decode_router(router.config())),
             router: ArcSwap::from_pointee(router),
@@ -688,7 +694,9 @@ impl Pool {
         // larger than the pool waits for one engine's worth of room, not for `maxWait`
         let mean = if returning { 0 } else { mean };
         Ok(Room {
-            live_tokens: live.saturating_add(reserved),
+            live_tokens: live
+                .saturating_add(reserved)
+                .saturating_add(self.peers_reserved()),
             capacity_tokens: capacity,
             footprint_tokens: mean.max(u64::from(prompt_tokens)).min(largest),
         })
@@ -753,13 +761,68 @@ impl Pool {
     }
 
     /// Pin session `key` to `endpoint`, served a prompt of `tokens` at `now_ms` (see
-    /// [`Pool::served`]).
+    /// [`Pool::served`]); the peers hear of it ([`Pool::share_sessions`]).
     pub fn pin(&self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
         // a session counts for at most what its engine's cache can hold
         let cap = self.capacity_tokens(&endpoint).unwrap_or(u64::MAX);
         self.sessions
             .lock()
             .served_within(key, endpoint, tokens, cap, now_ms);
+        self.shared
+            .lock()
+            .push(key, endpoint, tokens.min(cap), now_ms);
+    }
+
+    /// This replica has peers: from now on the turns it serves are kept for them
+    /// ([`Pool::take_shared`]), so a session live at one replica is live at all (pinned
+    /// where its context is, counted by every replica's session admission).
+    pub fn share_sessions(&self) {
+        self.shared.lock().enable();
+    }
+
+    /// What to tell the peers at `now_ms`: the turns served here since the last call, and
+    /// what this replica's admission reserved for turns admitted and not yet served.
+    pub fn take_shared(&self, now_ms: u64) -> (Vec<SharedTurn>, u64) {
+        let turns = self.shared.lock().take(now_ms);
+        (turns, self.waiting.lock().reserved(now_ms))
+    }
+
+    /// Peer replica `peer` told at `now_ms` of the turns it served and what it reserved: each
+    /// session is pinned here as it is there (unless this replica served it since), and its
+    /// reservation counts against the pool's room until it says otherwise or goes silent
+    /// ([`Pool::expire_peers`]). At most [`crate::inflight::MAX_PEERS`] peers' reservations.
+    pub fn apply_shared(&self, peer: u64, turns: &[SharedTurn], reserved: u64, now_ms: u64) {
+        // the caps first: the session table is not held while the pool state is read
+        let caps: Vec<u64> = turns
+            .iter()
+            .map(|t| self.capacity_tokens(&t.endpoint).unwrap_or(u64::MAX))
+            .collect();
+        {
+            let mut table = self.sessions.lock();
+            for (t, cap) in turns.iter().zip(caps) {
+                let at = now_ms.saturating_sub(t.age_ms);
+                if table.pin(t.key).is_some_and(|p| p.served_ms >= at) {
+                    continue;
+                }
+                table.served_within(t.key, t.endpoint, t.tokens, cap, at);
+            }
+        }
+        let mut peers = self.peer_reserved.lock();
+        if peers.contains_key(&peer) || peers.len() < crate::inflight::MAX_PEERS {
+            peers.insert(peer, (reserved, now_ms));
+        }
+    }
+
+    /// Forget the reservations of peers silent since `older_than_ms`.
+    pub fn expire_peers(&self, older_than_ms: u64) {
+        self.peer_reserved
+            .lock()
+            .retain(|_, (_, at)| *at >= older_than_ms);
+    }
+
+    /// What the peers reserved, as they last said.
+    fn peers_reserved(&self) -> u64 {
+        self.peer_reserved.lock().values().map(|(t, _)| t).sum()
     }
 
     /// The KV capacity `endpoint`'s engine reports, in tokens.
@@ -1370,6 +1433,66 @@ mod tests {
     /// Hardening IV, 5: one session larger than its engine's cache counted in full and raised
     /// the mean charged to every unseen session (a 10-token prompt was charged 744 tokens),
     /// so every new session waited `maxWait` while it stayed live.
+    /// Issue 49, item 3: a session served through one replica was new to the others, so
+    /// session admission held its next turn there as a newcomer (4 pickers: p90 TTFT 7.3x one
+    /// picker's), and the others' reservations were not counted.
+    #[test]
+    fn a_session_live_at_one_replica_is_live_at_its_peers() {
+        let (a, mc, key) = admitting_pool();
+        let (b, _, _) = admitting_pool();
+        for p in [&a, &b] {
+            p.share_sessions();
+        }
+        a.pin(key("s"), id(2), 1_200, 100);
+        let (turns, reserved) = a.take_shared(130);
+        assert_eq!(
+            turns,
+            vec![SharedTurn {
+                key: key("s"),
+                endpoint: id(2),
+                tokens: 1_200,
+                age_ms: 30
+            }]
+        );
+        assert!(a.take_shared(131).0.is_empty(), "each turn is sent once");
+        // before b hears of it, s's next turn is a newcomer there
+        assert_eq!(
+            b.gate(&request(&mc, Some("s")), 140),
+            Gate::Admit(Admitted::Fits)
+        );
+        b.apply_shared(1, &turns, reserved, 140);
+        assert_eq!(b.pinned(key("s")), Some(id(2)));
+        assert_eq!(
+            b.gate(&request(&mc, Some("s")), 140),
+            Gate::Admit(Admitted::LiveSession)
+        );
+        // its context counts in b's room, and what a reserved for a turn it admitted too
+        let room = b.room(&request(&mc, Some("new")), 140).expect("asked");
+        assert_eq!(room.live_tokens, 1_200);
+        b.apply_shared(1, &[], 1_000, 150);
+        let room = b.room(&request(&mc, Some("new")), 150).expect("asked");
+        assert_eq!(room.live_tokens, 2_200);
+        assert!(!room.fits(), "1,200 + 1,000 + 1,200 > 3,200");
+        // a peer that goes silent takes its reservation with it
+        b.expire_peers(151);
+        assert_eq!(
+            b.room(&request(&mc, Some("new")), 160)
+                .expect("asked")
+                .live_tokens,
+            1_200
+        );
+        // an older turn heard late does not move a pin this replica set since
+        b.pin(key("s"), id(1), 400, 200);
+        let late = SharedTurn {
+            key: key("s"),
+            endpoint: id(2),
+            tokens: 1_200,
+            age_ms: 100,
+        };
+        b.apply_shared(1, &[late], 0, 210);
+        assert_eq!(b.pinned(key("s")), Some(id(1)));
+    }
+
     #[test]
     fn an_oversized_session_counts_for_one_engine_and_not_in_the_mean() {
         let (pool, mc, key) = admitting_pool();

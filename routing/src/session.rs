@@ -22,6 +22,62 @@ pub struct SessionPin {
     pub oversized: bool,
 }
 
+/// A turn one picker replica served, as it tells the pool's other replicas (`peers`): a
+/// session live at one replica is live at all of them, so session admission counts it and a
+/// next turn that reaches another replica is pinned where its context is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedTurn {
+    /// The session's key ([`SessionTable::key`]).
+    pub key: u64,
+    pub endpoint: EndpointId,
+    /// Its prompt's tokens (at most its engine's cache).
+    pub tokens: u64,
+    /// How long before it was sent the turn was served, ms.
+    pub age_ms: u64,
+}
+
+/// Served turns waiting to be sent to the peers, oldest first; at most
+/// [`SharedTurns::MAX`] (the oldest dropped beyond: a peer then learns the session at its next
+/// turn).
+#[derive(Debug, Default)]
+pub struct SharedTurns {
+    turns: VecDeque<(u64, EndpointId, u64, u64)>,
+    on: bool,
+}
+
+impl SharedTurns {
+    pub const MAX: usize = 4_096;
+
+    /// Collect turns from now on (a replica with peers).
+    pub fn enable(&mut self) {
+        self.on = true;
+    }
+
+    /// Session `key` was served on `endpoint` with `tokens` at `now_ms`.
+    pub fn push(&mut self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
+        if !self.on {
+            return;
+        }
+        if self.turns.len() >= Self::MAX {
+            self.turns.pop_front();
+        }
+        self.turns.push_back((key, endpoint, tokens, now_ms));
+    }
+
+    /// The turns collected since the last call, aged at `now_ms`.
+    pub fn take(&mut self, now_ms: u64) -> Vec<SharedTurn> {
+        self.turns
+            .drain(..)
+            .map(|(key, endpoint, tokens, at)| SharedTurn {
+                key,
+                endpoint,
+                tokens,
+                age_ms: now_ms.saturating_sub(at),
+            })
+            .collect()
+    }
+}
+
 /// A bounded LRU from session to endpoint. Keys are hashes of `(tenant, session)` so that two
 /// tenants using the same session id never share an entry, and so that memory per entry does
 /// not depend on what clients send. It also learns how long a session's context stays wanted

@@ -36,6 +36,7 @@ use crate::inflight::{InflightCounts, MAX_PEERS, PeerBound, peer_ttl_ms};
 use crate::service::metrics::KindLabels;
 use crate::service::settings::{MAX_PEER_ADDRESSES, PeerSettings};
 use crate::service::state::PickerState;
+use crate::session::SharedTurn;
 
 /// Entries per datagram at most (about 4 KB of JSON).
 pub const ENTRIES_PER_DATAGRAM: usize = 48;
@@ -48,6 +49,11 @@ const TAG: usize = 32;
 const CLOCK_SKEW_MS: u64 = 2_000;
 
 type Entry = (IpAddr, u16, u32, u64, u64, u64, u64, u64);
+/// A served session turn: `(key, ip, port, rank, tokens, age_ms)`.
+type SessionEntry = (u64, IpAddr, u16, u32, u64, u64);
+
+/// Session turns per datagram at most (about 4 KB of JSON).
+pub const SESSIONS_PER_DATAGRAM: usize = 64;
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Message<'a> {
@@ -62,6 +68,20 @@ struct Message<'a> {
     #[serde(default)]
     ts: u64,
     counts: Vec<Entry>,
+    /// Turns the sender served since its last datagrams.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    sessions: Vec<SessionEntry>,
+    /// Tokens its session admission reserved for turns admitted and not yet served.
+    #[serde(default)]
+    reserved: u64,
+}
+
+/// What one peer datagram says.
+#[derive(Debug, Default, PartialEq)]
+struct Said {
+    counts: Vec<(EndpointId, InflightCounts)>,
+    turns: Vec<SharedTurn>,
+    reserved: u64,
 }
 
 /// The pool's shared key (`peers.keyFile`), or none.
@@ -165,17 +185,41 @@ impl Heard {
     }
 }
 
-/// The datagrams that carry `counts` from `sender` of `group` at `ts` (ms since the epoch).
-fn encode(
-    group: &str,
-    sender: &mut Sender,
-    ts: u64,
-    key: &PeerKey,
-    counts: &[(EndpointId, InflightCounts)],
-) -> Vec<Vec<u8>> {
+/// The datagrams that carry `said` from `sender` of `group` at `ts` (ms since the epoch):
+/// the counts, then the session turns, in as many datagrams as they need; each says what the
+/// sender reserved.
+fn encode(group: &str, sender: &mut Sender, ts: u64, key: &PeerKey, said: &Said) -> Vec<Vec<u8>> {
+    let counts = said.counts.chunks(ENTRIES_PER_DATAGRAM).map(|chunk| {
+        let entries = chunk
+            .iter()
+            .map(|(id, c)| {
+                (
+                    id.address,
+                    id.port,
+                    id.rank,
+                    c.requests,
+                    c.tokens,
+                    c.pending_requests,
+                    c.pending_tokens,
+                    c.pending_prompt_tokens,
+                )
+            })
+            .collect();
+        (entries, Vec::new())
+    });
+    let turns = said.turns.chunks(SESSIONS_PER_DATAGRAM).map(|chunk| {
+        let entries = chunk
+            .iter()
+            .map(|t| {
+                let e = t.endpoint;
+                (t.key, e.address, e.port, e.rank, t.tokens, t.age_ms)
+            })
+            .collect();
+        (Vec::new(), entries)
+    });
     counts
-        .chunks(ENTRIES_PER_DATAGRAM)
-        .map(|chunk| {
+        .chain(turns)
+        .map(|(counts, sessions)| {
             sender.seq += 1;
             let m = Message {
                 v: VERSION,
@@ -183,21 +227,9 @@ fn encode(
                 replica: sender.replica,
                 seq: sender.seq,
                 ts,
-                counts: chunk
-                    .iter()
-                    .map(|(id, c)| {
-                        (
-                            id.address,
-                            id.port,
-                            id.rank,
-                            c.requests,
-                            c.tokens,
-                            c.pending_requests,
-                            c.pending_tokens,
-                            c.pending_prompt_tokens,
-                        )
-                    })
-                    .collect(),
+                counts,
+                sessions,
+                reserved: said.reserved,
             };
             key.seal(serde_json::to_vec(&m).unwrap_or_default())
         })
@@ -238,17 +270,20 @@ struct Receiver<'a> {
 }
 
 impl Receiver<'_> {
-    /// A datagram's sender and counts, checked; `now_ms` is this replica's clock (ms since the
-    /// epoch).
+    /// A datagram's sender and what it says, checked; `now_ms` is this replica's clock (ms
+    /// since the epoch).
     fn decode(
         &self,
         bytes: &[u8],
         heard: &mut Heard,
         now_ms: u64,
-    ) -> Result<(u64, Vec<(EndpointId, InflightCounts)>), Rejected> {
+    ) -> Result<(u64, Said), Rejected> {
         let json = self.key.open(bytes)?;
         let m: Message<'_> = serde_json::from_slice(json).map_err(|_| Rejected::Malformed)?;
-        if m.v != VERSION || m.counts.len() > ENTRIES_PER_DATAGRAM {
+        if m.v != VERSION
+            || m.counts.len() > ENTRIES_PER_DATAGRAM
+            || m.sessions.len() > SESSIONS_PER_DATAGRAM
+        {
             return Err(Rejected::Malformed);
         }
         if m.group != self.group {
@@ -278,7 +313,24 @@ impl Receiver<'_> {
                 )
             })
             .collect();
-        Ok((m.replica, counts))
+        let turns = m
+            .sessions
+            .into_iter()
+            .map(|(key, ip, port, rank, tokens, age_ms)| SharedTurn {
+                key,
+                endpoint: EndpointId::new(ip, port, rank),
+                tokens,
+                age_ms,
+            })
+            .collect();
+        Ok((
+            m.replica,
+            Said {
+                counts,
+                turns,
+                reserved: m.reserved,
+            },
+        ))
     }
 }
 
@@ -334,6 +386,8 @@ pub async fn run_peers(
         window_ms: ttl + CLOCK_SKEW_MS,
     };
     let mut heard = Heard::default();
+    // a session live at one replica is live at all
+    picker.pool.share_sessions();
     let count = |kind: &str| {
         picker
             .metrics
@@ -365,13 +419,13 @@ pub async fn run_peers(
             () = cancel.cancelled() => return,
             _ = publish.tick() => {
                 let inflight = picker.pool.inflight();
-                let datagrams = encode(
-                    &settings.group,
-                    &mut sender,
-                    unix_ms(),
-                    &key,
-                    &inflight.own_counts(),
-                );
+                let (turns, reserved) = picker.pool.take_shared(picker.now_ms());
+                let said = Said {
+                    counts: inflight.own_counts(),
+                    turns,
+                    reserved,
+                };
+                let datagrams = encode(&settings.group, &mut sender, unix_ms(), &key, &said);
                 for to in &peers {
                     for d in &datagrams {
                         match socket.send_to(d, to).await {
@@ -384,6 +438,7 @@ pub async fn run_peers(
                     }
                 }
                 inflight.expire_peers(picker.now_ms().saturating_sub(ttl));
+                picker.pool.expire_peers(picker.now_ms().saturating_sub(ttl));
                 picker.metrics.peer_replicas.set(
                     i64::try_from(inflight.peer_count()).unwrap_or(i64::MAX),
                 );
@@ -400,12 +455,15 @@ pub async fn run_peers(
                     continue;
                 }
                 match receiver.decode(&buf[..n], &mut heard, unix_ms()) {
-                    Ok((peer, counts)) => {
+                    Ok((peer, said)) => {
+                        let now = picker.now_ms();
                         let applied = picker
                             .pool
                             .inflight()
-                            .apply_peer(peer, &counts, picker.now_ms(), bound);
-                        count(if applied == 0 && !counts.is_empty() { "refused" } else { "received" });
+                            .apply_peer(peer, &said.counts, now, bound);
+                        picker.pool.apply_shared(peer, &said.turns, said.reserved, now);
+                        let refused = applied == 0 && !said.counts.is_empty();
+                        count(if refused { "refused" } else { "received" });
                     }
                     Err(Rejected::Own) => {}
                     Err(e) => count(e.kind()),
@@ -421,8 +479,8 @@ mod tests {
     use super::*;
     use std::net::Ipv4Addr;
 
-    fn counts(n: u16) -> Vec<(EndpointId, InflightCounts)> {
-        (0..n)
+    fn counts(n: u16) -> Said {
+        let counts = (0..n)
             .map(|p| {
                 (
                     EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 8000 + p, 1),
@@ -435,7 +493,11 @@ mod tests {
                     },
                 )
             })
-            .collect()
+            .collect();
+        Said {
+            counts,
+            ..Said::default()
+        }
     }
 
     fn sender(replica: u64) -> Sender {
@@ -452,15 +514,24 @@ mod tests {
     }
 
     #[test]
-    fn counts_round_trip_in_datagrams_of_bounded_size() {
+    fn counts_and_session_turns_round_trip_in_datagrams_of_bounded_size() {
         for key in [
             PeerKey::default(),
             PeerKey::of(b"0123456789abcdef-pool-key"),
         ] {
-            let c = counts(100);
-            let datagrams = encode("ns/pool", &mut sender(7), 10_000, &key, &c);
-            assert_eq!(datagrams.len(), 3, "48 + 48 + 4 entries");
-            let mut back = Vec::new();
+            let mut said = counts(100);
+            said.turns = (0..70u64)
+                .map(|i| SharedTurn {
+                    key: u64::MAX - i,
+                    endpoint: said.counts[i as usize % 3].0,
+                    tokens: 90_000 + i,
+                    age_ms: i,
+                })
+                .collect();
+            said.reserved = 12_345;
+            let datagrams = encode("ns/pool", &mut sender(7), 10_000, &key, &said);
+            assert_eq!(datagrams.len(), 5, "48 + 48 + 4 entries, then 64 + 6 turns");
+            let mut back = Said::default();
             let mut heard = Heard::default();
             for d in &datagrams {
                 assert!(d.len() < MAX_DATAGRAM, "{}", d.len());
@@ -468,9 +539,12 @@ mod tests {
                     .decode(d, &mut heard, 10_100)
                     .expect("decodes");
                 assert_eq!(peer, 7);
-                back.extend(part);
+                assert_eq!(part.reserved, 12_345, "every datagram says it");
+                back.counts.extend(part.counts);
+                back.turns.extend(part.turns);
+                back.reserved = part.reserved;
             }
-            assert_eq!(back, c);
+            assert_eq!(back, said);
         }
     }
 
