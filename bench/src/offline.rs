@@ -937,7 +937,7 @@ impl<'a> Sim<'a> {
         let ttl = kvroute_picker::inflight::peer_ttl_ms(self.opts.peer_sync_ms as u64);
         for (k, from) in self.pickers.iter().enumerate() {
             let counts = from.inflight().own_counts();
-            let (turns, reserved) = from.take_shared(now);
+            let news = from.take_shared(now);
             for (j, to) in self.pickers.iter().enumerate() {
                 if j != k {
                     to.inflight().apply_peer(
@@ -946,7 +946,7 @@ impl<'a> Sim<'a> {
                         now,
                         kvroute_picker::inflight::PeerBound::default(),
                     );
-                    to.apply_shared(k as u64, &turns, reserved, now);
+                    to.apply_shared(k as u64, &news, now);
                 }
             }
         }

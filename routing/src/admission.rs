@@ -166,15 +166,25 @@ impl AdmissionQueue {
     }
 
     /// `ticket`'s turn at `now_ms`, the pool's room being `room`: admitted when it is first in
-    /// line and its footprint fits, or when it has waited `max_wait_ms`. A ticket not in the
-    /// queue (it left) is admitted at once, reserving nothing.
-    pub fn poll(&mut self, ticket: Ticket, now_ms: u64, max_wait_ms: u64, room: &Room) -> Turn {
+    /// line (here, and among the turns waiting at the peer replicas: none of theirs waits
+    /// since before `first_elsewhere_ms`) and its footprint fits, or when it has waited
+    /// `max_wait_ms`. A ticket not in the queue (it left) is admitted at once, reserving
+    /// nothing.
+    pub fn poll(
+        &mut self,
+        ticket: Ticket,
+        now_ms: u64,
+        max_wait_ms: u64,
+        room: &Room,
+        first_elsewhere_ms: Option<u64>,
+    ) -> Turn {
         let Some(pos) = self.waiting.iter().position(|w| w.ticket == ticket) else {
             return Turn::Admit(Admitted::Fits);
         };
         let since = self.waiting[pos].since_ms;
         let deadline_ms = since.saturating_add(max_wait_ms);
-        let why = if pos == 0 && room.fits() {
+        let first = pos == 0 && first_elsewhere_ms.is_none_or(|t| since <= t);
+        let why = if first && room.fits() {
             Admitted::Fits
         } else if now_ms >= deadline_ms {
             Admitted::Timeout
@@ -206,6 +216,11 @@ impl AdmissionQueue {
         self.reservations.retain(|r| r.0 != ticket);
     }
 
+    /// Since when the first turn in line waits.
+    pub fn first_since(&self) -> Option<u64> {
+        self.waiting.front().map(|w| w.since_ms)
+    }
+
     /// The earliest deadline among the waiting turns.
     pub fn next_deadline(&self, max_wait_ms: u64) -> Option<u64> {
         self.waiting
@@ -235,23 +250,23 @@ mod tests {
         assert_eq!(q.len(), 2);
         // b fits but a is first: b waits for a
         assert_eq!(
-            q.poll(b, 10, 1_000, &room(0, 100)),
+            q.poll(b, 10, 1_000, &room(0, 100), None),
             Turn::Wait { deadline_ms: 1_005 }
         );
         assert_eq!(
-            q.poll(a, 10, 1_000, &room(950, 100)),
+            q.poll(a, 10, 1_000, &room(950, 100), None),
             Turn::Wait { deadline_ms: 1_000 },
             "does not fit"
         );
         assert_eq!(q.reserved(10), 0);
         assert_eq!(
-            q.poll(a, 20, 1_000, &room(900, 100)),
+            q.poll(a, 20, 1_000, &room(900, 100), None),
             Turn::Admit(Admitted::Fits)
         );
         assert_eq!(q.reserved(20), 100);
         // now b is first
         assert_eq!(
-            q.poll(b, 30, 1_000, &room(100, 150)),
+            q.poll(b, 30, 1_000, &room(100, 150), None),
             Turn::Admit(Admitted::Fits)
         );
         assert!(q.is_empty());
@@ -263,6 +278,32 @@ mod tests {
         assert_eq!(q.reserved(1_030), 0);
     }
 
+    /// Issue 49, item 3: the first in line here goes only when no turn waits at a peer
+    /// replica since before it (their lines are one line, in arrival order).
+    #[test]
+    fn a_turn_waiting_longer_at_a_peer_replica_goes_first() {
+        let mut q = AdmissionQueue::new();
+        let a = q.join(5, 8).expect("room in the queue");
+        let fits = room(0, 100);
+        assert_eq!(
+            q.poll(a, 10, 1_000, &fits, Some(3)),
+            Turn::Wait { deadline_ms: 1_005 },
+            "a peer's turn waits since 3"
+        );
+        assert_eq!(q.reserved(10), 0);
+        // the peer's turn went (or it is since 5 too): a goes
+        assert_eq!(
+            q.poll(a, 11, 1_000, &fits, Some(5)),
+            Turn::Admit(Admitted::Fits)
+        );
+        // maxWait is not delayed by the peers
+        let b = q.join(20, 8).expect("room in the queue");
+        assert_eq!(
+            q.poll(b, 1_020, 1_000, &fits, Some(0)),
+            Turn::Admit(Admitted::Timeout)
+        );
+    }
+
     #[test]
     fn waits_are_bounded_in_time_and_the_line_in_length() {
         let mut q = AdmissionQueue::new();
@@ -272,8 +313,14 @@ mod tests {
         assert_eq!(q.next_deadline(500), Some(500));
         let full = room(1_000, 100);
         // b times out behind a that still does not fit: b leaves first
-        assert_eq!(q.poll(b, 599, 500, &full), Turn::Wait { deadline_ms: 600 });
-        assert_eq!(q.poll(b, 600, 500, &full), Turn::Admit(Admitted::Timeout));
+        assert_eq!(
+            q.poll(b, 599, 500, &full, None),
+            Turn::Wait { deadline_ms: 600 }
+        );
+        assert_eq!(
+            q.poll(b, 600, 500, &full, None),
+            Turn::Admit(Admitted::Timeout)
+        );
         assert_eq!(q.len(), 1);
         assert!(q.join(600, 2).is_some(), "a place freed");
         // a client that goes away leaves the line; polling its ticket admits it, reserving
@@ -281,7 +328,10 @@ mod tests {
         let before = q.reserved(700);
         q.leave(a);
         assert_eq!(q.len(), 1);
-        assert_eq!(q.poll(a, 700, 500, &full), Turn::Admit(Admitted::Fits));
+        assert_eq!(
+            q.poll(a, 700, 500, &full, None),
+            Turn::Admit(Admitted::Fits)
+        );
         assert_eq!(q.reserved(700), before);
     }
 

@@ -40,7 +40,7 @@ use crate::load::EndpointLoad;
 use crate::outlier::{OutlierDetection, OutlierDetector};
 use crate::pool_state::{IndexBudget, Membership, PoolMember, PoolState, ScrapeOutcome};
 use crate::router::{Decision, RouteContext, RouteError, RouteRequest, Router, Stage};
-use crate::session::{SessionTable, SharedTurn, SharedTurns};
+use crate::session::{SessionNews, SessionTable, SharedTurns};
 use crate::waiting::{Action, Arrival, Arrived, GateSettings, Headroom, WaitingRoom};
 use serde::Serialize;
 
@@ -190,8 +190,9 @@ pub struct Pool {
     sessions: Mutex<SessionTable>,
     /// Turns served here, for the peers ([`Pool::share_sessions`]).
     shared: Mutex<SharedTurns>,
-    /// What the peers' session admission reserved (tokens), and when they said it.
-    peer_reserved: Mutex<std::collections::HashMap<u64, (u64, u64)>>,
+    /// What each peer's session admission said last: tokens reserved, since when (this
+    /// replica's clock) its first turn in line waits, and when it said it.
+    peer_admission: Mutex<std::collections::HashMap<u64, PeerAdmission>>,
     /// Placements recorded: round robin's turn, the random policy's draw.
     turn: AtomicU64,
     router: ArcSwap<Router>,
@@ -222,7 +223,7 @@ impl Pool {
             inflight: InflightTracker::new(),
             sessions: Mutex::new(SessionTable::new(settings.session_capacity)),
             shared: Mutex::new(SharedTurns::default()),
-            peer_reserved: Mutex::new(std::collections::HashMap::new()),
+            peer_admission: Mutex::new(std::collections::HashMap::new()),
             turn: AtomicU64::new(0),
             decode_router: ArcSwap::from_pointee(decode_router(router.config())),
             router: ArcSwap::from_pointee(router),
@@ -780,26 +781,34 @@ impl Pool {
         self.shared.lock().enable();
     }
 
-    /// What to tell the peers at `now_ms`: the turns served here since the last call, and
-    /// what this replica's admission reserved for turns admitted and not yet served.
-    pub fn take_shared(&self, now_ms: u64) -> (Vec<SharedTurn>, u64) {
+    /// What to tell the peers at `now_ms`: the turns served here since the last call, what
+    /// this replica's admission reserved for turns admitted and not yet served, and how long
+    /// its first turn in line has waited.
+    pub fn take_shared(&self, now_ms: u64) -> SessionNews {
         let turns = self.shared.lock().take(now_ms);
-        (turns, self.waiting.lock().reserved(now_ms))
+        let w = self.waiting.lock();
+        SessionNews {
+            turns,
+            reserved: w.reserved(now_ms),
+            first_waiting_ms: w.first_waiting_since().map(|t| now_ms.saturating_sub(t)),
+        }
     }
 
-    /// Peer replica `peer` told at `now_ms` of the turns it served and what it reserved: each
-    /// session is pinned here as it is there (unless this replica served it since), and its
-    /// reservation counts against the pool's room until it says otherwise or goes silent
-    /// ([`Pool::expire_peers`]). At most [`crate::inflight::MAX_PEERS`] peers' reservations.
-    pub fn apply_shared(&self, peer: u64, turns: &[SharedTurn], reserved: u64, now_ms: u64) {
+    /// Peer replica `peer` told at `now_ms` what it served, reserved and holds: each session
+    /// is pinned here as it is there (unless this replica served it since); its reservation
+    /// counts against the pool's room, and its first turn in line goes before any that came
+    /// after it here, until it says otherwise or goes silent ([`Pool::expire_peers`]). At most
+    /// [`crate::inflight::MAX_PEERS`] peers.
+    pub fn apply_shared(&self, peer: u64, news: &SessionNews, now_ms: u64) {
         // the caps first: the session table is not held while the pool state is read
-        let caps: Vec<u64> = turns
+        let caps: Vec<u64> = news
+            .turns
             .iter()
             .map(|t| self.capacity_tokens(&t.endpoint).unwrap_or(u64::MAX))
             .collect();
         {
             let mut table = self.sessions.lock();
-            for (t, cap) in turns.iter().zip(caps) {
+            for (t, cap) in news.turns.iter().zip(caps) {
                 let at = now_ms.saturating_sub(t.age_ms);
                 if table.pin(t.key).is_some_and(|p| p.served_ms >= at) {
                     continue;
@@ -807,22 +816,42 @@ impl Pool {
                 table.served_within(t.key, t.endpoint, t.tokens, cap, at);
             }
         }
-        let mut peers = self.peer_reserved.lock();
+        let mut peers = self.peer_admission.lock();
         if peers.contains_key(&peer) || peers.len() < crate::inflight::MAX_PEERS {
-            peers.insert(peer, (reserved, now_ms));
+            peers.insert(
+                peer,
+                PeerAdmission {
+                    reserved: news.reserved,
+                    first_since_ms: news.first_waiting_ms.map(|a| now_ms.saturating_sub(a)),
+                    at_ms: now_ms,
+                },
+            );
         }
     }
 
-    /// Forget the reservations of peers silent since `older_than_ms`.
+    /// Forget what peers silent since `older_than_ms` said.
     pub fn expire_peers(&self, older_than_ms: u64) {
-        self.peer_reserved
+        self.peer_admission
             .lock()
-            .retain(|_, (_, at)| *at >= older_than_ms);
+            .retain(|_, p| p.at_ms >= older_than_ms);
     }
 
     /// What the peers reserved, as they last said.
     fn peers_reserved(&self) -> u64 {
-        self.peer_reserved.lock().values().map(|(t, _)| t).sum()
+        self.peer_admission
+            .lock()
+            .values()
+            .map(|p| p.reserved)
+            .sum()
+    }
+
+    /// Since when the earliest first turn in a peer's admission line waits.
+    fn first_waiting_elsewhere(&self) -> Option<u64> {
+        self.peer_admission
+            .lock()
+            .values()
+            .filter_map(|p| p.first_since_ms)
+            .min()
     }
 
     /// The KV capacity `endpoint`'s engine reports, in tokens.
@@ -865,6 +894,14 @@ impl Pool {
     }
 }
 
+/// What a peer replica's session admission said last.
+#[derive(Debug, Clone, Copy)]
+struct PeerAdmission {
+    reserved: u64,
+    first_since_ms: Option<u64>,
+    at_ms: u64,
+}
+
 /// The pool's headroom as the waiting room reads it, at one moment.
 struct PoolHeadroom<'a> {
     pool: &'a Pool,
@@ -902,6 +939,10 @@ impl Headroom for PoolHeadroom<'_> {
     ) -> Result<Room, Admitted> {
         self.pool
             .room_of(session, prompt_tokens, reserved, self.now_ms)
+    }
+
+    fn first_elsewhere(&self) -> Option<u64> {
+        self.pool.first_waiting_elsewhere()
     }
 }
 
@@ -950,6 +991,7 @@ mod tests {
     use crate::config::{FailureMode, RoutingConfig, Strategy};
     use crate::endpoint::{Endpoint, EndpointState, ModelConfig};
     use crate::pool_state::StalenessChange;
+    use crate::session::SharedTurn;
 
     fn id(n: u8) -> EndpointId {
         EndpointId::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, n)), 8000, 0)
@@ -1444,9 +1486,9 @@ mod tests {
             p.share_sessions();
         }
         a.pin(key("s"), id(2), 1_200, 100);
-        let (turns, reserved) = a.take_shared(130);
+        let news = a.take_shared(130);
         assert_eq!(
-            turns,
+            news.turns,
             vec![SharedTurn {
                 key: key("s"),
                 endpoint: id(2),
@@ -1454,13 +1496,16 @@ mod tests {
                 age_ms: 30
             }]
         );
-        assert!(a.take_shared(131).0.is_empty(), "each turn is sent once");
+        assert!(
+            a.take_shared(131).turns.is_empty(),
+            "each turn is sent once"
+        );
         // before b hears of it, s's next turn is a newcomer there
         assert_eq!(
             b.gate(&request(&mc, Some("s")), 140),
             Gate::Admit(Admitted::Fits)
         );
-        b.apply_shared(1, &turns, reserved, 140);
+        b.apply_shared(1, &news, 140);
         assert_eq!(b.pinned(key("s")), Some(id(2)));
         assert_eq!(
             b.gate(&request(&mc, Some("s")), 140),
@@ -1469,12 +1514,19 @@ mod tests {
         // its context counts in b's room, and what a reserved for a turn it admitted too
         let room = b.room(&request(&mc, Some("new")), 140).expect("asked");
         assert_eq!(room.live_tokens, 1_200);
-        b.apply_shared(1, &[], 1_000, 150);
+        let held = SessionNews {
+            reserved: 1_000,
+            first_waiting_ms: Some(40),
+            ..SessionNews::default()
+        };
+        b.apply_shared(1, &held, 150);
+        assert_eq!(b.first_waiting_elsewhere(), Some(110), "in b's clock");
         let room = b.room(&request(&mc, Some("new")), 150).expect("asked");
         assert_eq!(room.live_tokens, 2_200);
         assert!(!room.fits(), "1,200 + 1,000 + 1,200 > 3,200");
         // a peer that goes silent takes its reservation with it
         b.expire_peers(151);
+        assert_eq!(b.first_waiting_elsewhere(), None);
         assert_eq!(
             b.room(&request(&mc, Some("new")), 160)
                 .expect("asked")
@@ -1489,7 +1541,11 @@ mod tests {
             tokens: 1_200,
             age_ms: 100,
         };
-        b.apply_shared(1, &[late], 0, 210);
+        let news = SessionNews {
+            turns: vec![late],
+            ..SessionNews::default()
+        };
+        b.apply_shared(1, &news, 210);
         assert_eq!(b.pinned(key("s")), Some(id(1)));
     }
 

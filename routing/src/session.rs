@@ -36,6 +36,17 @@ pub struct SharedTurn {
     pub age_ms: u64,
 }
 
+/// What one replica tells the others of its sessions at each exchange.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionNews {
+    /// The turns it served since its last exchange.
+    pub turns: Vec<SharedTurn>,
+    /// Tokens its session admission reserved for turns admitted and not yet served.
+    pub reserved: u64,
+    /// How long the first turn in its admission line has waited, ms, when one waits.
+    pub first_waiting_ms: Option<u64>,
+}
+
 /// Served turns waiting to be sent to the peers, oldest first; at most
 /// [`SharedTurns::MAX`] (the oldest dropped beyond: a peer then learns the session at its next
 /// turn).

@@ -93,6 +93,11 @@ pub trait Headroom {
         prompt_tokens: u32,
         reserved: u64,
     ) -> Result<Room, Admitted>;
+    /// Since when (this replica's clock, ms) the first turn in session admission's line at a
+    /// peer replica waits, when one does: admission's lines are one line across replicas.
+    fn first_elsewhere(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A request arriving at the gate.
@@ -303,6 +308,11 @@ impl WaitingRoom {
             .filter(|(_, q)| !q.is_empty())
             .map(|(c, q)| (c.clone(), q.len()))
             .collect()
+    }
+
+    /// Since when the first turn in session admission's line waits.
+    pub fn first_waiting_since(&self) -> Option<u64> {
+        self.admission.first_since()
     }
 
     /// First turns held by session admission.
@@ -582,10 +592,13 @@ impl WaitingRoom {
                 )
             });
             let turn = match asked {
-                Some((limits, Ok(room))) => {
-                    self.admission
-                        .poll(ticket, now_ms, limits.max_wait_ms, &room)
-                }
+                Some((limits, Ok(room))) => self.admission.poll(
+                    ticket,
+                    now_ms,
+                    limits.max_wait_ms,
+                    &room,
+                    h.first_elsewhere(),
+                ),
                 Some((_, Err(why))) => {
                     self.admission.leave(ticket);
                     Turn::Admit(why)

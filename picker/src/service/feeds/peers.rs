@@ -36,7 +36,7 @@ use crate::inflight::{InflightCounts, MAX_PEERS, PeerBound, peer_ttl_ms};
 use crate::service::metrics::KindLabels;
 use crate::service::settings::{MAX_PEER_ADDRESSES, PeerSettings};
 use crate::service::state::PickerState;
-use crate::session::SharedTurn;
+use crate::session::{SessionNews, SharedTurn};
 
 /// Entries per datagram at most (about 4 KB of JSON).
 pub const ENTRIES_PER_DATAGRAM: usize = 48;
@@ -74,14 +74,16 @@ struct Message<'a> {
     /// Tokens its session admission reserved for turns admitted and not yet served.
     #[serde(default)]
     reserved: u64,
+    /// How long the first turn in its admission line has waited (ms), when one waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    first_waiting_ms: Option<u64>,
 }
 
 /// What one peer datagram says.
 #[derive(Debug, Default, PartialEq)]
 struct Said {
     counts: Vec<(EndpointId, InflightCounts)>,
-    turns: Vec<SharedTurn>,
-    reserved: u64,
+    sessions: SessionNews,
 }
 
 /// The pool's shared key (`peers.keyFile`), or none.
@@ -207,16 +209,20 @@ fn encode(group: &str, sender: &mut Sender, ts: u64, key: &PeerKey, said: &Said)
             .collect();
         (entries, Vec::new())
     });
-    let turns = said.turns.chunks(SESSIONS_PER_DATAGRAM).map(|chunk| {
-        let entries = chunk
-            .iter()
-            .map(|t| {
-                let e = t.endpoint;
-                (t.key, e.address, e.port, e.rank, t.tokens, t.age_ms)
-            })
-            .collect();
-        (Vec::new(), entries)
-    });
+    let turns = said
+        .sessions
+        .turns
+        .chunks(SESSIONS_PER_DATAGRAM)
+        .map(|chunk| {
+            let entries = chunk
+                .iter()
+                .map(|t| {
+                    let e = t.endpoint;
+                    (t.key, e.address, e.port, e.rank, t.tokens, t.age_ms)
+                })
+                .collect();
+            (Vec::new(), entries)
+        });
     counts
         .chain(turns)
         .map(|(counts, sessions)| {
@@ -229,7 +235,8 @@ fn encode(group: &str, sender: &mut Sender, ts: u64, key: &PeerKey, said: &Said)
                 ts,
                 counts,
                 sessions,
-                reserved: said.reserved,
+                reserved: said.sessions.reserved,
+                first_waiting_ms: said.sessions.first_waiting_ms,
             };
             key.seal(serde_json::to_vec(&m).unwrap_or_default())
         })
@@ -327,8 +334,11 @@ impl Receiver<'_> {
             m.replica,
             Said {
                 counts,
-                turns,
-                reserved: m.reserved,
+                sessions: SessionNews {
+                    turns,
+                    reserved: m.reserved,
+                    first_waiting_ms: m.first_waiting_ms,
+                },
             },
         ))
     }
@@ -419,11 +429,9 @@ pub async fn run_peers(
             () = cancel.cancelled() => return,
             _ = publish.tick() => {
                 let inflight = picker.pool.inflight();
-                let (turns, reserved) = picker.pool.take_shared(picker.now_ms());
                 let said = Said {
                     counts: inflight.own_counts(),
-                    turns,
-                    reserved,
+                    sessions: picker.pool.take_shared(picker.now_ms()),
                 };
                 let datagrams = encode(&settings.group, &mut sender, unix_ms(), &key, &said);
                 for to in &peers {
@@ -461,7 +469,9 @@ pub async fn run_peers(
                             .pool
                             .inflight()
                             .apply_peer(peer, &said.counts, now, bound);
-                        picker.pool.apply_shared(peer, &said.turns, said.reserved, now);
+                        picker.pool.apply_shared(peer, &said.sessions, now);
+                        // the room, or who is first in admission's line, may have changed
+                        picker.waiters.poke();
                         let refused = applied == 0 && !said.counts.is_empty();
                         count(if refused { "refused" } else { "received" });
                     }
@@ -520,7 +530,7 @@ mod tests {
             PeerKey::of(b"0123456789abcdef-pool-key"),
         ] {
             let mut said = counts(100);
-            said.turns = (0..70u64)
+            said.sessions.turns = (0..70u64)
                 .map(|i| SharedTurn {
                     key: u64::MAX - i,
                     endpoint: said.counts[i as usize % 3].0,
@@ -528,7 +538,8 @@ mod tests {
                     age_ms: i,
                 })
                 .collect();
-            said.reserved = 12_345;
+            said.sessions.reserved = 12_345;
+            said.sessions.first_waiting_ms = Some(250);
             let datagrams = encode("ns/pool", &mut sender(7), 10_000, &key, &said);
             assert_eq!(datagrams.len(), 5, "48 + 48 + 4 entries, then 64 + 6 turns");
             let mut back = Said::default();
@@ -539,10 +550,12 @@ mod tests {
                     .decode(d, &mut heard, 10_100)
                     .expect("decodes");
                 assert_eq!(peer, 7);
-                assert_eq!(part.reserved, 12_345, "every datagram says it");
+                assert_eq!(part.sessions.reserved, 12_345, "every datagram says it");
+                assert_eq!(part.sessions.first_waiting_ms, Some(250));
                 back.counts.extend(part.counts);
-                back.turns.extend(part.turns);
-                back.reserved = part.reserved;
+                back.sessions.turns.extend(part.sessions.turns);
+                back.sessions.reserved = part.sessions.reserved;
+                back.sessions.first_waiting_ms = part.sessions.first_waiting_ms;
             }
             assert_eq!(back, said);
         }
