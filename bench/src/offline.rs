@@ -201,6 +201,10 @@ struct Sim<'a> {
     /// How long each turn admission held waited (ms), and how many left at `maxWait`.
     held_waits: Vec<f64>,
     held_timeouts: usize,
+    /// Each session's last served prompt (at most one engine's cache) and when, and the
+    /// pool's live context over its capacity at every scrape (admission on).
+    last_turns: FxHashMap<u64, (u64, f64)>,
+    live_samples: Vec<f64>,
     /// The class of each record, in record order ([`Sim::class`]).
     record_class: Vec<usize>,
     /// KV-event batches an `event-delay` item holds back, in publication order.
@@ -311,6 +315,8 @@ impl<'a> Sim<'a> {
             gate_check: None,
             held_waits: Vec::new(),
             held_timeouts: 0,
+            last_turns: FxHashMap::default(),
+            live_samples: Vec::new(),
             record_class: Vec::new(),
             delayed: Vec::new(),
             replay_keep_ms,
@@ -620,6 +626,12 @@ impl<'a> Sim<'a> {
         // the simulated engine serves it where it goes: the session is pinned there (where
         // it decodes)
         self.pickers[k].served(&placement, placement.decision.endpoint, t as u64);
+        if placement.session_key.is_some() {
+            let engine_cache = u64::from(self.opts.cluster.engine.num_blocks)
+                * u64::from(self.opts.cluster.engine.block_size);
+            self.last_turns
+                .insert(issue.session, (prompt.min(engine_cache), t));
+        }
         self.inflight.insert(
             issue.id,
             InFlight {
@@ -796,6 +808,19 @@ impl<'a> Sim<'a> {
     }
 
     fn scrape(&mut self, t: f64) {
+        let admission = self.pickers[0].router().config().admission;
+        if admission.enabled {
+            // the sessions' live context, as one picker seeing every turn would count it
+            let horizon = self.pickers[0].reuse_horizon_ms() as f64;
+            let live: u64 = self
+                .last_turns
+                .values()
+                .filter(|(_, at)| t - at <= horizon)
+                .map(|(tokens, _)| tokens)
+                .sum();
+            let capacity = self.opts.cluster.capacity_tokens() as f64 * admission.overcommit;
+            self.live_samples.push(live as f64 / capacity.max(1.0));
+        }
         let record = self.scrapes.is_multiple_of(self.series_every);
         self.scrapes += 1;
         let mut samples = Vec::with_capacity(self.engines.len());
@@ -1355,12 +1380,9 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             }),
             phases,
             recoveries,
-            admission: sim.pickers[0]
-                .router()
-                .config()
-                .admission
-                .enabled
-                .then(|| AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts)),
+            admission: sim.pickers[0].router().config().admission.enabled.then(|| {
+                AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts, &sim.live_samples)
+            }),
         },
     }
 }

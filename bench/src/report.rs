@@ -158,8 +158,15 @@ pub fn notes(runs: &[PolicyRun]) -> String {
         if let Some(a) = &d.admission {
             let _ = writeln!(
                 out,
-                "{}: admission held {} first turns ({} until maxWait), waits p50 {:.0} / p99 {:.0} / max {:.0} ms (in their TTFT)",
-                r.summary.policy, a.held, a.timeouts, a.wait_ms_p50, a.wait_ms_p99, a.wait_ms_max
+                "{}: admission held {} first turns ({} until maxWait), waits p50 {:.0} / p99 {:.0} / max {:.0} ms (in their TTFT); live context {:.2} (mean) / {:.2} (peak) of capacity × overcommit",
+                r.summary.policy,
+                a.held,
+                a.timeouts,
+                a.wait_ms_p50,
+                a.wait_ms_p99,
+                a.wait_ms_max,
+                a.live_mean,
+                a.live_peak
             );
         }
         for (class, requests, shed, p50, p90) in &d.classes {

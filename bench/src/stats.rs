@@ -107,10 +107,15 @@ pub struct AdmissionFigures {
     pub wait_ms_p50: f64,
     pub wait_ms_p99: f64,
     pub wait_ms_max: f64,
+    /// The sessions' live context in the pool (each session's last prompt, while its last
+    /// turn is within the reuse horizon, at most one engine's cache) over the KV capacity
+    /// times `overcommit`, sampled at every scrape: its mean and its peak.
+    pub live_mean: f64,
+    pub live_peak: f64,
 }
 
 impl AdmissionFigures {
-    pub fn from_waits(waits: &[f64], timeouts: usize) -> Self {
+    pub fn from_waits(waits: &[f64], timeouts: usize, live: &[f64]) -> Self {
         let mut v = waits.to_vec();
         v.sort_by(f64::total_cmp);
         Self {
@@ -119,6 +124,8 @@ impl AdmissionFigures {
             wait_ms_p50: percentile(&v, 50.0),
             wait_ms_p99: percentile(&v, 99.0),
             wait_ms_max: v.last().copied().unwrap_or(0.0),
+            live_mean: live.iter().sum::<f64>() / live.len().max(1) as f64,
+            live_peak: live.iter().copied().fold(0.0, f64::max),
         }
     }
 }

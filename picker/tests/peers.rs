@@ -164,6 +164,54 @@ async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
     b.shutdown().await;
 }
 
+/// Issue 49, item 3: with session admission on, a session served through replica A was new to
+/// replica B, which held its next turn as a newcomer. A's served turns now reach B over the
+/// exchange: B pins the session where A served it and admits its next turn as a live session.
+#[tokio::test]
+async fn a_session_served_through_one_replica_is_live_at_the_other() {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let (pa, pb) = (free_udp_port(), free_udp_port());
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a-pool-key-of-32-bytes-0123456789\n").unwrap();
+    let admitting = "routing: {admission: {enabled: true}}\n";
+    let a = start_picker(&(replica_yaml(engine.addr.port(), pa, pb, &key) + admitting)).await;
+    let b = start_picker(&(replica_yaml(engine.addr.port(), pb, pa, &key) + admitting)).await;
+    let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), engine.addr.port(), 0);
+    let session = kvroute_picker::router::Router::session_key(None, Some("s-1")).unwrap();
+    let resp = client()
+        .post(format!("http://{}/v1/completions", a.addrs.http))
+        .header("x-session-id", "s-1")
+        .json(&serde_json::json!({"model": "llama", "prompt": "a long agent context"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(a.state.pool.pinned(session), Some(id));
+    eventually("B pins A's session", || {
+        b.state.pool.pinned(session) == Some(id)
+    })
+    .await;
+    // B's gate admits its next turn as a live session's (the pick API shows it)
+    let pick: serde_json::Value = client()
+        .post(format!("http://{}/v1/pick", b.addrs.admin))
+        .header("x-session-id", "s-1")
+        .json(&serde_json::json!({"model": "llama", "prompt": "a long agent context"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        pick["admission"],
+        serde_json::json!({"admit": "live_session"}),
+        "{pick}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Wait (at most 5 s) for the metrics at `addr` to hold the line `want`.
 async fn wait_metric(addr: SocketAddr, want: &str) {
     let mut text = String::new();
