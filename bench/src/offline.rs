@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use kvroute_picker::admission::Admitted;
+use kvroute_picker::admission::{Admitted, Ticket};
 use kvroute_picker::block_keys::BlockHasher;
 use kvroute_picker::calibration::TtftBasis;
 use kvroute_picker::config::FlowPlacement;
@@ -494,18 +494,15 @@ impl<'a> Sim<'a> {
     /// served (admission's reservation). Returns `false` when it failed (and must be
     /// completed in the driver right away).
     fn send(&mut self, issue: &Issue, t: f64, pass: Pass) -> bool {
-        let sent = self.route_and_submit(issue, t);
-        let mut w = self.pickers[self.picker_of(issue)].waiting().lock();
+        let sent = self.route_and_submit(issue, t, pass.reservation);
         if pass.flow_wait_ms.is_some() {
-            w.placed(&self.model_config.name);
-        }
-        if let Some(r) = pass.reservation {
-            w.release(r);
+            let pool = &self.pickers[self.picker_of(issue)];
+            pool.waiting().lock().placed(&self.model_config.name);
         }
         sent
     }
 
-    fn route_and_submit(&mut self, issue: &Issue, t: f64) -> bool {
+    fn route_and_submit(&mut self, issue: &Issue, t: f64, reservation: Option<Ticket>) -> bool {
         let tokens = prompt_tokens(&issue.hash_ids, self.block_tokens, issue.input_len);
         self.ceilings.observe(&issue.hash_ids, issue.input_len);
         let session = self.session(issue);
@@ -625,7 +622,13 @@ impl<'a> Sim<'a> {
         }
         // the simulated engine serves it where it goes: the session is pinned there (where
         // it decodes)
-        self.pickers[k].served(&placement, placement.decision.endpoint, t as u64);
+        self.pickers[k].settle(
+            placement.session_key,
+            u64::from(placement.prompt_tokens),
+            placement.decision.endpoint,
+            reservation,
+            t as u64,
+        );
         if placement.session_key.is_some() {
             let engine_cache = u64::from(self.opts.cluster.engine.num_blocks)
                 * u64::from(self.opts.cluster.engine.block_size);

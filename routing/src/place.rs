@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 use parking_lot::{Mutex, RwLock};
 
-use crate::admission::{Admitted, Gate, Room};
+use crate::admission::{Admitted, Gate, Room, Ticket};
 use crate::block_keys::BlockKey;
 use crate::calibration::{Calibration, TtftBasis};
 use crate::config::DisaggregationMode;
@@ -752,17 +752,30 @@ impl Pool {
         }
     }
 
-    /// `endpoint` answered `placement`'s request at `now_ms`: its session, if it has one, is
-    /// pinned there, wherever the in-flight cap, a fallback or a retry sent it, with the
-    /// prompt's size (its working set) and the time (the reuse horizon learns the gap).
-    pub fn served(&self, placement: &Placement, endpoint: EndpointId, now_ms: u64) {
-        if let Some(key) = placement.session_key {
-            self.pin(key, endpoint, u64::from(placement.prompt_tokens), now_ms);
+    /// `endpoint` answered a request with a success at `now_ms`: what the proxy, the ext_proc
+    /// picker and the offline bench learn of a served request, in one call. Its session
+    /// (`session_key`), if it has one, is pinned there, wherever the in-flight cap, a
+    /// fallback or a retry sent it, with the prompt's size (its working set) and the time
+    /// (the reuse horizon learns the gap); the footprint session admission reserved for it
+    /// (`reservation`), if it waited, goes, its context now counting in the working sets.
+    pub fn settle(
+        &self,
+        session_key: Option<u64>,
+        prompt_tokens: u64,
+        endpoint: EndpointId,
+        reservation: Option<Ticket>,
+        now_ms: u64,
+    ) {
+        if let Some(key) = session_key {
+            self.pin(key, endpoint, prompt_tokens, now_ms);
+        }
+        if let Some(r) = reservation {
+            self.waiting.lock().release(r);
         }
     }
 
     /// Pin session `key` to `endpoint`, served a prompt of `tokens` at `now_ms` (see
-    /// [`Pool::served`]); the peers hear of it ([`Pool::share_sessions`]).
+    /// [`Pool::settle`]); the peers hear of it ([`Pool::share_sessions`]).
     pub fn pin(&self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
         // a session counts for at most what its engine's cache can hold
         let cap = self.capacity_tokens(&endpoint).unwrap_or(u64::MAX);
@@ -1303,7 +1316,13 @@ mod tests {
             "a turn was taken"
         );
         let pinned = pool.place(&request(&mc, Some("s")), 0).expect("placed");
-        pool.served(&pinned, id(3), 0);
+        pool.settle(
+            pinned.session_key,
+            u64::from(pinned.prompt_tokens),
+            id(3),
+            None,
+            0,
+        );
         let key = pinned.session_key.expect("a session");
         pool.set_router(Router::new(RoutingConfig {
             strategy: Strategy::RoundRobin,

@@ -346,7 +346,7 @@ proptest! {
             }
             pool.record(&first, &keys, 0);
             let served = first.decision.fallbacks.first().copied().unwrap_or(first.decision.endpoint);
-            pool.served(&first, served, 2);
+            pool.settle(first.session_key, u64::from(first.prompt_tokens), served, None, 2);
             let after = seen(&pool, n);
             prop_assert_eq!(after.turn, before.turn + 1, "a recorded placement takes one turn");
             if let Some(key) = first.session_key {

@@ -259,11 +259,8 @@ impl EndpointPicker for GatewayPicker {
                 p.admission_ticket,
             )
         };
-        if let Some(key) = session.filter(|_| (200..300).contains(&status)) {
-            self.picker
-                .pool
-                .pin(key, endpoint, u64::from(tokens), self.picker.now_ms());
-            self.picker.session_served(ticket);
+        if (200..300).contains(&status) {
+            self.picker.settle(session, tokens, endpoint, ticket);
         }
         let outcome = Outcome::from_status(status);
         if primary.is_some() && outcome != Outcome::Success {

@@ -1190,23 +1190,34 @@ impl PickerState {
     }
 
     /// In-flight accounting for `routed` sent to `endpoint`, until the guard drops.
-    /// `endpoint` served `routed` (answered with a success): the request's session, if it has
-    /// one, is pinned there — wherever the in-flight cap, a fallback or a retry sent it.
+    /// `endpoint` served `routed` (answered with a success): [`Pool::settle`] (its session is
+    /// pinned there, admission's reservation for it goes), and the gate looks at its room
+    /// again.
     pub fn served(&self, routed: &Routed, endpoint: EndpointId) {
-        self.pool.served(&routed.placement, endpoint, self.now_ms());
-        if routed.placement.session_key.is_some() {
-            self.session_served(routed.admission_ticket);
-        }
+        self.settle(
+            routed.placement.session_key,
+            routed.placement.prompt_tokens,
+            endpoint,
+            routed.admission_ticket,
+        );
     }
 
-    /// A turn of a session was served (its pin moved): the reservation session admission made
-    /// for it, if it waited, goes (its context now counts in the working sets), and the turns
-    /// waiting look at the room again.
-    pub fn session_served(&self, admission_ticket: Option<Ticket>) {
-        if let Some(ticket) = admission_ticket {
-            self.pool.waiting().lock().release(ticket);
-        }
-        if self.routing().admission.enabled {
+    /// [`Pool::settle`] for a request answered by `endpoint`, told to the gate's task.
+    pub fn settle(
+        &self,
+        session_key: Option<u64>,
+        prompt_tokens: u32,
+        endpoint: EndpointId,
+        reservation: Option<Ticket>,
+    ) {
+        self.pool.settle(
+            session_key,
+            u64::from(prompt_tokens),
+            endpoint,
+            reservation,
+            self.now_ms(),
+        );
+        if session_key.is_some() && self.routing().admission.enabled {
             self.waiters.poke();
         }
     }
