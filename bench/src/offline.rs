@@ -218,6 +218,9 @@ struct Sim<'a> {
 fn new_pool(policy: PolicySpec, opts: &BenchOptions, limits: &Limits) -> anyhow::Result<Pool> {
     let mut routing = policy.routing(&opts.routing);
     routing.cost_model.max_batched_tokens = opts.cluster.engine.max_num_batched_tokens;
+    // the gate reads flow control from the routing config (the bench gives each request
+    // its band itself)
+    routing.flow_control.enabled = opts.flow_control;
     routing.validate().map_err(anyhow::Error::msg)?;
     let router = Router::with_policy(routing.clone(), policy.build(&routing, opts.seed));
     // the picker's own settings: index budget, in-flight cap, session pins, ejections
