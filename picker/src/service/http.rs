@@ -895,3 +895,279 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
 
 /// How long in-flight streams get to finish after shutdown starts.
 pub const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The listeners' answers driven without a socket (`tower::ServiceExt::oneshot` on the axum
+/// apps): what does not depend on a connection is tested here, as rows of one table.
+#[cfg(test)]
+mod tests {
+    use axum::http::{Method, Request as HttpRequest};
+    use tower::ServiceExt as _;
+
+    use super::*;
+    use crate::service::settings::{IndexSettings, Limits, PickerConfig};
+    use crate::service::source::view_from_config;
+    use crate::service::state::PickerState;
+
+    const POOL: &str = r#"
+modelConfigs:
+  - {name: a, model: m, port: 8000}
+endpoints:
+  - {address: 127.0.0.2, modelConfig: a}
+  - {address: 127.0.0.3, modelConfig: a}
+"#;
+
+    fn state() -> AppState {
+        let limits = Limits {
+            max_body_bytes: 2048,
+            ..Limits::default()
+        };
+        let picker = PickerState::new(limits, IndexSettings::default()).expect("picker");
+        let config = PickerConfig::from_yaml(POOL).expect("valid");
+        picker
+            .apply_pool(&view_from_config(&config))
+            .expect("applied");
+        AppState {
+            picker: Arc::new(picker),
+            admin_token: Some(Arc::from("admin-token")),
+        }
+    }
+
+    /// One request to `app`: its status and its JSON body (`null` when it has none).
+    async fn call(
+        app: Router,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> (u16, Value) {
+        let mut req = HttpRequest::builder().method(method).uri(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = app
+            .oneshot(req.body(Body::from(body.to_owned())).expect("a request"))
+            .await
+            .expect("answered");
+        let status = resp.status().as_u16();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .expect("a body");
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn the_listeners_answer_bad_requests_with_openai_errors_without_a_socket() {
+        let s = state();
+        let token = ("authorization", "Bearer admin-token");
+        let json = ("content-type", "application/json");
+        let completion = r#"{"model":"m","prompt":"hello"}"#;
+        // (which app, method, path, headers, body, status, the error's code, a word of its
+        // message)
+        let admin = || admin_app(s.clone());
+        let inference = || inference_app(s.clone());
+        let big = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(4096));
+        type App<'a> = &'a dyn Fn() -> Router;
+        type Row<'a> = (
+            App<'a>,
+            Method,
+            &'a str,
+            Vec<(&'a str, &'a str)>,
+            &'a str,
+            u16,
+            &'a str,
+            &'a str,
+        );
+        let rows: Vec<Row<'_>> = vec![
+            (
+                &admin,
+                Method::POST,
+                "/v1/pick",
+                vec![],
+                completion,
+                401,
+                "unauthorized",
+                "",
+            ),
+            (
+                &admin,
+                Method::POST,
+                "/v1/pick",
+                vec![("authorization", "Bearer nope")],
+                completion,
+                401,
+                "unauthorized",
+                "",
+            ),
+            (
+                &admin,
+                Method::POST,
+                "/v1/pick",
+                vec![token],
+                "not json",
+                400,
+                "invalid_json",
+                "",
+            ),
+            (
+                &admin,
+                Method::POST,
+                "/v1/pick",
+                vec![token],
+                r#"{"model":"nope","prompt":"x"}"#,
+                404,
+                "model_not_found",
+                "nope",
+            ),
+            (
+                &admin,
+                Method::POST,
+                "/v1/pick?path=/v1/nope",
+                vec![token],
+                completion,
+                400,
+                "invalid_field",
+                "/v1/nope",
+            ),
+            (
+                &admin,
+                Method::GET,
+                "/v1/nope",
+                vec![token],
+                "",
+                404,
+                "not_found",
+                "",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                "{not json",
+                400,
+                "invalid_json",
+                "",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                r#"{"model":"m"}"#,
+                400,
+                "missing_field",
+                "prompt",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                r#"{"prompt":"x"}"#,
+                400,
+                "missing_field",
+                "model",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                r#"{"model":"nope","prompt":"x"}"#,
+                404,
+                "model_not_found",
+                "nope",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                &big,
+                413,
+                "body_too_large",
+                "",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/completions",
+                vec![json],
+                r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
+                400,
+                "invalid_field",
+                "kv_transfer_params",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/chat/completions",
+                vec![json],
+                "[1,2]",
+                400,
+                "invalid_json",
+                "",
+            ),
+            (
+                &inference,
+                Method::POST,
+                "/v1/chat/completions",
+                vec![json],
+                r#"{"model":"m","messages":[]}"#,
+                400,
+                "",
+                "",
+            ),
+            // the pick API is not on the proxy's listener
+            (
+                &inference,
+                Method::POST,
+                "/v1/pick",
+                vec![json],
+                completion,
+                404,
+                "not_found",
+                "",
+            ),
+            (
+                &inference,
+                Method::GET,
+                "/v2/anything",
+                vec![],
+                "",
+                404,
+                "not_found",
+                "",
+            ),
+        ];
+        for (app, method, path, headers, body, status, code, word) in rows {
+            let (got, err) = call(app(), method.clone(), path, &headers, body).await;
+            let what = format!("{method} {path} {}: {err}", &body[..body.len().min(80)]);
+            assert_eq!(got, status, "{what}");
+            if !code.is_empty() {
+                assert_eq!(err["error"]["code"], code, "{what}");
+            }
+            let message = err["error"]["message"].as_str().unwrap_or_default();
+            assert!(!message.is_empty() && message.contains(word), "{what}");
+            assert!(err["error"]["type"].is_string(), "{what}");
+        }
+        // and the pick API's answer itself: an endpoint of the pool, and admission off
+        let (status, pick) = call(admin(), Method::POST, "/v1/pick", &[token], completion).await;
+        assert_eq!(status, 200, "{pick}");
+        let endpoint = pick["endpoint"].as_str().expect("an endpoint");
+        assert!(
+            ["127.0.0.2:8000", "127.0.0.3:8000"]
+                .iter()
+                .any(|e| endpoint.starts_with(e)),
+            "{pick}"
+        );
+        assert_eq!(
+            pick["admission"],
+            serde_json::json!({"admit": "disabled"}),
+            "{pick}"
+        );
+    }
+}
