@@ -39,6 +39,28 @@ peers:
     )
 }
 
+/// An engine and two replicas exchanging over loopback under one key, each with `extra` in
+/// its config, and their UDP ports.
+async fn two_replicas(
+    extra: &str,
+) -> (
+    FakeEngine,
+    kvroute_picker::service::Running,
+    kvroute_picker::service::Running,
+    (u16, u16),
+) {
+    let engine = FakeEngine::start("127.0.0.1").await;
+    let (pa, pb) = (free_udp_port(), free_udp_port());
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a-pool-key-of-32-bytes-0123456789\n").unwrap();
+    let a = start_picker(&(replica_yaml(engine.addr.port(), pa, pb, &key) + extra)).await;
+    let b = start_picker(&(replica_yaml(engine.addr.port(), pb, pa, &key) + extra)).await;
+    // the pickers have read the key: the file may go
+    drop(dir);
+    (engine, a, b, (pa, pb))
+}
+
 /// Poll `cond` every 10 ms for up to 5 s.
 async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     for _ in 0..500 {
@@ -52,13 +74,7 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 
 #[tokio::test]
 async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    let (pa, pb) = (free_udp_port(), free_udp_port());
-    let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "a-pool-key-of-32-bytes-0123456789\n").unwrap();
-    let a = start_picker(&replica_yaml(engine.addr.port(), pa, pb, &key)).await;
-    let b = start_picker(&replica_yaml(engine.addr.port(), pb, pa, &key)).await;
+    let (engine, a, b, (pa, pb)) = two_replicas("").await;
     assert_eq!(
         a.addrs.peers,
         Some(SocketAddr::from((Ipv4Addr::LOCALHOST, pa)))
@@ -169,14 +185,7 @@ async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
 /// exchange: B pins the session where A served it and admits its next turn as a live session.
 #[tokio::test]
 async fn a_session_served_through_one_replica_is_live_at_the_other() {
-    let engine = FakeEngine::start("127.0.0.1").await;
-    let (pa, pb) = (free_udp_port(), free_udp_port());
-    let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "a-pool-key-of-32-bytes-0123456789\n").unwrap();
-    let admitting = "routing: {admission: {enabled: true}}\n";
-    let a = start_picker(&(replica_yaml(engine.addr.port(), pa, pb, &key) + admitting)).await;
-    let b = start_picker(&(replica_yaml(engine.addr.port(), pb, pa, &key) + admitting)).await;
+    let (engine, a, b, _) = two_replicas("routing: {admission: {enabled: true}}\n").await;
     let id = EndpointId::new(IpAddr::V4(Ipv4Addr::LOCALHOST), engine.addr.port(), 0);
     let session = kvroute_picker::router::Router::session_key(None, Some("s-1")).unwrap();
     let resp = client()

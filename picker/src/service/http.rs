@@ -904,30 +904,16 @@ mod tests {
     use tower::ServiceExt as _;
 
     use super::*;
-    use crate::service::settings::{IndexSettings, Limits, PickerConfig};
-    use crate::service::source::view_from_config;
-    use crate::service::state::PickerState;
-
-    const POOL: &str = r#"
-modelConfigs:
-  - {name: a, model: m, port: 8000}
-endpoints:
-  - {address: 127.0.0.2, modelConfig: a}
-  - {address: 127.0.0.3, modelConfig: a}
-"#;
+    use crate::service::settings::Limits;
+    use crate::service::state::test_support::picker;
 
     fn state() -> AppState {
         let limits = Limits {
             max_body_bytes: 2048,
             ..Limits::default()
         };
-        let picker = PickerState::new(limits, IndexSettings::default()).expect("picker");
-        let config = PickerConfig::from_yaml(POOL).expect("valid");
-        picker
-            .apply_pool(&view_from_config(&config))
-            .expect("applied");
         AppState {
-            picker: Arc::new(picker),
+            picker: Arc::new(picker(limits)),
             admin_token: Some(Arc::from("admin-token")),
         }
     }
@@ -980,168 +966,25 @@ endpoints:
             &'a str,
             &'a str,
         );
+        #[rustfmt::skip]
         let rows: Vec<Row<'_>> = vec![
-            (
-                &admin,
-                Method::POST,
-                "/v1/pick",
-                vec![],
-                completion,
-                401,
-                "unauthorized",
-                "",
-            ),
-            (
-                &admin,
-                Method::POST,
-                "/v1/pick",
-                vec![("authorization", "Bearer nope")],
-                completion,
-                401,
-                "unauthorized",
-                "",
-            ),
-            (
-                &admin,
-                Method::POST,
-                "/v1/pick",
-                vec![token],
-                "not json",
-                400,
-                "invalid_json",
-                "",
-            ),
-            (
-                &admin,
-                Method::POST,
-                "/v1/pick",
-                vec![token],
-                r#"{"model":"nope","prompt":"x"}"#,
-                404,
-                "model_not_found",
-                "nope",
-            ),
-            (
-                &admin,
-                Method::POST,
-                "/v1/pick?path=/v1/nope",
-                vec![token],
-                completion,
-                400,
-                "invalid_field",
-                "/v1/nope",
-            ),
-            (
-                &admin,
-                Method::GET,
-                "/v1/nope",
-                vec![token],
-                "",
-                404,
-                "not_found",
-                "",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                "{not json",
-                400,
-                "invalid_json",
-                "",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                r#"{"model":"m"}"#,
-                400,
-                "missing_field",
-                "prompt",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                r#"{"prompt":"x"}"#,
-                400,
-                "missing_field",
-                "model",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                r#"{"model":"nope","prompt":"x"}"#,
-                404,
-                "model_not_found",
-                "nope",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                &big,
-                413,
-                "body_too_large",
-                "",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/completions",
-                vec![json],
-                r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
-                400,
-                "invalid_field",
-                "kv_transfer_params",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/chat/completions",
-                vec![json],
-                "[1,2]",
-                400,
-                "invalid_json",
-                "",
-            ),
-            (
-                &inference,
-                Method::POST,
-                "/v1/chat/completions",
-                vec![json],
-                r#"{"model":"m","messages":[]}"#,
-                400,
-                "",
-                "",
-            ),
+            (&admin, Method::POST, "/v1/pick", vec![], completion, 401, "unauthorized", ""),
+            (&admin, Method::POST, "/v1/pick", vec![("authorization", "Bearer nope")], completion, 401, "unauthorized", ""),
+            (&admin, Method::POST, "/v1/pick", vec![token], "not json", 400, "invalid_json", ""),
+            (&admin, Method::POST, "/v1/pick", vec![token], r#"{"model":"nope","prompt":"x"}"#, 404, "model_not_found", "nope"),
+            (&admin, Method::POST, "/v1/pick?path=/v1/nope", vec![token], completion, 400, "invalid_field", "/v1/nope"),
+            (&admin, Method::GET, "/v1/nope", vec![token], "", 404, "not_found", ""),
+            (&inference, Method::POST, "/v1/completions", vec![json], "{not json", 400, "invalid_json", ""),
+            (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"m"}"#, 400, "missing_field", "prompt"),
+            (&inference, Method::POST, "/v1/completions", vec![json], r#"{"prompt":"x"}"#, 400, "missing_field", "model"),
+            (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"nope","prompt":"x"}"#, 404, "model_not_found", "nope"),
+            (&inference, Method::POST, "/v1/completions", vec![json], &big, 413, "body_too_large", ""),
+            (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#, 400, "invalid_field", "kv_transfer_params"),
+            (&inference, Method::POST, "/v1/chat/completions", vec![json], "[1,2]", 400, "invalid_json", ""),
+            (&inference, Method::POST, "/v1/chat/completions", vec![json], r#"{"model":"m","messages":[]}"#, 400, "", ""),
             // the pick API is not on the proxy's listener
-            (
-                &inference,
-                Method::POST,
-                "/v1/pick",
-                vec![json],
-                completion,
-                404,
-                "not_found",
-                "",
-            ),
-            (
-                &inference,
-                Method::GET,
-                "/v2/anything",
-                vec![],
-                "",
-                404,
-                "not_found",
-                "",
-            ),
+            (&inference, Method::POST, "/v1/pick", vec![json], completion, 404, "not_found", ""),
+            (&inference, Method::GET, "/v2/anything", vec![], "", 404, "not_found", ""),
         ];
         for (app, method, path, headers, body, status, code, word) in rows {
             let (got, err) = call(app(), method.clone(), path, &headers, body).await;

@@ -1314,13 +1314,15 @@ pub fn stored_response_id(path: &str) -> Option<&str> {
     (!id.is_empty() && !id.contains('/')).then_some(id)
 }
 
+/// A picker serving model `m` on two endpoints (127.0.0.2 and 127.0.0.3, port 8000), for the
+/// service's tests without sockets.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
     use crate::service::settings::PickerConfig;
     use crate::service::source::view_from_config;
 
-    const POOL: &str = r#"
+    pub const POOL: &str = r#"
 modelConfigs:
   - {name: a, model: m, port: 8000}
 endpoints:
@@ -1328,7 +1330,7 @@ endpoints:
   - {address: 127.0.0.3, modelConfig: a}
 "#;
 
-    fn picker(limits: Limits) -> PickerState {
+    pub fn picker(limits: Limits) -> PickerState {
         let picker = PickerState::new(limits, IndexSettings::default()).expect("picker");
         let config = PickerConfig::from_yaml(POOL).expect("valid");
         picker
@@ -1336,6 +1338,14 @@ endpoints:
             .expect("applied");
         picker
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{POOL, picker};
+    use super::*;
+    use crate::service::settings::PickerConfig;
+    use crate::service::source::view_from_config;
 
     fn completion(text: &str) -> ParsedRequest {
         let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
