@@ -373,15 +373,12 @@ async fn a_rewrite_rule_splits_a_model_by_weight_and_answers_in_its_name() {
     // 200 requests without a session: split about 9:1, each answered as `chat`
     const N: usize = 200;
     for i in 0..N {
-        let v: Value = client()
-            .post(format!("http://{http}/v1/chat/completions"))
-            .json(&chat(format!("question number {i}")))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = post_json(
+            format!("http://{http}/v1/chat/completions"),
+            &[],
+            &chat(format!("question number {i}")),
+        )
+        .await;
         assert_eq!(v["model"], "chat", "{v}");
     }
     let count = |e: &[&FakeEngine]| paths_seen(e).values().sum::<usize>();

@@ -94,15 +94,12 @@ async fn a_replica_prices_the_requests_its_peer_has_in_flight_until_they_end() {
     );
     assert_eq!(b.state.pool.inflight().peer_count(), 1);
     // and B's placement reads it: the pick API shows the candidate's in-flight count
-    let pick: serde_json::Value = client()
-        .post(format!("http://{}/v1/pick", b.addrs.admin))
-        .json(&serde_json::json!({"model": "llama", "prompt": "hello"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let pick = post_json(
+        format!("http://{}/v1/pick", b.addrs.admin),
+        &[],
+        &serde_json::json!({"model": "llama", "prompt": "hello"}),
+    )
+    .await;
     let text = pick.to_string();
     assert!(text.contains("\"inflight_requests\":1"), "{text}");
     // the gauge follows at B's next publication
@@ -202,16 +199,12 @@ async fn a_session_served_through_one_replica_is_live_at_the_other() {
     })
     .await;
     // B's gate admits its next turn as a live session's (the pick API shows it)
-    let pick: serde_json::Value = client()
-        .post(format!("http://{}/v1/pick", b.addrs.admin))
-        .header("x-session-id", "s-1")
-        .json(&serde_json::json!({"model": "llama", "prompt": "a long agent context"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let pick = post_json(
+        format!("http://{}/v1/pick", b.addrs.admin),
+        &[("x-session-id", "s-1")],
+        &serde_json::json!({"model": "llama", "prompt": "a long agent context"}),
+    )
+    .await;
     assert_eq!(
         pick["admission"],
         serde_json::json!({"admit": "live_session"}),

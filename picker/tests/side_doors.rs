@@ -308,16 +308,12 @@ async fn another_tenants_stored_response_does_not_exist() {
     let secret = secret_file("responses");
     let picker = start_picker(&salted(engine.addr.port(), &secret)).await;
     let http = picker.addrs.http;
-    let made: Value = client()
-        .post(format!("http://{http}/v1/responses"))
-        .header("x-tenant", "a")
-        .json(&json!({"model": "llama", "input": "tenant a's question"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let made = post_json(
+        format!("http://{http}/v1/responses"),
+        &[("x-tenant", "a")],
+        &json!({"model": "llama", "input": "tenant a's question"}),
+    )
+    .await;
     let id = made["id"].as_str().unwrap().to_owned();
     let before = engine.state.requests.load(Ordering::SeqCst);
     for tenant in ["b", "a"] {

@@ -344,6 +344,19 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
+/// POST `body` as JSON to `url` with `headers`; the answer's JSON.
+pub async fn post_json(
+    url: String,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    let mut req = client().post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap().json().await.unwrap()
+}
+
 /// The Prometheus text a picker's metrics listener serves.
 pub async fn metrics_text(addr: SocketAddr) -> String {
     kvroute_testkit::get_text(&client(), format!("http://{addr}/metrics")).await
