@@ -25,20 +25,14 @@ fn frames(seq: u64, payload: Vec<u8>) -> ZmqMessage {
 fn stored_batch(seq: u64, blocks: u64) -> Vec<u8> {
     let batch = EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored {
-            block_hashes: (0..blocks).map(|i| seq * 1_000_000 + i + 1).collect(),
-            parent_block_hash: None,
-            token_ids: (0..blocks * 16)
+        events: vec![KvEvent::plain_stored(
+            (0..blocks).map(|i| seq * 1_000_000 + i + 1).collect(),
+            None,
+            (0..blocks * 16)
                 .map(|t| (seq * 7 + t) as u32 % 30_000)
                 .collect(),
-            block_size: 16,
-            lora_id: None,
-            medium: None,
-            lora_name: None,
-            extra_keys: Vec::new(),
-            cache_salt: None,
-            place: Default::default(),
-        }],
+            16,
+        )],
         data_parallel_rank: None,
         skipped_unknown: 0,
     };

@@ -183,18 +183,12 @@ scrape: {{interval: 50ms, timeout: 200ms}}
     let batch = |seq: u64| {
         let batch = EventBatch {
             ts: 1.0,
-            events: vec![KvEvent::BlockStored {
-                block_hashes: vec![seq + 1],
-                parent_block_hash: None,
-                token_ids: (0..32).collect(),
-                block_size: 32,
-                lora_id: None,
-                medium: None,
-                lora_name: None,
-                extra_keys: Vec::new(),
-                cache_salt: None,
-                place: Default::default(),
-            }],
+            events: vec![KvEvent::plain_stored(
+                vec![seq + 1],
+                None,
+                (0..32).collect(),
+                32,
+            )],
             data_parallel_rank: None,
             skipped_unknown: 0,
         };

@@ -160,20 +160,17 @@ fn block_hash(seq: u64, i: u64) -> u64 {
 }
 
 fn expected(generation: u64, seq: u64) -> EventBatch {
-    let mut events = vec![KvEvent::BlockStored {
-        block_hashes: vec![block_hash(seq, 0), block_hash(seq, 1)],
-        parent_block_hash: seq.checked_sub(1).map(|p| block_hash(p, 1)),
-        token_ids: (seq * 32..seq * 32 + 32)
-            .map(|t| u32::try_from(t).expect("token"))
-            .collect(),
-        block_size: 16,
-        lora_id: None,
-        medium: Some("GPU".to_owned()),
-        lora_name: None,
-        extra_keys: Vec::new(),
-        cache_salt: None,
-        place: Default::default(),
-    }];
+    let mut events = vec![
+        KvEvent::plain_stored(
+            vec![block_hash(seq, 0), block_hash(seq, 1)],
+            seq.checked_sub(1).map(|p| block_hash(p, 1)),
+            (seq * 32..seq * 32 + 32)
+                .map(|t| u32::try_from(t).expect("token"))
+                .collect(),
+            16,
+        )
+        .on_medium("GPU"),
+    ];
     if seq % 2 == 1 {
         events.push(KvEvent::BlockRemoved {
             block_hashes: vec![block_hash(seq - 1, 0)],

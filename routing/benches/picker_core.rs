@@ -127,19 +127,15 @@ fn stored_events(i: usize, n_endpoints: usize, prompt: &[u32]) -> EventBatch {
     } else {
         shared.min(prompt.len())
     };
-    let stored = |seed: u64, token_ids: Vec<u32>| KvEvent::BlockStored {
-        block_hashes: (0..token_ids.len() as u64 / u64::from(BLOCK))
-            .map(|b| seed ^ (b << 20) ^ i as u64)
-            .collect(),
-        parent_block_hash: None,
-        token_ids,
-        block_size: BLOCK,
-        lora_id: None,
-        medium: None,
-        lora_name: None,
-        extra_keys: Vec::new(),
-        cache_salt: None,
-        place: Default::default(),
+    let stored = |seed: u64, token_ids: Vec<u32>| {
+        KvEvent::plain_stored(
+            (0..token_ids.len() as u64 / u64::from(BLOCK))
+                .map(|b| seed ^ (b << 20) ^ i as u64)
+                .collect(),
+            None,
+            token_ids,
+            BLOCK,
+        )
     };
     EventBatch {
         ts: 0.0,

@@ -71,18 +71,9 @@ fn a_published_prefix_attracts_the_request_and_its_removal_releases_it() {
         let hashes: Vec<u64> = (0..256).map(|i| 0xfeed_0000 + i).collect();
         let batch = EventBatch {
             ts: 1.5,
-            events: vec![KvEvent::BlockStored {
-                block_hashes: hashes.clone(),
-                parent_block_hash: None,
-                token_ids: prompt.clone(),
-                block_size: 16,
-                lora_id: None,
-                medium: Some("GPU".into()),
-                lora_name: None,
-                extra_keys: Vec::new(),
-                cache_salt: None,
-                place: Default::default(),
-            }],
+            events: vec![
+                KvEvent::plain_stored(hashes.clone(), None, prompt.clone(), 16).on_medium("GPU"),
+            ],
             data_parallel_rank: Some(0),
             skipped_unknown: 0,
         };

@@ -168,20 +168,14 @@ fn build(
             if m.precise {
                 let batch = EventBatch {
                     ts: 0.0,
-                    events: vec![KvEvent::BlockStored {
-                        block_hashes: (0..u64::from(blocks))
+                    events: vec![KvEvent::plain_stored(
+                        (0..u64::from(blocks))
                             .map(|b| 1 + u64::from(d) * 64 + b)
                             .collect(),
-                        parent_block_hash: None,
-                        token_ids: tokens(d, blocks),
-                        block_size: BLOCK_SIZE,
-                        lora_id: None,
-                        medium: None,
-                        lora_name: None,
-                        extra_keys: Vec::new(),
-                        cache_salt: None,
-                        place: Default::default(),
-                    }],
+                        None,
+                        tokens(d, blocks),
+                        BLOCK_SIZE,
+                    )],
                     data_parallel_rank: Some(0),
                     skipped_unknown: 0,
                 };

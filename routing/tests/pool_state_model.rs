@@ -375,18 +375,12 @@ fn batch(events: &[Ev]) -> EventBatch {
         .map(|e| match *e {
             Ev::Store { doc, from, len } => {
                 let to = (from + len).min(BLOCKS);
-                KvEvent::BlockStored {
-                    block_hashes: (from..to).map(|i| engine_hash(doc, i)).collect(),
-                    parent_block_hash: (from > 0).then(|| engine_hash(doc, from - 1)),
-                    token_ids: tokens(doc, from, to),
-                    block_size: BLOCK_SIZE,
-                    lora_id: None,
-                    medium: None,
-                    lora_name: None,
-                    extra_keys: Vec::new(),
-                    cache_salt: None,
-                    place: Default::default(),
-                }
+                KvEvent::plain_stored(
+                    (from..to).map(|i| engine_hash(doc, i)).collect(),
+                    (from > 0).then(|| engine_hash(doc, from - 1)),
+                    tokens(doc, from, to),
+                    BLOCK_SIZE,
+                )
             }
             Ev::Remove { doc, block } => KvEvent::BlockRemoved {
                 block_hashes: vec![engine_hash(doc, block)],

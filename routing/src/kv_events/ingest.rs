@@ -579,18 +579,8 @@ mod tests {
             &batch(vec![
                 stored(&[1, 2], Some(0xdead), (0..8).collect()),
                 stored(&[3], None, (0..3).collect()), // 3 tokens for a 4-token block
-                KvEvent::BlockStored {
-                    block_hashes: vec![4],
-                    parent_block_hash: None,
-                    token_ids: (0..8).collect(),
-                    block_size: 8, // pool says 4
-                    lora_id: None,
-                    medium: None,
-                    lora_name: None,
-                    extra_keys: Vec::new(),
-                    cache_salt: None,
-                    place: Default::default(),
-                },
+                // 8 tokens a block where the pool says 4
+                KvEvent::plain_stored(vec![4], None, (0..8).collect(), 8),
             ]),
         );
         assert_eq!(s.orphan_blocks, 2);

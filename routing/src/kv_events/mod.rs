@@ -181,6 +181,18 @@ impl KvEvent {
             place: BlockPlace::default(),
         }
     }
+
+    /// The same event reported on storage tier `tier` (a `BlockStored` or `BlockRemoved`;
+    /// any other event as it is).
+    #[must_use]
+    pub fn on_medium(mut self, tier: &str) -> Self {
+        if let KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } =
+            &mut self
+        {
+            *medium = Some(tier.to_owned());
+        }
+        self
+    }
 }
 
 /// Where stored or removed blocks live beyond their `medium`, as vLLM 0.32 reports it: the
