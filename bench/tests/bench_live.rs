@@ -250,14 +250,7 @@ async fn a_restarted_picker_is_a_new_process_that_serves() {
     let decisions = |m: std::net::SocketAddr| {
         let http = http.clone();
         async move {
-            let text = http
-                .get(format!("http://{m}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let text = kvroute_testkit::get_text(&http, format!("http://{m}/metrics")).await;
             kvroute_testkit::metric_sum(&text, "kvroute_picker_decisions_total", &[])
         }
     };

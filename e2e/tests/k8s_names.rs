@@ -278,18 +278,12 @@ async fn a_kvroutepool_serves_the_gateway_api_pool_it_names() {
     let envoy = Envoy::start(EnvoySpec::new(Shape::OverrideHost, ext_proc, &[engine])).await;
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let decisions = || async {
-        let page = http
-            .get(format!(
-                "http://{}:{}/metrics",
-                picker.ip,
-                kvroute_crds::contract::PICKER_METRICS_PORT
-            ))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = format!(
+            "http://{}:{}/metrics",
+            picker.ip,
+            kvroute_crds::contract::PICKER_METRICS_PORT
+        );
+        let page = kvroute_testkit::get_text(&http, metrics).await;
         kvroute_testkit::metric_sum(&page, "kvroute_picker_decisions_total", &[])
     };
     let before = decisions().await;

@@ -416,15 +416,12 @@ async fn a_rewrite_rule_splits_a_model_by_weight_and_answers_in_its_name() {
     }
 
     // a streamed Responses answer is written back too, across its events
-    let text = client()
-        .post(format!("http://{http}/v1/responses"))
-        .json(&json!({"model": "chat", "input": "hi", "stream": true}))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = kvroute_testkit::post_text(
+        &client(),
+        format!("http://{http}/v1/responses"),
+        &json!({"model": "chat", "input": "hi", "stream": true}),
+    )
+    .await;
     assert!(text.contains(r#""model":"chat""#), "{text}");
     assert!(!text.contains(r#""model":"llama""#) && !text.contains(r#""model":"qwen""#));
 

@@ -36,12 +36,45 @@ pub async fn post_json<B: serde::Serialize + ?Sized>(
     url: impl IntoUrl,
     body: &B,
 ) -> Value {
-    let url = url.into_url().unwrap();
-    let what = format!("POST {url}");
-    let resp = send(client.post(url).json(body), &what).await;
+    post_json_with(client, url, &[], body).await
+}
+
+/// [`post_json`] with request `headers`.
+pub async fn post_json_with<B: serde::Serialize + ?Sized>(
+    client: &Client,
+    url: impl IntoUrl,
+    headers: &[(&str, &str)],
+    body: &B,
+) -> Value {
+    let (resp, what) = post(client, url, headers, body).await;
     resp.json()
         .await
         .unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
+}
+
+/// `POST url` with `body` as JSON, the answer's body as text (whatever the status).
+pub async fn post_text<B: serde::Serialize + ?Sized>(
+    client: &Client,
+    url: impl IntoUrl,
+    body: &B,
+) -> String {
+    let (resp, what) = post(client, url, &[], body).await;
+    resp.text().await.unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+async fn post<B: serde::Serialize + ?Sized>(
+    client: &Client,
+    url: impl IntoUrl,
+    headers: &[(&str, &str)],
+    body: &B,
+) -> (Response, String) {
+    let url = url.into_url().unwrap();
+    let what = format!("POST {url}");
+    let mut req = client.post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    (send(req, &what).await, what)
 }
 
 /// The sum of the samples of metric `name` (exactly that name, any labels) in a Prometheus

@@ -350,11 +350,7 @@ pub async fn post_json(
     headers: &[(&str, &str)],
     body: &serde_json::Value,
 ) -> serde_json::Value {
-    let mut req = client().post(url).json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    req.send().await.unwrap().json().await.unwrap()
+    kvroute_testkit::post_json_with(&client(), url, headers, body).await
 }
 
 /// The Prometheus text a picker's metrics listener serves.

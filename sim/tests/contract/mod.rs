@@ -447,15 +447,7 @@ pub async fn streaming_completions_and_chat_follow_openai(t: &Target) {
     // Chat: role first, then content deltas; no usage chunk unless asked.
     let body = json!({"model": t.model, "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 3, "ignore_eos": true, "stream": true});
-    let text = client()
-        .post(t.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = kvroute_testkit::post_text(&client(), t.url("/v1/chat/completions"), &body).await;
     let chunks: Vec<Value> = text
         .split("\n\n")
         .filter(|e| e.starts_with("data: {"))
