@@ -153,7 +153,7 @@ async fn saturated_requests_wait_and_leave_by_priority() {
         "nothing is placed while saturated"
     );
     let before = engine.state.requests.load(Ordering::SeqCst);
-    // one slot of headroom (4 waiting of 5): the dispatcher releases one request at a time
+    // one slot of headroom (4 waiting of 5): the gate releases one request at a time
     engine.state.waiting.store(4, Ordering::SeqCst);
     for t in tasks {
         t.await.unwrap();
