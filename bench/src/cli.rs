@@ -424,6 +424,14 @@ pub struct ReplayArgs {
     /// `routing.disaggregation.maxTtftRatio` [default: the picker's, 2].
     #[arg(long)]
     pub max_ttft_ratio: Option<f64>,
+    /// `routing.balance.absolute`: requests (waiting + running) above the least loaded
+    /// candidate before an endpoint can count as overloaded [default: the picker's, 8].
+    #[arg(long)]
+    pub balance_absolute: Option<u32>,
+    /// `routing.balance.relative`: load ratio to the least loaded candidate before an
+    /// endpoint can count as overloaded [default: the picker's, 1.5].
+    #[arg(long)]
+    pub balance_relative: Option<f64>,
     /// `routing.saturation.queueDepth`: waiting requests at which an engine counts as
     /// saturated (flow control's dispatch) [default: the picker's, 5].
     #[arg(long)]
@@ -711,6 +719,12 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
             }
             if let Some(u) = a.kv_cache_usage {
                 r.saturation.kv_cache_usage = u;
+            }
+            if let Some(n) = a.balance_absolute {
+                r.balance.absolute = n;
+            }
+            if let Some(x) = a.balance_relative {
+                r.balance.relative = x;
             }
             r.saturation.sheddable_queue_depth = a.sheddable_queue_depth;
             r.saturation.sheddable_kv_cache_usage = a.sheddable_kv_cache_usage;
@@ -1222,4 +1236,33 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replay(args: &[&str]) -> anyhow::Result<BenchOptions> {
+        let cli = Cli::try_parse_from(
+            ["kvroute-bench", "replay", "--mode", "offline"]
+                .iter()
+                .chain(args),
+        )?;
+        let Cmd::Replay(a) = cli.cmd else {
+            anyhow::bail!("not a replay")
+        };
+        bench_options(&a, a.cluster.cluster()?)
+    }
+
+    #[test]
+    fn the_balance_flags_set_the_routing_balance_and_are_checked() {
+        let opts =
+            replay(&["--balance-absolute", "2", "--balance-relative", "1.25"]).expect("valid");
+        assert_eq!(opts.routing.balance.absolute, 2);
+        assert_eq!(opts.routing.balance.relative, 1.25);
+        let default = replay(&[]).expect("valid");
+        assert_eq!(default.routing.balance, RoutingConfig::default().balance);
+        let err = replay(&["--balance-relative", "0.5"]).expect_err("below 1");
+        assert!(err.to_string().contains("balance.relative"), "{err}");
+    }
 }
