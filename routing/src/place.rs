@@ -188,8 +188,9 @@ pub struct Pool {
     state: PoolState,
     inflight: InflightTracker,
     sessions: Mutex<SessionTable>,
-    /// Turns served here, for the peers ([`Pool::share_sessions`]).
+    /// Turns served here, for the peers, kept while `sharing` ([`Pool::share_sessions`]).
     shared: Mutex<SharedTurns>,
+    sharing: std::sync::atomic::AtomicBool,
     /// What each peer's session admission said last: tokens reserved, since when (this
     /// replica's clock) its first turn in line waits, and when it said it.
     peer_admission: Mutex<std::collections::HashMap<u64, PeerAdmission>>,
@@ -223,6 +224,7 @@ impl Pool {
             inflight: InflightTracker::new(),
             sessions: Mutex::new(SessionTable::new(settings.session_capacity)),
             shared: Mutex::new(SharedTurns::default()),
+            sharing: std::sync::atomic::AtomicBool::new(false),
             peer_admission: Mutex::new(std::collections::HashMap::new()),
             turn: AtomicU64::new(0),
             decode_router: ArcSwap::from_pointee(decode_router(router.config())),
@@ -782,16 +784,18 @@ impl Pool {
         self.sessions
             .lock()
             .served_within(key, endpoint, tokens, cap, now_ms);
-        self.shared
-            .lock()
-            .push(key, endpoint, tokens.min(cap), now_ms);
+        if self.sharing.load(Ordering::Relaxed) {
+            self.shared
+                .lock()
+                .push(key, endpoint, tokens.min(cap), now_ms);
+        }
     }
 
     /// This replica has peers: from now on the turns it serves are kept for them
     /// ([`Pool::take_shared`]), so a session live at one replica is live at all (pinned
     /// where its context is, counted by every replica's session admission).
     pub fn share_sessions(&self) {
-        self.shared.lock().enable();
+        self.sharing.store(true, Ordering::Relaxed);
     }
 
     /// What to tell the peers at `now_ms`: the turns served here since the last call, what
@@ -933,15 +937,10 @@ impl<'a> PoolHeadroom<'a> {
 }
 
 impl Headroom for PoolHeadroom<'_> {
-    fn free(&self, config: &str) -> (u64, u64) {
-        let s = &self.saturation;
-        let all = self.pool.free_slots(config, s);
-        let sheddable = if s.for_band(-1) == *s {
-            all
-        } else {
-            self.pool.free_slots(config, &s.for_band(-1))
-        };
-        (all, sheddable)
+    fn free(&self, config: &str, sheddable: bool) -> u64 {
+        let s = self.saturation;
+        self.pool
+            .free_slots(config, &if sheddable { s.for_band(-1) } else { s })
     }
 
     fn room(
@@ -1491,9 +1490,6 @@ mod tests {
         assert_eq!(pool.gate(&new, later), Gate::Admit(Admitted::Fits));
     }
 
-    /// Hardening IV, 5: one session larger than its engine's cache counted in full and raised
-    /// the mean charged to every unseen session (a 10-token prompt was charged 744 tokens),
-    /// so every new session waited `maxWait` while it stayed live.
     /// Issue 49, item 3: a session served through one replica was new to the others, so
     /// session admission held its next turn there as a newcomer (4 pickers: p90 TTFT 7.3x one
     /// picker's), and the others' reservations were not counted.
@@ -1568,6 +1564,9 @@ mod tests {
         assert_eq!(b.pinned(key("s")), Some(id(1)));
     }
 
+    /// Hardening IV, 5: one session larger than its engine's cache counted in full and raised
+    /// the mean charged to every unseen session (a 10-token prompt was charged 744 tokens),
+    /// so every new session waited `maxWait` while it stayed live.
     #[test]
     fn an_oversized_session_counts_for_one_engine_and_not_in_the_mean() {
         let (pool, mc, key) = admitting_pool();

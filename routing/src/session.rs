@@ -53,22 +53,13 @@ pub struct SessionNews {
 #[derive(Debug, Default)]
 pub struct SharedTurns {
     turns: VecDeque<(u64, EndpointId, u64, u64)>,
-    on: bool,
 }
 
 impl SharedTurns {
     pub const MAX: usize = 4_096;
 
-    /// Collect turns from now on (a replica with peers).
-    pub fn enable(&mut self) {
-        self.on = true;
-    }
-
     /// Session `key` was served on `endpoint` with `tokens` at `now_ms`.
     pub fn push(&mut self, key: u64, endpoint: EndpointId, tokens: u64, now_ms: u64) {
-        if !self.on {
-            return;
-        }
         if self.turns.len() >= Self::MAX {
             self.turns.pop_front();
         }

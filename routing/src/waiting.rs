@@ -82,8 +82,8 @@ pub struct AdmissionLimits {
 /// What the pool offers the waiting requests, read at every arrival and step.
 pub trait Headroom {
     /// Requests model config `config` can take now before its endpoints are saturated: under
-    /// the thresholds of every band, and under the sheddable (negative) bands' thresholds.
-    fn free(&self, config: &str) -> (u64, u64);
+    /// the thresholds of every band, or (`sheddable`) under the sheddable (negative) bands'.
+    fn free(&self, config: &str, sheddable: bool) -> u64;
     /// The pool's room for a turn of session `session` (a session key) with `prompt_tokens`,
     /// `reserved` tokens being promised to turns admitted and not yet served; `Err` says why
     /// the room is not asked (no session, a live one, capacity unknown).
@@ -372,18 +372,17 @@ impl WaitingRoom {
         let Some(fs) = s.flow else {
             return self.enter_admission(now_ms, a, None, s, h);
         };
+        // nothing of its model config waits and its band has room: straight on
+        if self.queues.get(&a.config).is_none_or(FlowQueue::is_empty)
+            && h.free(&a.config, a.band < 0) > 0
+        {
+            return self.enter_admission(now_ms, a, None, s, h);
+        }
         let queue = self
             .queues
             .entry(a.config.clone())
             .or_insert_with(|| FlowQueue::new(fs));
         queue.set_settings(fs);
-        if queue.is_empty() {
-            let (all, sheddable) = h.free(&a.config);
-            let room = if a.band < 0 { sheddable } else { all };
-            if room > 0 {
-                return self.enter_admission(now_ms, a, None, s, h);
-            }
-        }
         let pushed = queue.push(Waiting {
             id: a.id,
             band: a.band,
@@ -530,20 +529,21 @@ impl WaitingRoom {
                 continue;
             }
             let transit = self.in_transit.entry(config.clone()).or_default();
-            // turned off (a live edit): what waits goes on
-            let (all, sheddable) = match s.flow {
-                Some(_) => h.free(config),
-                None => (u64::MAX, u64::MAX),
+            // turned off (a live edit): what waits goes on; the sheddable bands' room is read
+            // only when one of them is next
+            let (mut room, mut sheddable_room) = match s.flow {
+                Some(_) => (h.free(config, false).saturating_sub(*transit), None),
+                None => (u64::MAX, Some(u64::MAX)),
             };
-            let mut room = all.saturating_sub(*transit);
-            let mut sheddable_room = sheddable.saturating_sub(*transit);
             while room > 0 {
                 if q.peek().is_some_and(|w| w.band < 0) {
                     // the sheddable bands are all that is left
-                    if sheddable_room == 0 {
+                    let left = sheddable_room
+                        .get_or_insert_with(|| h.free(config, true).saturating_sub(*transit));
+                    if *left == 0 {
                         break;
                     }
-                    sheddable_room -= 1;
+                    *left -= 1;
                 }
                 let Some(w) = q.pop() else { break };
                 if let Some(held) = self.held.remove(&w.id) {
@@ -670,8 +670,9 @@ mod tests {
     }
 
     impl Headroom for Scripted {
-        fn free(&self, _: &str) -> (u64, u64) {
-            self.free.get()
+        fn free(&self, _: &str, sheddable: bool) -> u64 {
+            let (all, low) = self.free.get();
+            if sheddable { low } else { all }
         }
 
         fn room(&self, session: Option<u64>, prompt: u32, reserved: u64) -> Result<Room, Admitted> {

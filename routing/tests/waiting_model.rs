@@ -53,8 +53,8 @@ struct Pool {
 }
 
 impl Headroom for Pool {
-    fn free(&self, _: &str) -> (u64, u64) {
-        self.free
+    fn free(&self, _: &str, sheddable: bool) -> u64 {
+        if sheddable { self.free.1 } else { self.free.0 }
     }
 
     fn room(&self, session: Option<u64>, prompt: u32, reserved: u64) -> Result<Room, Admitted> {
