@@ -346,11 +346,9 @@ impl InflightTracker {
 /// Tracks one in-flight request; dropping it marks the request finished.
 #[derive(Debug)]
 pub struct InflightGuard {
-    counters: Arc<Counters>,
-    prompt_tokens: u64,
-    uncached_tokens: u64,
-    /// Still waiting for its first token; shared with its [`PrefillMark`]s.
-    pending: Arc<AtomicBool>,
+    /// Its counters, its sizes and whether its prefill is still pending, shared with the
+    /// marks it hands out.
+    mark: PrefillMark,
 }
 
 impl InflightGuard {
@@ -366,28 +364,25 @@ impl InflightGuard {
             .pending_prompt_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
         Self {
-            counters,
-            prompt_tokens,
-            uncached_tokens,
-            pending: Arc::new(AtomicBool::new(true)),
+            mark: PrefillMark {
+                counters,
+                prompt_tokens,
+                uncached_tokens,
+                pending: Arc::new(AtomicBool::new(true)),
+            },
         }
     }
 
     /// The first token arrived: the request's prefill is no longer queued work.
     pub fn first_token(&mut self) {
-        self.prefill_mark().prefill_done();
+        self.mark.prefill_done();
     }
 
     /// A handle that ends the request's prefill from elsewhere: for a request whose answer
     /// comes whole (not streamed), its first token is never seen, so its owner marks the
     /// prefill done when it predicts it to be (the guard's end marks it at the latest).
     pub fn prefill_mark(&self) -> PrefillMark {
-        PrefillMark {
-            counters: self.counters.clone(),
-            prompt_tokens: self.prompt_tokens,
-            uncached_tokens: self.uncached_tokens,
-            pending: self.pending.clone(),
-        }
+        self.mark.clone()
     }
 }
 
@@ -419,11 +414,12 @@ impl PrefillMark {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.first_token();
-        self.counters.requests.fetch_sub(1, Ordering::Relaxed);
-        self.counters
+        let m = &self.mark;
+        m.prefill_done();
+        m.counters.requests.fetch_sub(1, Ordering::Relaxed);
+        m.counters
             .tokens
-            .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+            .fetch_sub(m.prompt_tokens, Ordering::Relaxed);
     }
 }
 
