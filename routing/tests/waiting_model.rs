@@ -92,8 +92,8 @@ fn of_pass(p: Pass) -> Answer {
 /// The reference: every waiting request in a list, each decision a scan.
 #[derive(Default)]
 struct Reference {
-    /// (id, band, arrival): flow control's queue.
-    queue: Vec<(u64, i32, u64)>,
+    /// (id, band, arrival, footprint or none): flow control's queue.
+    queue: Vec<(u64, i32, u64, Option<u64>)>,
     /// (id, footprint or none, since, flow wait): admission's line.
     line: Vec<(u64, Option<u64>, u64, Option<u64>)>,
     /// (id, footprint, until)
@@ -134,7 +134,7 @@ impl Reference {
             self.queue.retain(|e| e.0 != v.0);
             self.outbox.push((v.0, Answer::Refuse(Refusal::Displaced)));
         }
-        self.queue.push((id, band, now));
+        self.queue.push((id, band, now, fp));
         Answer::Wait
     }
 
@@ -200,8 +200,7 @@ impl Reference {
             room -= 1;
             released.push(head);
         }
-        for (id, _, since) in released {
-            let fp = FOOTPRINTS.with(|f| f.borrow().get(&id).copied().flatten());
+        for (id, _, since, fp) in released {
             let a = self.admit(now, id, fp, Some(now - since), pool);
             if a != Answer::Wait {
                 self.transit += 1;
@@ -244,12 +243,6 @@ impl Reference {
     }
 }
 
-thread_local! {
-    /// Each request's footprint (none: no session), as the reference reads it back.
-    static FOOTPRINTS: std::cell::RefCell<std::collections::HashMap<u64, Option<u64>>> =
-        std::cell::RefCell::default();
-}
-
 fn settings() -> GateSettings {
     GateSettings {
         flow: Some(FlowSettings {
@@ -271,7 +264,6 @@ proptest! {
 
     #[test]
     fn the_waiting_room_answers_as_the_reference_gate(ops in prop::collection::vec(op(), 1..80)) {
-        FOOTPRINTS.with(|f| f.borrow_mut().clear());
         let s = settings();
         let (mut gate, mut reference, mut pool) = (WaitingRoom::new(), Reference::default(), Pool::default());
         let mut now = 0u64;
@@ -282,7 +274,6 @@ proptest! {
                 Op::Arrive { band, prompt, session } => {
                     next_id += 1;
                     let fp = session.then_some(u64::from(prompt));
-                    FOOTPRINTS.with(|f| f.borrow_mut().insert(next_id, fp));
                     let a = Arrival {
                         id: next_id,
                         config: "m".into(),

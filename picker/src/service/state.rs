@@ -1245,7 +1245,9 @@ impl PickerState {
         own.pending_tokens = 0;
         own.waiting = 0.0;
         let ms = crate::policy::estimated_ttft_ms(cal, &own);
-        let wait = Duration::from_secs_f64((ms / 1000.0).clamp(0.0, 600.0));
+        // no later than a request may wait for its answer: the task never outlives it by more
+        let wait = Duration::from_secs_f64((ms / 1000.0).clamp(0.0, 600.0))
+            .min(self.limits.upstream_timeout);
         let mark = guard.prefill_mark();
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
