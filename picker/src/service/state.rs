@@ -556,7 +556,7 @@ impl PickerState {
         let dedicated = tenancy.spec.isolation == Isolation::DedicatedEndpoints;
         let (split, admission, admission_ticket) = loop {
             let pass = match &ask {
-                Some(ask) => Some(self.wait_turn(ask).await?),
+                Some(ask) => Some(self.wait_turn(ask, &routing).await?),
                 None => None,
             };
             if pass.is_some_and(|p| p.waited()) || ask.as_ref().is_some_and(|a| a.retried) {
@@ -898,8 +898,7 @@ impl PickerState {
 
     /// Waits for the request's turn at the pool's gate ([`Waiters::turn`]); an answer
     /// without service is a 429 with the gate's reason.
-    async fn wait_turn(&self, ask: &Ask) -> Result<Pass, ApiError> {
-        let routing = self.routing();
+    async fn wait_turn(&self, ask: &Ask, routing: &RoutingConfig) -> Result<Pass, ApiError> {
         if !routing.flow_control.enabled && !routing.admission.enabled && !ask.retried {
             return Ok(Pass::straight(Admitted::Disabled));
         }
