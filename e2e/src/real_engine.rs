@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 pub const BLOCK: u64 = 32;
 pub use kvroute_bench::real_vllm::{ENGINE_START, repo_root};
 
-fn client() -> reqwest::Client {
+/// A loopback client with a 60 s timeout (a CPU engine's longest answer in the tests).
+pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(60))

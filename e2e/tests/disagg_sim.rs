@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use kvroute_picker::service::Running;
-use kvroute_sim::server::{KvLoadFailure, PortSpec, SimConfig, SimHandle, start as start_sim};
+use kvroute_sim::server::{KvLoadFailure, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
 
 #[path = "ext_proc_support/mod.rs"]
@@ -17,20 +17,14 @@ mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
 use sim_support::{
-    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, static_picker,
+    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, sim_config, static_picker,
 };
 
 async fn sim(host: &str) -> SimHandle {
     let mut cfg = SimConfig {
-        host: host.parse().unwrap(),
-        model: "llama".into(),
-        speedup: 20.0,
-        kv_events: PortSpec::Auto,
-        kv_replay: PortSpec::Auto,
         kv_transfer: Some(KvLoadFailure::Recompute),
-        ..SimConfig::default()
+        ..sim_config(host, 20.0)
     };
-    cfg.engine.num_blocks = 4096;
     cfg.engine.kv_transfer_ms_per_block = 0.05;
     cfg.engine.kv_transfer_latency_ms = 2.0;
     start_sim(cfg).await.expect("simulator starts")
@@ -362,23 +356,11 @@ async fn a_decode_engine_that_fails_before_its_first_byte_is_replaced_with_the_s
 /// Where the picker would decode `tokens` now (read from the pool, no HTTP).
 fn pick_sync_endpoint(p: &Running, tokens: &[u32]) -> Option<String> {
     use kvroute_picker::block_keys::{BlockHasher, ChainRoot};
-    use kvroute_picker::router::{RouteRequest, Stage};
+    use kvroute_picker::router::RouteRequest;
     let snapshot = p.state.pool.state().endpoints();
     let mc = snapshot.endpoints().first()?.model_config.clone();
     let keys = BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), tokens);
-    let req = RouteRequest {
-        model_config: &mc,
-        keys: &keys,
-        prompt_tokens: tokens.len() as u32,
-        session: None,
-        tenant: None,
-        subset: None,
-        allow: None,
-        fallback_hash: 0,
-        stage: Stage::Whole,
-        explain: false,
-        lora: None,
-    };
+    let req = RouteRequest::whole(&mc, &keys, tokens.len() as u32);
     let placed = p.state.pool.place_split(&req, p.state.now_ms()).ok()?;
     Some(placed.placement.decision.endpoint.host_port())
 }

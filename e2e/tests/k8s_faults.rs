@@ -73,15 +73,7 @@ async fn pickers_serve_through_an_api_server_restart_and_resync() {
 
     // the watches resume: a change made after the restart reaches the picker
     let client = k8s_support::client().await;
-    c.kubectl(&[
-        "scale",
-        "deployment/vllm-llama",
-        "--replicas=2",
-        "--namespace",
-        &ns.name,
-    ])
-    .unwrap();
-    wait_pool_eligible(&client, &ns.name, "llama", "llama", 2, 4).await;
+    scale_to_two(&client, &ns.name).await;
     picker.wait_endpoints(4).await;
     // figures for docs/RELIABILITY.md, not assertions
     eprintln!(

@@ -130,15 +130,7 @@ async fn helm_install_establishes_the_crd_and_one_operator_replica_leads() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e:#}\n{}", second.tail()));
-    c.kubectl(&[
-        "scale",
-        "deployment/vllm-llama",
-        "--replicas=2",
-        "--namespace",
-        &ns.name,
-    ])
-    .unwrap();
-    wait_pool_eligible(&client, &ns.name, "llama", "llama", 2, 4).await;
+    scale_to_two(&client, &ns.name).await;
     let b = metrics(second_addr).await;
     assert!(
         metric_sum(&b, "kvroute_operator_object_writes_total", &[]) > 0.0,

@@ -314,15 +314,7 @@ async fn scaled_up_endpoints_take_traffic_and_deleted_pods_leave() {
     let first = ready_pods(&client, &ns.name, "app.kubernetes.io/name=vllm-llama").await;
     let first_ip = pod_ip(&first[0]);
 
-    c.kubectl(&[
-        "scale",
-        "deployment/vllm-llama",
-        "--replicas=2",
-        "--namespace",
-        &ns.name,
-    ])
-    .unwrap();
-    wait_pool_eligible(&client, &ns.name, "llama", "llama", 2, 4).await;
+    scale_to_two(&client, &ns.name).await;
     picker.wait_endpoints(4).await;
     let pods = ready_pods(&client, &ns.name, "app.kubernetes.io/name=vllm-llama").await;
     let new = pods.iter().find(|p| pod_ip(p) != first_ip).unwrap();

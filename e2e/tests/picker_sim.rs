@@ -9,21 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_picker::service::Running;
-use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
+use kvroute_sim::server::{SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
-
-async fn sim(host: &str) -> SimHandle {
-    let mut cfg = SimConfig {
-        host: host.parse().unwrap(),
-        model: "llama".into(),
-        speedup: 50.0,
-        kv_events: PortSpec::Auto,
-        kv_replay: PortSpec::Auto,
-        ..SimConfig::default()
-    };
-    cfg.engine.num_blocks = 4096;
-    start_sim(cfg).await.expect("simulator starts")
-}
 
 /// A picker routing between the given engines, with precise KV events.
 async fn picker(engines: &[&SimHandle], strategy: &str) -> Running {
@@ -206,17 +193,11 @@ async fn lost_batches_no_replay_holds_keep_the_view_and_mark_its_gap() {
 /// and `/v1/pick` says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_picker_that_came_after_the_replay_window_credits_its_routing_record() {
-    let mut cfg = SimConfig {
-        host: "127.0.0.9".parse().unwrap(),
-        model: "llama".into(),
-        speedup: 50.0,
-        kv_events: PortSpec::Auto,
-        kv_replay: PortSpec::Auto,
+    let cfg = SimConfig {
         // the publisher keeps one batch for replay
         replay_buffer: 1,
-        ..SimConfig::default()
+        ..sim_config("127.0.0.9", 50.0)
     };
-    cfg.engine.num_blocks = 4096;
     let a = start_sim(cfg).await.expect("simulator starts");
     let engine_url = format!("http://{}/v1/completions", a.addrs()[0].http);
     // a context cached before any picker runs, then pushed out of the replay buffer
@@ -328,7 +309,8 @@ mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
 use sim_support::{
-    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, static_picker,
+    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, sim, sim_config,
+    static_picker,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

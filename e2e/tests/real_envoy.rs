@@ -12,31 +12,15 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::{StaticSource, view_from_config};
-use kvroute_picker::service::{Running, start as start_picker};
-use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
+use kvroute_picker::service::Running;
+use kvroute_sim::server::SimHandle;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-async fn sim(host: &str) -> SimHandle {
-    let mut cfg = SimConfig {
-        host: host.parse().unwrap(),
-        model: "llama".into(),
-        speedup: 50.0,
-        kv_events: PortSpec::Auto,
-        kv_replay: PortSpec::Auto,
-        ..SimConfig::default()
-    };
-    cfg.engine.num_blocks = 4096;
-    start_sim(cfg).await.expect("simulator starts")
-}
+#[path = "sim_support/mod.rs"]
+mod sim_support;
+use sim_support::{client, sim, static_picker};
 
 /// A picker over `engines`, with precise KV events unless `precise` is false.
 async fn picker(engines: &[&SimHandle], precise: bool, scrape: &str, limits: &str) -> Running {
@@ -71,15 +55,7 @@ scrape: {scrape}
 limits: {limits}
 "#
     );
-    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
-    let view = view_from_config(&config);
-    start_picker(
-        config,
-        Box::new(StaticSource(view)),
-        CancellationToken::new(),
-    )
-    .await
-    .expect("picker starts")
+    static_picker(&yaml).await
 }
 
 fn prompt(seed: u32) -> Vec<u32> {

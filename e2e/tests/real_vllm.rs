@@ -34,29 +34,22 @@ use std::time::{Duration, Instant};
 
 use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
 use kvroute_e2e::real_engine::{
-    BLOCK, Engine, SLIDING_WINDOW, make_hybrid_model, make_model, vllm_venv,
+    BLOCK, Engine, SLIDING_WINDOW, client, make_hybrid_model, make_model, vllm_venv,
 };
 
 use kvroute_picker::endpoint::EngineKind;
 use kvroute_picker::engine_metrics::{ParseLimits, parse_engine_metrics};
 use kvroute_picker::request::{ApiKind, ParsedRequest, RequestLimits};
-use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::{StaticSource, view_from_config};
-use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_picker::service::Running;
 use kvroute_picker::tokenize::{PromptInput, PromptTokenizer, PromptTokenizerOptions};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
+
+#[path = "sim_support/mod.rs"]
+mod sim_support;
+use sim_support::static_picker;
 
 const MODEL: &str = "tiny-llama";
 const KV_CACHE_BYTES: u64 = 16 << 20;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
-}
 
 async fn post(url: String, body: &Value) -> Value {
     let r = client().post(&url).json(body).send().await.unwrap();
@@ -147,15 +140,7 @@ scrape: {{interval: 100ms}}
         model.join("tokenizer.json").display(),
         model.join("tokenizer_config.json").display()
     );
-    let config = PickerConfig::from_yaml(&yaml).expect("valid picker config");
-    let view = view_from_config(&config);
-    start_picker(
-        config,
-        Box::new(StaticSource(view)),
-        CancellationToken::new(),
-    )
-    .await
-    .expect("picker starts")
+    static_picker(&yaml).await
 }
 
 async fn post_as(url: String, tenant: &str, body: &Value) -> Value {

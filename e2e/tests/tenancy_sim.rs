@@ -6,16 +6,11 @@
 
 use std::time::Duration;
 
-use kvroute_picker::service::settings::PickerConfig;
-use kvroute_picker::service::source::{StaticSource, view_from_config};
-use kvroute_picker::service::start as start_picker;
-use kvroute_sim::server::{PortSpec, SimConfig, start as start_sim};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
+#[path = "sim_support/mod.rs"]
+mod sim_support;
+use sim_support::{client, sim, static_picker};
 
 async fn post(url: String, tenant: &str, body: Value) -> Value {
     let r = client()
@@ -31,16 +26,7 @@ async fn post(url: String, tenant: &str, body: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn salted_events_credit_only_the_tenant_that_cached_the_prefix() {
-    let mut cfg = SimConfig {
-        host: "127.0.0.1".parse().unwrap(),
-        model: "llama".into(),
-        speedup: 50.0,
-        kv_events: PortSpec::Auto,
-        kv_replay: PortSpec::Auto,
-        ..SimConfig::default()
-    };
-    cfg.engine.num_blocks = 4096;
-    let sim = start_sim(cfg).await.expect("simulator starts");
+    let sim = sim("127.0.0.1").await;
     let dir = std::env::temp_dir().join(format!("kvroute-tenancy-sim-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("secret");
@@ -69,15 +55,7 @@ tenancy:
         a.replay[0].port(),
         secret.display()
     );
-    let config = PickerConfig::from_yaml(&yaml).expect("valid config");
-    let view = view_from_config(&config);
-    let p = start_picker(
-        config,
-        Box::new(StaticSource(view)),
-        CancellationToken::new(),
-    )
-    .await
-    .expect("picker starts");
+    let p = static_picker(&yaml).await;
     let tokens: Vec<u32> = (0..2048).map(|i| (i * 13) % 30_000 + 1).collect();
     let body = json!({"model": "llama", "prompt": tokens, "max_tokens": 2});
     let proxy = format!("http://{}/v1/completions", p.addrs.http);

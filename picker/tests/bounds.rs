@@ -297,15 +297,7 @@ limits: {{upstreamTimeout: 500ms}}
     got.sort_unstable();
     assert_eq!(got, [200, 504]);
     // once stale, the wedged engine gets nothing and every request succeeds on b
-    let a_id = state
-        .pool
-        .state()
-        .endpoints()
-        .endpoints()
-        .iter()
-        .find(|e| e.id.port == a.addr.port())
-        .unwrap()
-        .id;
+    let a_id = endpoint_on_port(&picker, a.addr.port());
     eventually(Duration::from_secs(5), || {
         state.pool.state().endpoints().get(&a_id).map(|e| e.state)
             == Some(kvroute_picker::endpoint::EndpointState::Stale)

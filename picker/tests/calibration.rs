@@ -17,17 +17,7 @@ use serde_json::{Value, json};
 use support::*;
 
 fn yaml(port: u16) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-"#
-    )
+    one_engine_scraped(port, "", "")
 }
 
 /// A 512-token prompt of its own (so that no request finds another's blocks cached).

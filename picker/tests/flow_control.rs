@@ -26,17 +26,7 @@ fn yaml_with(port: u16, flow: &str, saturation: &str) -> String {
 
 /// One engine at `port` and the routing settings `routing` (lines indented by two).
 fn yaml_routing(port: u16, routing: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - {{name: llama, model: llama, port: {port}}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-routing:
-  {routing}
-"#
-    )
+    one_engine_scraped(port, "", &format!("routing:\n  {routing}\n"))
 }
 
 /// Waits until the picker's metrics have the line `line`.

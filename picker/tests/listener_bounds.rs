@@ -14,16 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn yaml(port: u16, limits: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - {{name: llama, model: llama, port: {port}}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-limits: {limits}
-"#
-    )
+    one_engine_pool(port, &format!("limits: {limits}\n"))
 }
 
 /// Whether the peer closes `stream` within 10 s (EOF or reset).

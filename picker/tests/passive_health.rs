@@ -118,15 +118,7 @@ async fn an_engine_failing_fast_is_ejected_retried_around_and_probed_again() {
     // Once the ejection time is over it is tried again (and its failures still never reach
     // a client); three more failures eject it again, for twice as long.
     let state = picker.state.clone();
-    let bad_id = state
-        .pool
-        .state()
-        .endpoints()
-        .endpoints()
-        .iter()
-        .find(|e| e.id.port == bad.addr.port())
-        .unwrap()
-        .id;
+    let bad_id = endpoint_on_port(&picker, bad.addr.port());
     eventually(Duration::from_secs(10), || {
         state
             .outlier_status(&bad_id)

@@ -20,22 +20,18 @@ fn free_udp_port() -> u16 {
 
 fn replica_yaml(engine: u16, own: u16, peer: u16, key: &std::path::Path) -> String {
     let key = key.display();
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {engine}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-peers:
+    one_engine_scraped(
+        engine,
+        "",
+        &format!(
+            r#"peers:
   listen: 127.0.0.1:{own}
   addresses: [127.0.0.1:{peer}]
   interval: 20ms
   group: ns/pool
   keyFile: {key}
 "#
+        ),
     )
 }
 

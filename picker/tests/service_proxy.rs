@@ -20,17 +20,7 @@ fn one_engine_yaml(port: u16, extra: &str) -> String {
 
 /// `model_extra`: more lines of the model config (indented four spaces).
 fn one_engine_yaml_with(port: u16, model_extra: &str, extra: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-{model_extra}endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
-{extra}"#
-    )
+    one_engine_scraped(port, model_extra, extra)
 }
 
 async fn post(url: String, body: Value) -> reqwest::Response {

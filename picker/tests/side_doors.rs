@@ -21,19 +21,12 @@ fn secret_file(name: &str) -> std::path::PathBuf {
 }
 
 fn salted(port: u16, secret: &std::path::Path) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - {{name: llama, model: llama, port: {port}}}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-tenancy:
-  isolation: SaltedCache
-  header: x-tenant
-  saltSecretFile: {}
-"#,
-        secret.display()
+    one_engine_pool(
+        port,
+        &format!(
+            "tenancy:\n  isolation: SaltedCache\n  header: x-tenant\n  saltSecretFile: {}\n",
+            secret.display()
+        ),
     )
 }
 
@@ -174,13 +167,7 @@ endpoints:
   - {{address: 127.0.0.2, port: {llama_b}, modelConfig: llama, labels: {{tenant: b}}}}
   - {{address: 127.0.0.3, port: {qwen}, modelConfig: qwen, labels: {{tenant: b}}}}
 routing: {{stalenessThreshold: 1m}}
-tenancy:
-  isolation: DedicatedEndpoints
-  header: x-tenant
-  tenants:
-    - {{name: a, podSelector: {{tenant: a}}}}
-    - {{name: b, podSelector: {{tenant: b}}}}
-"#
+{DEDICATED_TENANTS}"#
     )
 }
 

@@ -193,13 +193,7 @@ endpoints:
   - {{address: 127.0.0.2, modelConfig: llama, port: {b_port}, labels: {{tenant: b}}}}
 routing: {{strategy: LeastLoad, stalenessThreshold: 300ms, failureMode: {failure_mode}}}
 scrape: {{interval: 50ms, timeout: 100ms}}
-tenancy:
-  isolation: DedicatedEndpoints
-  header: x-tenant
-  tenants:
-    - {{name: a, podSelector: {{tenant: a}}}}
-    - {{name: b, podSelector: {{tenant: b}}}}
-"#
+{DEDICATED_TENANTS}"#
     )
 }
 
@@ -253,16 +247,7 @@ async fn dedicated_endpoints_hold_when_fail_open_routes_to_stale_endpoints() {
     eventually(Duration::from_secs(5), || picker.state.is_ready()).await;
     // a's metrics break: it goes stale, and fail-open still keeps a on a's endpoint
     a.state.metrics_broken.store(true, Ordering::SeqCst);
-    let id = picker
-        .state
-        .pool
-        .state()
-        .endpoints()
-        .endpoints()
-        .iter()
-        .find(|e| e.id.port == a.addr.port())
-        .unwrap()
-        .id;
+    let id = endpoint_on_port(&picker, a.addr.port());
     let state = picker.state.clone();
     eventually(Duration::from_secs(5), || {
         state.pool.state().endpoints().get(&id).map(|e| e.state)

@@ -207,19 +207,7 @@ fn bench_decision(c: &mut Criterion) {
                 |b| {
                     b.iter(|| {
                         let plan = plan();
-                        let ctx = RouteContext {
-                            endpoints: &snap,
-                            index: &ix,
-                            loads: &loads,
-                            inflight: &inflight,
-                            now_ms: 0,
-                            ejected: &[],
-                            calibration: None,
-                            pinned: None,
-                            pinned_tokens: 0,
-                            working_sets: None,
-                            turn: 0,
-                        };
+                        let ctx = RouteContext::at(&snap, &ix, &loads, &inflight, 0);
                         let req = plan.route_request(&mc, Scope::default(), false);
                         black_box(router.decide(&ctx, &req).ok().and_then(|d| {
                             d.within_inflight_cap(&inflight, cap).map(|d| d.endpoint)

@@ -1048,17 +1048,9 @@ mod tests {
 
     fn request<'a>(mc: &'a ModelConfig, session: Option<&'a str>) -> RouteRequest<'a> {
         RouteRequest {
-            model_config: mc,
-            keys: &[],
-            prompt_tokens: 8,
             session,
-            tenant: None,
-            subset: None,
-            allow: None,
             fallback_hash: 1,
-            stage: crate::router::Stage::Whole,
-            explain: false,
-            lora: None,
+            ..RouteRequest::whole(mc, &[], 8)
         }
     }
 

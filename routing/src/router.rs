@@ -192,6 +192,53 @@ pub struct RouteContext<'a> {
     pub turn: u64,
 }
 
+impl<'a> RouteRequest<'a> {
+    /// A whole request (not one step of a disaggregated one) of `prompt_tokens` tokens with
+    /// block keys `keys`: no session, tenant, subset, adapter or extra eligibility, no
+    /// explanation. Set the rest with struct update syntax.
+    pub fn whole(model_config: &'a ModelConfig, keys: &'a [BlockKey], prompt_tokens: u32) -> Self {
+        Self {
+            model_config,
+            keys,
+            prompt_tokens,
+            session: None,
+            tenant: None,
+            subset: None,
+            allow: None,
+            fallback_hash: 0,
+            stage: Stage::Whole,
+            explain: false,
+            lora: None,
+        }
+    }
+}
+
+impl<'a> RouteContext<'a> {
+    /// The feeds at `now_ms` with nothing ejected, no calibration, no session pin and no
+    /// working sets read. Set the rest with struct update syntax.
+    pub fn at(
+        endpoints: &'a EndpointSnapshot,
+        index: &'a KvIndex,
+        loads: &'a LoadTable,
+        inflight: &'a InflightTracker,
+        now_ms: u64,
+    ) -> Self {
+        Self {
+            endpoints,
+            index,
+            loads,
+            inflight,
+            now_ms,
+            ejected: &[],
+            calibration: None,
+            pinned: None,
+            pinned_tokens: 0,
+            working_sets: None,
+            turn: 0,
+        }
+    }
+}
+
 /// The most leading blocks of a `prompt_tokens`-token prompt an engine serves from its cache.
 ///
 /// vLLM never serves a prompt's last token from cache (it must compute that token to get the
@@ -680,19 +727,7 @@ mod tests {
 
         /// The feeds at time 0: no pin, no calibration, no ejections.
         fn context<'a>(&'a self, snap: &'a EndpointSnapshot) -> RouteContext<'a> {
-            RouteContext {
-                endpoints: snap,
-                index: &self.index,
-                loads: &self.loads,
-                inflight: &self.inflight,
-                now_ms: 0,
-                ejected: &[],
-                calibration: None,
-                pinned: None,
-                pinned_tokens: 0,
-                working_sets: None,
-                turn: 0,
-            }
+            RouteContext::at(snap, &self.index, &self.loads, &self.inflight, 0)
         }
 
         fn decide(
@@ -905,19 +940,7 @@ mod tests {
             let keys = hasher.keys(root, tokens);
             let snap = w.set.load();
             let ctx = w.context(&snap);
-            let req = RouteRequest {
-                model_config: &w.mc,
-                keys: &keys,
-                prompt_tokens: tokens.len() as u32,
-                session: None,
-                tenant: None,
-                subset: None,
-                allow: None,
-                fallback_hash: 0,
-                stage: crate::router::Stage::Whole,
-                explain: false,
-                lora: None,
-            };
+            let req = RouteRequest::whole(&w.mc, &keys, tokens.len() as u32);
             r.decide(&ctx, &req).expect("decision")
         };
         // 2,048 tokens, every block cached: vLLM hits 2,016
@@ -1100,17 +1123,8 @@ mod tests {
         let ctx = w.context(&snap);
         let subset = [SocketAddr::new(ids[1].address, 8000)];
         let base = RouteRequest {
-            model_config: &w.mc,
-            keys: &keys,
-            prompt_tokens: 64,
-            session: None,
-            tenant: None,
             subset: Some(&subset),
-            allow: None,
-            fallback_hash: 0,
-            stage: crate::router::Stage::Whole,
-            explain: false,
-            lora: None,
+            ..RouteRequest::whole(&w.mc, &keys, 64)
         };
         let r = router(Strategy::Weighted);
         assert_eq!(r.decide(&ctx, &base).expect("d").endpoint, ids[1]);

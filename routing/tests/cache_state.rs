@@ -12,7 +12,8 @@ use kvroute_routing::index::{IndexMode, KvIndex, Slot, TierBlocks};
 use kvroute_routing::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
 use kvroute_routing::kv_events::{BlockPlace, DecodeLimits, KvEvent, decode_event_batch};
 
-const BS: u32 = 16;
+mod support;
+use support::{BS, credit};
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -31,17 +32,6 @@ fn ingest(payload: &[u8]) -> (KvIndex, Slot, IngestStats) {
     };
     let stats = apply_batch(&mut ix, slot, keys, &batch);
     (ix, slot, stats)
-}
-
-/// (blocks the engine reuses from its own cache, blocks after them in lower tiers) for a
-/// prompt of `blocks` pool blocks of the fixtures' tokens.
-fn credit(ix: &KvIndex, blocks: u32) -> (u32, TierBlocks) {
-    let tokens: Vec<u32> = (0..blocks * BS).collect();
-    let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
-    let mut out = Vec::new();
-    ix.credit(&keys, 0, &mut Vec::new(), &mut out);
-    out.first()
-        .map_or((0, TierBlocks::default()), |c| (c.blocks, c.lower))
 }
 
 fn plain_run(ix: &KvIndex, blocks: u32) -> u32 {

@@ -24,17 +24,8 @@ fn id(n: u8) -> EndpointId {
 fn place(pool: &Pool, mc: &ModelConfig, prompt: &[u32]) -> EndpointId {
     let keys = BlockHasher::new(16).keys(ChainRoot::new("llama", None, None), prompt);
     let req = RouteRequest {
-        model_config: mc,
-        keys: &keys,
-        prompt_tokens: prompt.len() as u32,
-        session: None,
-        tenant: None,
-        subset: None,
-        allow: None,
-        fallback_hash: 0,
         stage: kvroute_routing::router::Stage::Whole,
-        explain: false,
-        lora: None,
+        ..RouteRequest::whole(mc, &keys, prompt.len() as u32)
     };
     pool.place(&req, 0).expect("placement").decision.endpoint
 }

@@ -294,17 +294,13 @@ fn place(pool: &Pool, mc: &ModelConfig, r: &Request, n: usize) -> (Vec<BlockKey>
             .collect()
     });
     let req = RouteRequest {
-        model_config: mc,
-        keys: &keys,
-        prompt_tokens: r.blocks * BLOCK_SIZE + 1,
         session: r.session.map(|s| SESSIONS[s]),
         tenant: TENANTS[r.tenant],
         subset: subset.as_deref(),
-        allow: None,
         fallback_hash: u64::from(r.doc),
         stage: kvroute_routing::router::Stage::Whole,
         explain: r.explain,
-        lora: None,
+        ..RouteRequest::whole(mc, &keys, r.blocks * BLOCK_SIZE + 1)
     };
     let _ = pool.gate(&req, 0);
     let placement = pool.place(&req, 0);

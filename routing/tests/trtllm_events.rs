@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::block_keys::BlockHasher;
 use kvroute_routing::endpoint::EndpointId;
 use kvroute_routing::index::{IndexMode, KvIndex, Slot, TierBlocks};
 use kvroute_routing::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
@@ -14,7 +14,8 @@ use kvroute_routing::kv_events::{
     encode_event_batch,
 };
 
-const BS: u32 = 16;
+mod support;
+use support::{BS, credit};
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -39,17 +40,6 @@ fn apply(ix: &mut KvIndex, slot: Slot, payload: &[u8]) -> IngestStats {
         model: "m",
     };
     apply_batch(ix, slot, keys, &decode(payload))
-}
-
-/// (GPU blocks credited, blocks after them in lower tiers) for a prompt of `blocks` blocks
-/// of the fixtures' tokens (0, 1, 2, ...).
-fn credit(ix: &KvIndex, blocks: u32) -> (u32, TierBlocks) {
-    let tokens: Vec<u32> = (0..blocks * BS).collect();
-    let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
-    let mut out = Vec::new();
-    ix.credit(&keys, 0, &mut Vec::new(), &mut out);
-    out.first()
-        .map_or((0, TierBlocks::default()), |c| (c.blocks, c.lower))
 }
 
 fn cpu(n: u32) -> TierBlocks {

@@ -261,11 +261,8 @@ pub async fn main() -> anyhow::Result<()> {
         out.flush()?;
     }
     // SIGINT or SIGTERM (how a node agent stops a pod's process) end the process cleanly.
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
     tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for ctrl-c")?,
-        _ = term.recv() => {}
+        () = kvroute_process::shutdown_signal() => {}
         () = handle.stopped() => {}
     }
     tracing::info!("shutting down");

@@ -15,9 +15,9 @@ mod sim_support;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use contract::Target;
+use contract::{Target, stored};
 use kvroute_routing::endpoint::EngineKind;
-use kvroute_routing::kv_events::{EventEncoding, KvEvent};
+use kvroute_routing::kv_events::EventEncoding;
 use kvroute_sim::server::{EngineAddrs, SimConfig, SimHandle};
 use serde_json::{Value, json};
 use sim_support::*;
@@ -332,16 +332,6 @@ async fn dp_rank_ports_and_multiple_engines() {
         );
     })
     .await;
-}
-
-fn stored(msgs: &[(u64, kvroute_routing::kv_events::EventBatch)]) -> Vec<u64> {
-    msgs.iter()
-        .flat_map(|(_, b)| b.events.iter())
-        .flat_map(|e| match e {
-            KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
-            _ => Vec::new(),
-        })
-        .collect()
 }
 
 /// Simulator-only: the SGLang flavor is checked against SGLang's metric names, not vLLM.

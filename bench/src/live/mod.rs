@@ -864,11 +864,8 @@ pub async fn run_engines(
         writeln!(out, "{v}")?;
         out.flush()?;
     }
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
     tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for ctrl-c")?,
-        _ = term.recv() => {}
+        () = kvroute_process::shutdown_signal() => {}
         () = handle.stopped() => {}
         () = async {
             if exit_on_stdin_close {

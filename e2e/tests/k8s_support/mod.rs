@@ -142,6 +142,21 @@ pub async fn client() -> Client {
     cluster().client().await.unwrap()
 }
 
+/// Scale the `vllm-llama` Deployment in `ns` to 2 pods and wait until the pool `llama` reports
+/// both eligible, with their 4 ranks.
+pub async fn scale_to_two(client: &Client, ns: &str) {
+    cluster()
+        .kubectl(&[
+            "scale",
+            "deployment/vllm-llama",
+            "--replicas=2",
+            "--namespace",
+            ns,
+        ])
+        .unwrap();
+    wait_pool_eligible(client, ns, "llama", "llama", 2, 4).await;
+}
+
 /// Wait until the pool's status reports `pods` eligible pods and `ranks` eligible ranks for
 /// its model config `config`, with the status up to date.
 pub async fn wait_pool_eligible(

@@ -8,8 +8,31 @@ use std::time::Duration;
 use kvroute_picker::service::settings::PickerConfig;
 use kvroute_picker::service::source::{StaticSource, view_from_config};
 use kvroute_picker::service::{Running, start as start_picker};
+use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+
+/// A simulated engine for model `llama` on `host` at `speedup`, with KV events and replay on
+/// free ports and 4096 blocks of cache.
+pub fn sim_config(host: &str, speedup: f64) -> SimConfig {
+    let mut cfg = SimConfig {
+        host: host.parse().unwrap(),
+        model: "llama".into(),
+        speedup,
+        kv_events: PortSpec::Auto,
+        kv_replay: PortSpec::Auto,
+        ..SimConfig::default()
+    };
+    cfg.engine.num_blocks = 4096;
+    cfg
+}
+
+/// [`sim_config`] at 50x, started.
+pub async fn sim(host: &str) -> SimHandle {
+    start_sim(sim_config(host, 50.0))
+        .await
+        .expect("simulator starts")
+}
 
 /// One line of a picker config's `endpoints:` list for `engine`'s first rank (model config
 /// `llama`, its KV event and replay ports), with `extra` fields appended (`, role: decode`).

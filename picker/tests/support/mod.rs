@@ -306,6 +306,44 @@ routing: {{stalenessThreshold: 1m}}
     )
 }
 
+/// Model config `llama` (model `llama`, with `model_extra`: more lines of it, indented four
+/// spaces) on `port`, one endpoint on 127.0.0.1, scraped every 50 ms; `rest` adds sections.
+pub fn one_engine_scraped(port: u16, model_extra: &str, rest: &str) -> String {
+    format!(
+        r#"
+modelConfigs:
+  - name: llama
+    model: llama
+    port: {port}
+{model_extra}endpoints:
+  - {{address: 127.0.0.1, modelConfig: llama}}
+scrape: {{interval: 50ms, timeout: 200ms}}
+{rest}"#
+    )
+}
+
+/// A `tenancy` section: dedicated endpoints by the `x-tenant` header, tenant `a` on the pods
+/// labelled `tenant: a`, tenant `b` on those labelled `tenant: b`.
+pub const DEDICATED_TENANTS: &str = "tenancy:
+  isolation: DedicatedEndpoints
+  header: x-tenant
+  tenants:
+    - {name: a, podSelector: {tenant: a}}
+    - {name: b, podSelector: {tenant: b}}
+";
+
+/// The id of the picker's endpoint on `port`.
+pub fn endpoint_on_port(picker: &Running, port: u16) -> kvroute_picker::endpoint::EndpointId {
+    let pool = picker.state.pool.state();
+    let endpoints = pool.endpoints();
+    endpoints
+        .endpoints()
+        .iter()
+        .find(|e| e.id.port == port)
+        .expect("an endpoint on that port")
+        .id
+}
+
 /// Start a picker from YAML (listen section added) with a static source.
 pub async fn start_picker(yaml: &str) -> Running {
     let config = PickerConfig::from_yaml(&loopback_listen(yaml)).expect("valid config");

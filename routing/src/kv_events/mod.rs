@@ -398,6 +398,14 @@ pub enum DecodeError {
 /// Result alias for this module.
 pub type Result<T, E = DecodeError> = std::result::Result<T, E>;
 
+/// `len` elements of the list `what` as a `usize`, or [`DecodeError::TooMany`] past `limit`.
+pub(crate) fn at_most(what: &'static str, len: u64, limit: usize) -> Result<usize> {
+    match usize::try_from(len) {
+        Ok(n) if n <= limit => Ok(n),
+        _ => Err(DecodeError::TooMany { what, len, limit }),
+    }
+}
+
 const TAG_STORED: &str = "BlockStored";
 const TAG_REMOVED: &str = "BlockRemoved";
 const TAG_CLEARED: &str = "AllBlocksCleared";

@@ -6,7 +6,7 @@ use rmp::Marker;
 use self::trtllm::Decoded;
 use super::{
     BlockPlace, DecodeError, DecodeLimits, EventBatch, ExtraKey, KvEvent, MAX_EXTRA_KEYS_PER_BLOCK,
-    MAX_SUPPORTED_DEPTH, Result, TAG_REMOVED, TAG_STORED,
+    MAX_SUPPORTED_DEPTH, Result, TAG_REMOVED, TAG_STORED, at_most,
 };
 
 /// Decodes one msgpack payload into an [`EventBatch`].
@@ -527,14 +527,7 @@ impl<'a> Reader<'a> {
                 ValueHead::Nil => out.push(None),
                 ValueHead::Array(k) => {
                     self.enter(DEPTH_FIELD + 1, offset)?;
-                    let len = usize::try_from(k).unwrap_or(usize::MAX);
-                    if len > MAX_EXTRA_KEYS_PER_BLOCK {
-                        return Err(DecodeError::TooMany {
-                            what: "extra_keys",
-                            len: u64::from(k),
-                            limit: MAX_EXTRA_KEYS_PER_BLOCK,
-                        });
-                    }
+                    let len = at_most("extra_keys", u64::from(k), MAX_EXTRA_KEYS_PER_BLOCK)?;
                     let mut keys = Vec::with_capacity(len.min(self.remaining()));
                     for _ in 0..k {
                         keys.push(self.extra_key()?);
@@ -609,14 +602,7 @@ impl<'a> Reader<'a> {
             other => return Err(Self::unexpected(what, "array", other, offset)),
         };
         self.enter(DEPTH_FIELD, offset)?;
-        let len = usize::try_from(n).unwrap_or(usize::MAX);
-        if len > limit {
-            return Err(DecodeError::TooMany {
-                what,
-                len: u64::from(n),
-                limit,
-            });
-        }
+        let len = at_most(what, u64::from(n), limit)?;
         Ok((n, len.min(self.remaining())))
     }
 
@@ -752,15 +738,7 @@ impl<'a> Reader<'a> {
             other => return Err(Self::unexpected("events", "array", other, offset)),
         };
         self.enter(DEPTH_EVENTS, offset)?;
-        let len = usize::try_from(n).unwrap_or(usize::MAX);
-        let limit = self.limits.max_events_per_batch;
-        if len > limit {
-            return Err(DecodeError::TooMany {
-                what: "events",
-                len: u64::from(n),
-                limit,
-            });
-        }
+        let len = at_most("events", u64::from(n), self.limits.max_events_per_batch)?;
         let mut events = Vec::with_capacity(len.min(self.remaining()));
         let mut skipped = 0u32;
         for _ in 0..n {

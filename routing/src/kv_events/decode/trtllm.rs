@@ -48,7 +48,7 @@ use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{DEPTH_EVENT, DEPTH_FIELD, Reader, ValueHead};
-use crate::kv_events::{BlockPlace, DecodeError, ExtraKey, KvEvent, Result};
+use crate::kv_events::{BlockPlace, DecodeError, ExtraKey, KvEvent, Result, at_most};
 
 /// What one event decoded to.
 // returned once per event and moved straight into the batch: boxing would add an allocation
@@ -290,14 +290,7 @@ impl<'a> Reader<'a> {
     /// `stored`'s `blocks`, appended to `d`.
     fn trt_blocks(&mut self, d: &mut Data) -> Result<()> {
         let n = self.array_at("blocks", DEPTH_FIELD + 1)?;
-        let limit = self.limits.max_hashes_per_event;
-        if n as usize > limit {
-            return Err(DecodeError::TooMany {
-                what: "blocks",
-                len: u64::from(n),
-                limit,
-            });
-        }
+        at_most("blocks", u64::from(n), self.limits.max_hashes_per_event)?;
         d.hashes = Vec::with_capacity((n as usize).min(self.remaining()));
         let depth = DEPTH_EVENT + 3;
         let mut any_extra = false;
@@ -413,14 +406,7 @@ impl<'a> Reader<'a> {
 
     /// A batch that is a bare list of `n` events (its header read).
     pub(super) fn trtllm_list(&mut self, n: u32) -> Result<(Vec<KvEvent>, u32)> {
-        let limit = self.limits.max_events_per_batch;
-        if n as usize > limit {
-            return Err(DecodeError::TooMany {
-                what: "events",
-                len: u64::from(n),
-                limit,
-            });
-        }
+        at_most("events", u64::from(n), self.limits.max_events_per_batch)?;
         let mut events = Vec::with_capacity((n as usize).min(self.remaining()));
         let mut skipped = 0u32;
         for _ in 0..n {
