@@ -17,7 +17,8 @@ mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
 use sim_support::{
-    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, sim_config, static_picker,
+    LLAMA_PRECISE, LOOPBACK_LISTEN, client, endpoint_entry, eventually, indexed_blocks, pick,
+    prompt, sim_config, static_picker,
 };
 
 async fn sim(host: &str) -> SimHandle {
@@ -38,13 +39,8 @@ async fn picker(engines: &[(&SimHandle, &str)], disaggregation: &str) -> Running
         .collect();
     let yaml = format!(
         r#"
-listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
-modelConfigs:
-  - name: llama
-    model: llama
-    blockSize: 16
-    kvEvents: {{port: 1}}
-endpoints:
+{LOOPBACK_LISTEN}
+{LLAMA_PRECISE}endpoints:
 {endpoints}
 routing: {{stalenessThreshold: 1m, disaggregation: {disaggregation}}}
 scrape: {{interval: 50ms}}

@@ -21,13 +21,8 @@ async fn picker_with(engines: &[&SimHandle], strategy: &str, model_extra: &str) 
     let endpoints: String = engines.iter().map(|e| endpoint_entry(e, "")).collect();
     let yaml = format!(
         r#"
-listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
-modelConfigs:
-  - name: llama
-    model: llama
-    blockSize: 16
-    kvEvents: {{port: 1}}
-{model_extra}
+{LOOPBACK_LISTEN}
+{LLAMA_PRECISE}{model_extra}
 endpoints:
 {endpoints}
 routing: {{strategy: {strategy}, stalenessThreshold: 5s}}
@@ -237,17 +232,12 @@ async fn a_picker_that_came_after_the_replay_window_credits_its_routing_record()
 
 /// A counter of `kvroute_picker_kv_event_problems_total` by kind, from the picker's registry.
 fn problems(p: &Running, kind: &str) -> u64 {
-    p.state
-        .metrics
-        .encode()
-        .lines()
-        .find(|l| {
-            l.starts_with("kvroute_picker_kv_event_problems_total")
-                && l.contains(&format!("kind=\"{kind}\""))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    let kind = format!("kind=\"{kind}\"");
+    kvroute_testkit::metric_sum(
+        &p.state.metrics.encode(),
+        "kvroute_picker_kv_event_problems_total",
+        &[&kind],
+    ) as u64
 }
 
 /// A simulated engine whose publisher floods garbage (random bytes, damaged payloads, jumps
@@ -309,8 +299,8 @@ mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
 use sim_support::{
-    client, endpoint_entry, eventually, indexed_blocks, pick, prompt, sim, sim_config,
-    static_picker,
+    LLAMA_PRECISE, LOOPBACK_LISTEN, client, endpoint_entry, eventually, indexed_blocks, pick,
+    prompt, sim, sim_config, static_picker,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,7 +20,7 @@ use kvroute_e2e::envoy::{Envoy, EnvoySpec, Shape};
 
 #[path = "sim_support/mod.rs"]
 mod sim_support;
-use sim_support::{client, sim, static_picker};
+use sim_support::{LOOPBACK_LISTEN, client, sim, static_picker};
 
 /// A picker over `engines`, with precise KV events unless `precise` is false.
 async fn picker(engines: &[&SimHandle], precise: bool, scrape: &str, limits: &str) -> Running {
@@ -45,7 +45,7 @@ async fn picker(engines: &[&SimHandle], precise: bool, scrape: &str, limits: &st
     let kv_events = if precise { ", kvEvents: {port: 1}" } else { "" };
     let yaml = format!(
         r#"
-listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
+{LOOPBACK_LISTEN}
 modelConfigs:
   - {{name: llama, model: llama, blockSize: 16{kv_events}}}
 endpoints:
@@ -201,12 +201,22 @@ async fn envoy_walks_the_fallback_list_when_the_chosen_endpoint_is_down() {
     let resp = post(&envoy, &body).await;
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
     assert_eq!(served(up).await, before + 1.0, "the fallback served it");
-    let text =
-        kvroute_testkit::get_text(&client(), format!("http://{}/metrics", p.addrs.metrics)).await;
-    assert!(
-        text.contains("kvroute_picker_gateway_fallbacks_total 1"),
-        "Envoy reported the endpoint it used:\n{text}"
-    );
+    // the picker counts it when Envoy's stream reports the endpoint used, which may come
+    // after the client has its answer
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text =
+            kvroute_testkit::get_text(&client(), format!("http://{}/metrics", p.addrs.metrics))
+                .await;
+        if text.contains("kvroute_picker_gateway_fallbacks_total 1") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Envoy reported the endpoint it used:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     drop(envoy);
 
     // ORIGINAL_DST has only the header's one endpoint: the client sees Envoy's 503

@@ -46,7 +46,7 @@ use serde_json::{Value, json};
 
 #[path = "sim_support/mod.rs"]
 mod sim_support;
-use sim_support::static_picker;
+use sim_support::{LOOPBACK_LISTEN, static_picker};
 
 const MODEL: &str = "tiny-llama";
 const KV_CACHE_BYTES: u64 = 16 << 20;
@@ -121,7 +121,7 @@ async fn picker_with(model: &Path, engines: &[&Engine], extra_yaml: &str) -> Run
     }
     let yaml = format!(
         r#"
-listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}}
+{LOOPBACK_LISTEN}
 modelConfigs:
   - name: tiny
     model: {MODEL}

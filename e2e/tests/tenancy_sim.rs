@@ -10,18 +10,10 @@ use serde_json::{Value, json};
 
 #[path = "sim_support/mod.rs"]
 mod sim_support;
-use sim_support::{client, sim, static_picker};
+use sim_support::{LLAMA_PRECISE, client, sim, static_picker};
 
 async fn post(url: String, tenant: &str, body: Value) -> Value {
-    let r = client()
-        .post(url)
-        .header("x-tenant", tenant)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
+    kvroute_testkit::post_json_with(&client(), url, &[("x-tenant", tenant)], &body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,12 +27,7 @@ async fn salted_events_credit_only_the_tenant_that_cached_the_prefix() {
     let yaml = format!(
         r#"
 listen: {{http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: null}}
-modelConfigs:
-  - name: llama
-    model: llama
-    blockSize: 16
-    kvEvents: {{port: 1}}
-endpoints:
+{LLAMA_PRECISE}endpoints:
   - {{address: {}, modelConfig: llama, port: {}, kvEventsPort: {}, kvReplayPort: {}}}
 routing: {{stalenessThreshold: 5s}}
 scrape: {{interval: 50ms}}

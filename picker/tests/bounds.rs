@@ -75,13 +75,7 @@ async fn oversized_request_heads_get_431() {
         .unwrap();
     assert_eq!(resp.status(), 431);
     // the listener still serves ordinary requests
-    let resp = client()
-        .post(&url)
-        .json(&json!({"model": "llama", "prompt": "hi"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
+    assert_eq!(completion_status(&url, "hi").await, 200);
     picker.shutdown().await;
 }
 
@@ -200,13 +194,7 @@ async fn a_silent_stream_is_cut_after_the_idle_timeout() {
         .state
         .stall_after_first
         .store(false, Ordering::SeqCst);
-    let resp = client()
-        .post(&url)
-        .json(&json!({"model": "llama", "prompt": "hi"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
+    assert_eq!(completion_status(&url, "hi").await, 200);
     picker.shutdown().await;
 }
 

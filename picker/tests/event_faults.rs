@@ -40,15 +40,8 @@ fn stored_batch(seq: u64, blocks: u64) -> Vec<u8> {
 }
 
 fn problems(metrics: &str, kind: &str) -> u64 {
-    metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("kvroute_picker_kv_event_problems_total")
-                && l.contains(&format!("kind=\"{kind}\""))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    let kind = format!("kind=\"{kind}\"");
+    kvroute_testkit::metric_sum(metrics, "kvroute_picker_kv_event_problems_total", &[&kind]) as u64
 }
 
 /// A publisher on 127.0.0.1 and a picker subscribed to it for one engine (`blockSize` 16),

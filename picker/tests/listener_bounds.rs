@@ -123,13 +123,7 @@ async fn stalled_bodies_hold_no_admission_slot_and_time_out() {
     // with four bodies stalled and room for two requests in flight, a client still gets in
     let url = format!("http://{}/v1/completions", picker.addrs.http);
     for _ in 0..3 {
-        let resp = client()
-            .post(&url)
-            .json(&serde_json::json!({"model": "llama", "prompt": "hi"}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
+        assert_eq!(completion_status(&url, "hi").await, 200);
     }
     // each stalled request is answered 408 once its body is late
     for s in &mut stalled {
@@ -181,13 +175,7 @@ async fn the_body_buffer_bounds_what_bodies_being_read_hold() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // a small body still fits beside the stalled one
-    let resp = client()
-        .post(&url)
-        .json(&serde_json::json!({"model": "llama", "prompt": "hi"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
+    assert_eq!(completion_status(&url, "hi").await, 200);
     let _ = held.shutdown().await;
     picker.shutdown().await;
 }

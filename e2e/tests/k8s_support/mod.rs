@@ -263,16 +263,11 @@ impl Picker {
         format!("http://{}:{port}{path}", self.ip)
     }
 
-    /// `/v1/completions` through the proxy; the parsed body (or the SSE text when streaming).
-    pub async fn complete(
-        &self,
-        model: &str,
-        prompt: impl serde::Serialize,
-        stream: bool,
-    ) -> anyhow::Result<String> {
+    /// `body` posted to `path` through the proxy; the answer's text, or an error with it.
+    async fn post_through(&self, path: &str, body: &Value) -> anyhow::Result<String> {
         let r = http()
-            .post(self.url(kvroute_crds::contract::PICKER_HTTP_PORT, "/v1/completions"))
-            .json(&json!({"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream}))
+            .post(self.url(kvroute_crds::contract::PICKER_HTTP_PORT, path))
+            .json(body)
             .send()
             .await?;
         let status = r.status();
@@ -283,25 +278,22 @@ impl Picker {
         Ok(body)
     }
 
+    /// `/v1/completions` through the proxy; the parsed body (or the SSE text when streaming).
+    pub async fn complete(
+        &self,
+        model: &str,
+        prompt: impl serde::Serialize,
+        stream: bool,
+    ) -> anyhow::Result<String> {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream});
+        self.post_through("/v1/completions", &body).await
+    }
+
     /// `/v1/chat/completions` through the proxy.
     pub async fn chat(&self, model: &str, content: &str, stream: bool) -> anyhow::Result<String> {
-        let r = http()
-            .post(self.url(
-                kvroute_crds::contract::PICKER_HTTP_PORT,
-                "/v1/chat/completions",
-            ))
-            .json(
-                &json!({"model": model, "messages": [{"role": "user", "content": content}],
-                          "max_tokens": 4, "stream": stream}),
-            )
-            .send()
-            .await?;
-        let status = r.status();
-        let body = r.text().await?;
-        if !status.is_success() {
-            bail!("{status}: {body}");
-        }
-        Ok(body)
+        let body = json!({"model": model, "messages": [{"role": "user", "content": content}],
+                          "max_tokens": 4, "stream": stream});
+        self.post_through("/v1/chat/completions", &body).await
     }
 
     /// The admin API's decision for a completion prompt.

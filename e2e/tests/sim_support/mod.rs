@@ -12,6 +12,18 @@ use kvroute_sim::server::{PortSpec, SimConfig, SimHandle, start as start_sim};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+/// A picker config's `listen` section: every listener on a free loopback port.
+pub const LOOPBACK_LISTEN: &str =
+    "listen: {http: 127.0.0.1:0, admin: 127.0.0.1:0, metrics: 127.0.0.1:0, extProc: 127.0.0.1:0}";
+
+/// A picker config's model config `llama` (blocks of 16 tokens) with precise KV events.
+pub const LLAMA_PRECISE: &str = "modelConfigs:
+  - name: llama
+    model: llama
+    blockSize: 16
+    kvEvents: {port: 1}
+";
+
 /// A simulated engine for model `llama` on `host` at `speedup`, with KV events and replay on
 /// free ports and 4096 blocks of cache.
 pub fn sim_config(host: &str, speedup: f64) -> SimConfig {

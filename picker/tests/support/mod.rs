@@ -290,25 +290,9 @@ pub fn loopback_listen(yaml: &str) -> String {
     )
 }
 
-/// The pool most tests start from: model config `llama` (model `llama`) on `port`, one
-/// endpoint on 127.0.0.1, a one-minute staleness threshold; `rest` adds sections.
-pub fn one_engine_pool(port: u16, rest: &str) -> String {
-    format!(
-        r#"
-modelConfigs:
-  - name: llama
-    model: llama
-    port: {port}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: llama}}
-routing: {{stalenessThreshold: 1m}}
-{rest}"#
-    )
-}
-
 /// Model config `llama` (model `llama`, with `model_extra`: more lines of it, indented four
-/// spaces) on `port`, one endpoint on 127.0.0.1, scraped every 50 ms; `rest` adds sections.
-pub fn one_engine_scraped(port: u16, model_extra: &str, rest: &str) -> String {
+/// spaces) on `port` and one endpoint on 127.0.0.1; `rest` adds sections.
+fn one_engine(port: u16, model_extra: &str, rest: &str) -> String {
     format!(
         r#"
 modelConfigs:
@@ -317,8 +301,26 @@ modelConfigs:
     port: {port}
 {model_extra}endpoints:
   - {{address: 127.0.0.1, modelConfig: llama}}
-scrape: {{interval: 50ms, timeout: 200ms}}
 {rest}"#
+    )
+}
+
+/// The pool most tests start from: [`one_engine`] with a one-minute staleness threshold;
+/// `rest` adds sections.
+pub fn one_engine_pool(port: u16, rest: &str) -> String {
+    one_engine(
+        port,
+        "",
+        &format!("routing: {{stalenessThreshold: 1m}}\n{rest}"),
+    )
+}
+
+/// [`one_engine`] scraped every 50 ms; `rest` adds sections.
+pub fn one_engine_scraped(port: u16, model_extra: &str, rest: &str) -> String {
+    one_engine(
+        port,
+        model_extra,
+        &format!("scrape: {{interval: 50ms, timeout: 200ms}}\n{rest}"),
     )
 }
 
@@ -331,6 +333,18 @@ pub const DEDICATED_TENANTS: &str = "tenancy:
     - {name: a, podSelector: {tenant: a}}
     - {name: b, podSelector: {tenant: b}}
 ";
+
+/// The status of a completion of `prompt` (model `llama`) posted to `url`.
+pub async fn completion_status(url: &str, prompt: &str) -> u16 {
+    client()
+        .post(url)
+        .json(&serde_json::json!({"model": "llama", "prompt": prompt}))
+        .send()
+        .await
+        .expect("the picker answers")
+        .status()
+        .as_u16()
+}
 
 /// The id of the picker's endpoint on `port`.
 pub fn endpoint_on_port(picker: &Running, port: u16) -> kvroute_picker::endpoint::EndpointId {
