@@ -131,9 +131,10 @@ pub fn displaced_tokens(req: &RequestFacts, f: &Features) -> u64 {
 /// The share of a recomputed copy of the request's uncached tokens that evicts cached context
 /// on the candidate: what the engine holds (the blocks the index attributes to it, or the KV
 /// its running requests use if more, plus the prompts this picker sent there that have not
-/// started) and the copy, over the KV capacity the engine reports; at most 1, and 1 when the
-/// capacity is not reported. An engine with room for the copy, one that is new or has served
-/// little, loses nothing to it.
+/// started) and the copy, over the KV capacity the engine reports, rounded up to eighths; at
+/// most 1, and 1 when the capacity is not reported. An engine with room for the copy, one that
+/// is new or has served little, loses little to it. In eighths, so that engines a few blocks
+/// apart tie and the request's hash spreads cold requests over them, as without the share.
 pub fn evicting_share(req: &RequestFacts, f: &Features) -> f64 {
     let Some(blocks) = f.kv_capacity_blocks.filter(|&b| b > 0) else {
         return 1.0;
@@ -141,7 +142,7 @@ pub fn evicting_share(req: &RequestFacts, f: &Features) -> f64 {
     let capacity = blocks.saturating_mul(u64::from(req.block_size.max(1))) as f64;
     let indexed = (f.indexed_blocks * u64::from(req.block_size.max(1))) as f64;
     let held = indexed.max(f.kv_usage.clamp(0.0, 1.0) * capacity) + f.pending_prompt_tokens as f64;
-    ((held + f64::from(f.uncached_tokens)) / capacity).clamp(0.0, 1.0)
+    (((held + f64::from(f.uncached_tokens)) / capacity * 8.0).ceil() / 8.0).clamp(0.0, 1.0)
 }
 
 #[derive(Debug, Clone)]
@@ -362,8 +363,20 @@ mod tests {
             indexed_blocks: 0,
             ..cold_full
         };
-        assert!((evicting_share(&r, &cold_empty) - 11_008.0 / 500_000.0).abs() < 1e-12);
+        assert_eq!(
+            evicting_share(&r, &cold_empty),
+            0.125,
+            "11k of 500k, in eighths"
+        );
         assert_eq!(pick(&p, &r, &[cand(1, cold_empty), cand(2, warm)]), ep(1));
+        // engines a few blocks apart tie, so the request's hash spreads cold requests
+        let few = Features {
+            indexed_blocks: 32,
+            ..cold_empty
+        };
+        let mut s = [0.0; 2];
+        p.score(&r, &[cand(1, cold_empty), cand(3, few)], &mut s);
+        assert_eq!(s[0], s[1]);
         // and without a reported capacity the whole charge stands
         let unknown = Features {
             kv_capacity_blocks: None,
