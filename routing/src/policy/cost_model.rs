@@ -131,9 +131,9 @@ pub fn displaced_tokens(req: &RequestFacts, f: &Features) -> u64 {
 /// The share of a recomputed copy of the request's uncached tokens that evicts cached context
 /// on the candidate: what the engine holds (the blocks the index attributes to it, or the KV
 /// its running requests use if more, plus the prompts this picker sent there that have not
-/// started) and the copy, over the KV capacity the engine reports, rounded up to eighths; at
+/// started) and the copy, over the KV capacity the engine reports, rounded up to 64ths; at
 /// most 1, and 1 when the capacity is not reported. An engine with room for the copy, one that
-/// is new or has served little, loses little to it. In eighths, so that engines a few blocks
+/// is new or has served little, loses little to it. In 64ths, so that engines a few blocks
 /// apart tie and the request's hash spreads cold requests over them, as without the share.
 pub fn evicting_share(req: &RequestFacts, f: &Features) -> f64 {
     let Some(blocks) = f.kv_capacity_blocks.filter(|&b| b > 0) else {
@@ -142,7 +142,7 @@ pub fn evicting_share(req: &RequestFacts, f: &Features) -> f64 {
     let capacity = blocks.saturating_mul(u64::from(req.block_size.max(1))) as f64;
     let indexed = (f.indexed_blocks * u64::from(req.block_size.max(1))) as f64;
     let held = indexed.max(f.kv_usage.clamp(0.0, 1.0) * capacity) + f.pending_prompt_tokens as f64;
-    (((held + f64::from(f.uncached_tokens)) / capacity * 8.0).ceil() / 8.0).clamp(0.0, 1.0)
+    (((held + f64::from(f.uncached_tokens)) / capacity * 64.0).ceil() / 64.0).clamp(0.0, 1.0)
 }
 
 #[derive(Debug, Clone)]
@@ -358,15 +358,15 @@ mod tests {
         assert_eq!(evicting_share(&r, &cold_full), 1.0);
         // a cold engine whose cache is full evicts with all of its copy: the prefix wins
         assert_eq!(pick(&p, &r, &[cand(1, cold_full), cand(2, warm)]), ep(2));
-        // the same engine with an empty cache evicts nothing: its TTFT alone is charged
+        // the same engine with an empty cache evicts almost nothing: its TTFT is nearly all
         let cold_empty = Features {
             indexed_blocks: 0,
             ..cold_full
         };
         assert_eq!(
             evicting_share(&r, &cold_empty),
-            0.125,
-            "11k of 500k, in eighths"
+            2.0 / 64.0,
+            "11k of 500k, in 64ths"
         );
         assert_eq!(pick(&p, &r, &[cand(1, cold_empty), cand(2, warm)]), ep(1));
         // engines a few blocks apart tie, so the request's hash spreads cold requests
