@@ -6,14 +6,14 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use kvroute_routing::block_keys::{BlockHasher, ChainRoot};
+use kvroute_routing::block_keys::BlockHasher;
 use kvroute_routing::endpoint::EndpointId;
 use kvroute_routing::index::{IndexMode, KvIndex, Slot, TierBlocks};
 use kvroute_routing::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
 use kvroute_routing::kv_events::{BlockPlace, DecodeLimits, KvEvent, decode_event_batch};
 
 mod support;
-use support::{BS, credit};
+use support::{BS, credit, keys};
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -35,10 +35,8 @@ fn ingest(payload: &[u8]) -> (KvIndex, Slot, IngestStats) {
 }
 
 fn plain_run(ix: &KvIndex, blocks: u32) -> u32 {
-    let tokens: Vec<u32> = (0..blocks * BS).collect();
-    let keys = BlockHasher::new(BS).keys(ChainRoot::new("m", None, None), &tokens);
     let mut out = Vec::new();
-    ix.longest_prefix(&keys, &mut out);
+    ix.longest_prefix(&keys(blocks), &mut out);
     out.first().map_or(0, |m| m.blocks)
 }
 

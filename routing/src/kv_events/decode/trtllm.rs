@@ -290,8 +290,8 @@ impl<'a> Reader<'a> {
     /// `stored`'s `blocks`, appended to `d`.
     fn trt_blocks(&mut self, d: &mut Data) -> Result<()> {
         let n = self.array_at("blocks", DEPTH_FIELD + 1)?;
-        at_most("blocks", u64::from(n), self.limits.max_hashes_per_event)?;
-        d.hashes = Vec::with_capacity((n as usize).min(self.remaining()));
+        let len = at_most("blocks", u64::from(n), self.limits.max_hashes_per_event)?;
+        d.hashes = Vec::with_capacity(len.min(self.remaining()));
         let depth = DEPTH_EVENT + 3;
         let mut any_extra = false;
         for i in 0..n as usize {
@@ -406,8 +406,8 @@ impl<'a> Reader<'a> {
 
     /// A batch that is a bare list of `n` events (its header read).
     pub(super) fn trtllm_list(&mut self, n: u32) -> Result<(Vec<KvEvent>, u32)> {
-        at_most("events", u64::from(n), self.limits.max_events_per_batch)?;
-        let mut events = Vec::with_capacity((n as usize).min(self.remaining()));
+        let len = at_most("events", u64::from(n), self.limits.max_events_per_batch)?;
+        let mut events = Vec::with_capacity(len.min(self.remaining()));
         let mut skipped = 0u32;
         for _ in 0..n {
             let offset = self.pos;
