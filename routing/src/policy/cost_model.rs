@@ -128,6 +128,23 @@ pub fn displaced_tokens(req: &RequestFacts, f: &Features) -> u64 {
         .min(f.working_set_tokens)
 }
 
+/// The share of a recomputed copy of the request's uncached tokens that evicts cached context
+/// on the candidate: what the engine holds (the blocks the index attributes to it, or the KV
+/// its running requests use if more, plus the prompts this picker sent there that have not
+/// started) and the copy, over the KV capacity the engine reports, rounded up to 64ths; at
+/// most 1, and 1 when the capacity is not reported. An engine with room for the copy, one that
+/// is new or has served little, loses little to it. In 64ths, so that engines a few blocks
+/// apart tie and the request's hash spreads cold requests over them, as without the share.
+pub fn evicting_share(req: &RequestFacts, f: &Features) -> f64 {
+    let Some(blocks) = f.kv_capacity_blocks.filter(|&b| b > 0) else {
+        return 1.0;
+    };
+    let capacity = blocks.saturating_mul(u64::from(req.block_size.max(1))) as f64;
+    let indexed = (f.indexed_blocks * u64::from(req.block_size.max(1))) as f64;
+    let held = indexed.max(f.kv_usage.clamp(0.0, 1.0) * capacity) + f.pending_prompt_tokens as f64;
+    (((held + f64::from(f.uncached_tokens)) / capacity * 64.0).ceil() / 64.0).clamp(0.0, 1.0)
+}
+
 #[derive(Debug, Clone)]
 pub struct CostModel {
     cal: CostModelCalibration,
@@ -147,14 +164,16 @@ impl Policy for CostModel {
     fn score(&self, req: &RequestFacts, cands: &[Candidate], scores: &mut [f64]) {
         for (c, s) in cands.iter().zip(scores.iter_mut()) {
             // the greedy TTFT, plus the recomputation's cost to everyone else (locality has a
-            // future value: see `CostModelCalibration::recompute_weight`)
-            let recompute = candidate_prefill_ms(
-                &self.cal,
-                &c.features,
-                f64::from(c.features.uncached_tokens),
-            );
+            // future value: see `CostModelCalibration::recompute_weight`): its tokens in the
+            // share of the copy that evicts someone's cache there, and in full the engine step
+            // any placement that recomputes anything pays (so that it still cancels between
+            // candidates whose shares differ)
+            let uncached = f64::from(c.features.uncached_tokens);
+            let recompute = candidate_prefill_ms(&self.cal, &c.features, uncached);
+            let step = step_overhead_ms(&self.cal, &c.features).clamp(0.0, recompute);
+            let charge = step + (recompute - step) * evicting_share(req, &c.features);
             let mut cost =
-                estimated_ttft_ms(&self.cal, &c.features) + self.cal.recompute_weight * recompute;
+                estimated_ttft_ms(&self.cal, &c.features) + self.cal.recompute_weight * charge;
             if self.cal.displacement_weight > 0.0 {
                 // and the other live sessions' context it evicts (cache balance)
                 let displaced = displaced_tokens(req, &c.features);
@@ -164,6 +183,11 @@ impl Policy for CostModel {
             *s = -cost;
         }
     }
+}
+
+/// The fixed cost of one engine step on the candidate (learned, or the configured constant).
+fn step_overhead_ms(cal: &CostModelCalibration, f: &Features) -> f64 {
+    f.learned.map_or(cal.prefill_constant_ms, |l| l.overhead_ms)
 }
 
 #[cfg(test)]
@@ -318,6 +342,80 @@ mod tests {
         warm.pending_tokens = 100;
         let cands = [cand(1, feat(2048, 0, 0.0, 0.0)), cand(2, warm)];
         assert_eq!(pick(&p, &r, &cands), ep(2));
+    }
+
+    #[test]
+    fn an_engine_with_room_for_the_copy_is_charged_little_of_its_recomputation() {
+        let p = CostModel::new(CostModelCalibration::default());
+        // the demo's new session: 8k of its 11k tokens cached on a busy engine whose cache is
+        // full and whose queue holds 4k tokens; another engine is idle and cold
+        let r = req(11_008);
+        let capacity = Some(500_000 / 16);
+        let mut warm = feat(11_008, 500, 1.0, 3.0);
+        warm.pending_tokens = 4_000;
+        warm.pending_requests = 1;
+        warm.kv_capacity_blocks = capacity;
+        warm.indexed_blocks = 500_000 / 16;
+        let cold_full = Features {
+            kv_capacity_blocks: capacity,
+            indexed_blocks: 500_000 / 16,
+            ..feat(11_008, 0, 0.0, 0.0)
+        };
+        assert_eq!(evicting_share(&r, &cold_full), 1.0);
+        // a cold engine whose cache is full evicts with all of its copy: the prefix wins
+        assert_eq!(pick(&p, &r, &[cand(1, cold_full), cand(2, warm)]), ep(2));
+        // the same engine with an empty cache evicts almost nothing: its 11k tokens are
+        // charged at 2/64, the warm engine's 3k in full
+        let cold_empty = Features {
+            indexed_blocks: 0,
+            ..cold_full
+        };
+        assert_eq!(
+            evicting_share(&r, &cold_empty),
+            2.0 / 64.0,
+            "11k of 500k, in 64ths"
+        );
+        assert_eq!(pick(&p, &r, &[cand(1, cold_empty), cand(2, warm)]), ep(1));
+        // engines a few blocks apart tie, so the request's hash spreads cold requests
+        let few = Features {
+            indexed_blocks: 32,
+            ..cold_empty
+        };
+        let mut s = [0.0; 3];
+        p.score(
+            &r,
+            &[cand(1, cold_empty), cand(3, few), cand(2, warm)],
+            &mut s,
+        );
+        assert_eq!(s[0], s[1]);
+        // and without a reported capacity the whole charge stands
+        let unknown = Features {
+            kv_capacity_blocks: None,
+            ..cold_empty
+        };
+        assert_eq!(evicting_share(&r, &unknown), 1.0);
+        assert_eq!(pick(&p, &r, &[cand(1, unknown), cand(2, warm)]), ep(2));
+    }
+
+    #[test]
+    fn a_nearly_whole_prefix_on_a_full_engine_beats_an_empty_engine() {
+        // real vLLM (e2e `picker_against_two_real_vllm_engines`): one engine holds 448 of a
+        // 454-token prompt with its cache full (510 of 512 blocks of 16), the other is empty.
+        // The engine step both would pay is charged in full to both: scaled by the share, the
+        // warm engine's 6 tokens would cost 8 steps and the empty engine's 454 tokens little.
+        let p = CostModel::new(CostModelCalibration::default());
+        let r = req(454);
+        let warm = Features {
+            kv_capacity_blocks: Some(512),
+            indexed_blocks: 510,
+            ..feat(454, 28, 0.0, 0.0)
+        };
+        let empty = Features {
+            kv_capacity_blocks: Some(512),
+            ..feat(454, 0, 0.0, 0.0)
+        };
+        assert_eq!(pick(&p, &r, &[cand(1, empty), cand(2, warm)]), ep(2));
+        assert_eq!(pick(&p, &r, &[cand(2, warm), cand(1, empty)]), ep(2));
     }
 
     #[test]
