@@ -213,6 +213,11 @@ impl Engine {
         }
     }
 
+    /// Its process group (the API server and its engine core), for a kill from elsewhere.
+    pub fn process_group(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL to the whole group, as a crash or an OOM kill would do.
     pub fn kill_now(mut self) {
         self.signal_group("-KILL");

@@ -914,6 +914,12 @@ async fn picker_against_two_real_vllm_engines() {
         });
     }
 
+    // --- the official Python clients through the picker, each call also made straight ----------
+    // (e2e/tests/sdk/official_clients.py); it kills b mid-stream at its end
+    p.shutdown().await;
+    let p = picker(&model, &[&a, &b]).await;
+    official_clients(&mut checks, &p, &a, &b).await;
+
     p.shutdown().await;
     drop(a);
     drop(b);
@@ -923,4 +929,31 @@ async fn picker_against_two_real_vllm_engines() {
         checks.0.len(),
         checks.0.join("\n- ")
     );
+}
+
+/// Runs the `openai` and `anthropic` clients' checks against the picker `p` and engine `a`;
+/// they kill `b` mid-stream at the end.
+async fn official_clients(checks: &mut Checks, p: &Running, a: &Engine, b: &Engine) {
+    let script = kvroute_e2e::cluster::repo_root().join("e2e/tests/sdk/official_clients.py");
+    let mut run = tokio::process::Command::new(vllm_venv().join("bin/python"));
+    run.arg(&script)
+        .env("PICKER_URL", format!("http://{}", p.addrs.http))
+        .env("ENGINE_URL", a.url(""))
+        .env("DOOMED_URL", b.url(""))
+        .env("DOOMED_PGID", b.process_group().to_string())
+        .env("MODEL", MODEL)
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(300), run.output())
+        .await
+        .expect("the client checks finish within 300 s")
+        .expect("run the vLLM venv's python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("official clients:\n{stdout}");
+    checks.check(out.status.success(), || {
+        format!(
+            "the official clients' checks failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
 }

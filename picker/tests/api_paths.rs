@@ -153,6 +153,81 @@ async fn the_proxy_routes_every_path_by_model() {
             .contains("`messages`"),
         "{err}"
     );
+    // in Anthropic's envelope, as the engine's own errors on that path are
+    assert_eq!(err["type"], "error", "{err}");
+    assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+    assert_eq!(
+        err["error"].as_object().unwrap().len(),
+        2,
+        "type and message only: {err}"
+    );
+    picker.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_pickers_own_errors_take_the_envelope_of_the_requests_api() {
+    let engines = four_engines().await;
+    let picker = start_picker(&two_models(&engines)).await;
+    let http = picker.addrs.http;
+    let ask = |path: &'static str, body: Value| async move {
+        let resp = client()
+            .post(format!("http://{http}{path}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json::<Value>().await.unwrap())
+    };
+    let unknown = json!({"model": "gpt-9", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"});
+    // Anthropic's on the Messages paths: its own type names, no OpenAI keys
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let (status, err) = ask(path, unknown.clone()).await;
+        assert_eq!(status, 404, "{path}: {err}");
+        assert_eq!(
+            err,
+            json!({"type": "error", "error": {"type": "not_found_error",
+                "message": "the model `gpt-9` does not exist in this pool"}}),
+            "{path}"
+        );
+    }
+    // OpenAI's everywhere else, with the keys OpenAI and vLLM send
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let (status, err) = ask(path, unknown.clone()).await;
+        assert_eq!(status, 404, "{path}: {err}");
+        assert_eq!(
+            err,
+            json!({"error": {"message": "the model `gpt-9` does not exist in this pool",
+                "type": "invalid_request_error", "param": null, "code": "model_not_found"}}),
+            "{path}"
+        );
+    }
+    // an answer relayed from an engine is left as the engine sent it
+    let (status, answer) = ask(
+        "/v1/messages",
+        json!({"model": "llama", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.get("error").is_none(), "{answer}");
+
+    // ext_proc's immediate responses speak the same way
+    let ext = gateway::channel(picker.addrs.ext_proc.unwrap()).await;
+    let bytes = serde_json::to_vec(&unknown).unwrap();
+    for (path, want_type) in [
+        ("/v1/messages", "not_found_error"),
+        ("/v1/chat/completions", "invalid_request_error"),
+    ] {
+        let d = gateway::exchange(&ext, path, &[], &bytes, None, None).await;
+        let gateway::Answer::Immediate { status, body } = d else {
+            panic!("{path}: routed")
+        };
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(body["error"]["type"], want_type, "{path}: {body}");
+        assert_eq!(body.get("type").is_some(), path == "/v1/messages", "{body}");
+    }
     picker.shutdown().await;
 }
 

@@ -335,16 +335,8 @@ impl ParsedRequest {
                 "request body must be a JSON object",
             ));
         }
-        let invalid = |e: serde_json::Error| {
-            let code = if e.is_data() {
-                "invalid_field"
-            } else {
-                "invalid_json"
-            };
-            RequestError::bad_request(code, format!("invalid request body: {e}"))
-        };
         if kind == ApiKind::Other {
-            let head: OtherBodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
+            let head: OtherBodyFields = read_fields(&raw)?;
             let (model, stream, cache_salt) = Self::common_fields(
                 head.model,
                 head.stream,
@@ -357,10 +349,10 @@ impl ParsedRequest {
             kind,
             ApiKind::Responses | ApiKind::Messages | ApiKind::Embeddings
         ) {
-            let head: ConversationFields = serde_json::from_slice(&raw).map_err(invalid)?;
+            let head: ConversationFields = read_fields(&raw)?;
             return Self::conversation(kind, raw, head, limits);
         }
-        let head: BodyFields = serde_json::from_slice(&raw).map_err(invalid)?;
+        let head: BodyFields = read_fields(&raw)?;
         let (model, stream, cache_salt) = Self::common_fields(
             head.model,
             head.stream,
@@ -669,6 +661,35 @@ pub fn engine_body(
 /// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
 /// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
 /// lone surrogate, nesting past its limit) is a 400 naming the reason.
+/// The fields the picker reads from a request body. A field of the wrong type is named, by its
+/// path in the body, with what it should be: `` `max_tokens`: invalid type: string "8",
+/// expected u32 ``; a body that is not JSON says where it stops being JSON.
+fn read_fields<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, RequestError> {
+    let not_json = |e: serde_json::Error| {
+        RequestError::bad_request(
+            "invalid_json",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    };
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    let fields = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if !inner.is_data() || path == "." {
+            return not_json(inner);
+        }
+        // serde's position is of no use to a client that built the body as an object
+        let what = inner.to_string();
+        let what = what
+            .rsplit_once(" at line ")
+            .map_or(what.as_str(), |(w, _)| w);
+        let what = what.replace("expected u32", "expected a token id (an integer from 0)");
+        RequestError::bad_request("invalid_field", format!("`{path}`: {what}"))
+    })?;
+    de.end().map_err(not_json)?;
+    Ok(fields)
+}
+
 fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, RequestError> {
     let unrewritable = |why: String| {
         RequestError::bad_request(
@@ -785,6 +806,29 @@ mod tests {
         ] {
             let e = parse(ApiKind::Completions, body).expect_err(body);
             assert_eq!((e.status, e.code), (400, code), "{body}: {}", e.message);
+            // no parser position where a field is at fault
+            assert!(
+                code == "invalid_json" || !e.message.contains(" at line "),
+                "{body}: {}",
+                e.message
+            );
+        }
+        // a field of the wrong type is named by its path in the body
+        for (kind, body, named) in [
+            (
+                ApiKind::Completions,
+                r#"{"model":"m","prompt":[1,"x"]}"#,
+                "`prompt[1]`: invalid type: string \"x\", expected a token id (an integer from 0)",
+            ),
+            (ApiKind::Other, r#"{"model":["m"]}"#, "`model` must be"),
+            (
+                ApiKind::Messages,
+                r#"{"model":"m","messages":[],"stream":1}"#,
+                "`stream`",
+            ),
+        ] {
+            let e = parse(kind, body).expect_err(body);
+            assert!(e.message.starts_with(named), "{body}: {}", e.message);
         }
         for (body, code) in [
             (r#"{"model":"m"}"#, "missing_field"),

@@ -202,7 +202,7 @@ impl PickerState {
                 format!("answered {status}"),
             ));
         }
-        let body = read_bounded(resp, timeout)
+        let body = read_bounded(resp, MAX_PREFILL_ANSWER, timeout, "the prefill answer")
             .await
             .map_err(|e| (Outcome::GatewayError, format!("{ep}: {e}")))?;
         if !status.is_success() {
@@ -228,18 +228,22 @@ enum Attempt {
     Refused(Response),
 }
 
-/// A response body of at most [`MAX_PREFILL_ANSWER`] bytes, read within `timeout`.
-async fn read_bounded(resp: reqwest::Response, timeout: Duration) -> Result<Bytes, String> {
+/// An engine's response body of at most `limit` bytes, read within `timeout`; the error names
+/// `what` was read.
+pub(super) async fn read_bounded(
+    resp: reqwest::Response,
+    limit: usize,
+    timeout: Duration,
+    what: &str,
+) -> Result<Bytes, String> {
     use futures::StreamExt as _;
     let read = async {
         let mut out = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| e.to_string())?;
-            if out.len() + chunk.len() > MAX_PREFILL_ANSWER {
-                return Err(format!(
-                    "the prefill answer exceeds {MAX_PREFILL_ANSWER} bytes"
-                ));
+            if out.len() + chunk.len() > limit {
+                return Err(format!("{what} exceeds {limit} bytes"));
             }
             out.extend_from_slice(&chunk);
         }
@@ -247,7 +251,7 @@ async fn read_bounded(resp: reqwest::Response, timeout: Duration) -> Result<Byte
     };
     tokio::time::timeout(timeout, read)
         .await
-        .unwrap_or_else(|_| Err(format!("the prefill answer took over {timeout:?}")))
+        .unwrap_or_else(|_| Err(format!("{what} took over {timeout:?}")))
 }
 
 /// The request id both steps carry: the client's, else a new one.

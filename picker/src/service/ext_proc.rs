@@ -65,6 +65,8 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
+use super::errors::{Dialect, envelope};
+
 /// Request header that carries the chosen endpoint(s) to the gateway.
 pub const DESTINATION_ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 /// Dynamic-metadata namespace of the chosen endpoint(s); `envoy.lb` is what Envoy's subset load
@@ -531,6 +533,8 @@ struct StreamTask<P: EndpointPicker> {
     echo_response_body: bool,
     phase: Phase,
     head: Option<RequestHead>,
+    /// The error envelope of the request's API, from its path.
+    dialect: Dialect,
     body: Vec<u8>,
     subset: Option<Vec<SocketAddr>>,
     inflight: Option<InFlight<P>>,
@@ -560,6 +564,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             echo_response_body: assumed == AssumedBodyMode::FullDuplexStreamed,
             phase: Phase::AwaitingHeaders,
             head: None,
+            dialect: Dialect::OpenAi,
             body: Vec::new(),
             subset: None,
             inflight: None,
@@ -811,6 +816,7 @@ impl<P: EndpointPicker> StreamTask<P> {
             // Refuse before the proxy spends effort sending a body we would refuse anyway.
             return Ok(self.refuse(Refusal::too_large(limit)).await);
         }
+        self.dialect = Dialect::of_path(&head.path);
         self.head = Some(head);
         if headers.end_of_stream {
             return self.route(RoutePoint::Headers).await;
@@ -1036,7 +1042,7 @@ impl<P: EndpointPicker> StreamTask<P> {
 
     /// Sends an immediate response; the stream ends after it.
     async fn refuse(&mut self, refusal: Refusal) -> StreamNext {
-        let _ = self.send(refusal.into_response()).await;
+        let _ = self.send(refusal.into_response(self.dialect)).await;
         StreamNext::Stop
     }
 
@@ -1320,8 +1326,8 @@ fn body_mode_name(mode: i32) -> String {
         .unwrap_or_else(|_| format!("#{mode}"))
 }
 
-/// An HTTP error sent to the client through an `ImmediateResponse`, in OpenAI's error shape
-/// (the same vocabulary as the picker's HTTP API).
+/// An HTTP error sent to the client through an `ImmediateResponse`, in the envelope of the
+/// request's API (the same vocabulary as the picker's HTTP API).
 struct Refusal {
     status: u16,
     kind: &'static str,
@@ -1381,10 +1387,8 @@ impl Refusal {
         }
     }
 
-    fn into_response(self) -> ProcessingResponse {
-        let body = serde_json::json!({
-            "error": {"message": self.message, "type": self.kind, "code": self.code}
-        });
+    fn into_response(self, dialect: Dialect) -> ProcessingResponse {
+        let body = envelope(dialect, self.status, self.kind, self.code, &self.message);
         let mut set_headers = vec![set_header("content-type", "application/json")];
         if self.retry_after {
             set_headers.push(set_header("retry-after", "1"));

@@ -120,6 +120,7 @@ pub fn inference_app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .fallback(not_found)
         .layer(DefaultBodyLimit::disable())
+        .layer(middleware::from_fn(super::errors::speak_the_request_api))
         .with_state(state)
 }
 
@@ -327,15 +328,7 @@ async fn stored_response(
 }
 
 async fn models(State(state): State<AppState>) -> Response {
-    let catalog = state.picker.catalog();
-    let mut data = Vec::new();
-    for entry in catalog.values() {
-        data.push(json!({"id": entry.spec.model, "object": "model", "owned_by": "kvroute", "root": entry.spec.model}));
-        for a in &entry.spec.lora_adapters {
-            data.push(json!({"id": a, "object": "model", "owned_by": "kvroute", "parent": entry.spec.model}));
-        }
-    }
-    axum::Json(json!({"object": "list", "data": data})).into_response()
+    axum::Json(super::models::list(&state.picker).await).into_response()
 }
 
 async fn proxy(

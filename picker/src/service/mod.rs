@@ -14,6 +14,7 @@ pub mod kube_source;
 pub mod listener;
 pub mod metrics;
 pub mod model_rewrite;
+pub mod models;
 pub mod passive_health;
 pub use kvroute_routing::request;
 pub mod responses;
