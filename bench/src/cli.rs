@@ -588,16 +588,14 @@ pub fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Run `work` until it ends or Ctrl-C: dropping it kills every child process it started.
+/// Run `work` until it ends, Ctrl-C or SIGTERM (`timeout`, a CI runner's stop): dropping it
+/// kills every child process it started, the engines included.
 async fn interruptible(
     work: impl std::future::Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
     tokio::select! {
         r = work => r,
-        r = tokio::signal::ctrl_c() => {
-            r.context("waiting for ctrl-c")?;
-            anyhow::bail!("interrupted")
-        }
+        () = kvroute_process::shutdown_signal() => anyhow::bail!("interrupted"),
     }
 }
 

@@ -1313,10 +1313,12 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
     let end = sim.records.iter().map(|r| r.end_ms).fold(0.0, f64::max);
     let span = if end > start { end - start } else { 0.0 };
     let (mut hits, mut queries) = (0u64, 0u64);
+    let mut prompt_tokens: Vec<f64> = Vec::with_capacity(sim.engines.len());
     for e in &sim.engines {
         let s = e.rank.stats();
         hits += s.prefix_cache_hits;
         queries += s.prefix_cache_queries;
+        prompt_tokens.push(s.prefix_cache_queries as f64);
     }
     let prefill_tokens: Vec<f64> = sim
         .engines
@@ -1377,6 +1379,7 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             error_samples: errors,
             picker: None,
             engine_prefill_tokens: prefill_tokens,
+            engine_prompt_tokens: prompt_tokens,
             classes: classes::figures(sim.opts, &sim.records, &sim.record_class),
             lora: (sim.opts.lora_adapters > 0).then(|| {
                 sim.engines.iter().fold((0, 0, 0), |(q, r, l), e| {

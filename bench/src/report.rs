@@ -188,6 +188,30 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 },
             );
         }
+        if !d.engine_prompt_tokens.is_empty() {
+            let per: Vec<String> = d
+                .engine_prompt_tokens
+                .iter()
+                .map(|t| format!("{:.0}k", t / 1000.0))
+                .collect();
+            let most = d.engine_prompt_tokens.iter().copied().fold(0.0, f64::max);
+            let least = d
+                .engine_prompt_tokens
+                .iter()
+                .copied()
+                .fold(f64::INFINITY, f64::min);
+            let spread = if least > 0.0 {
+                format!("{:.2}", most / least)
+            } else {
+                "unbounded".into()
+            };
+            let _ = writeln!(
+                out,
+                "{}: prompt tokens per engine: {} (most / least {spread})",
+                r.summary.policy,
+                per.join(" / ")
+            );
+        }
         if !d.engine_prefill_tokens.is_empty() {
             let per: Vec<String> = d
                 .engine_prefill_tokens

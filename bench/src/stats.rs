@@ -84,6 +84,8 @@ pub struct RunDetail {
     /// Tokens each engine rank prefilled (prompt tokens minus its cache hits), by its own
     /// counters (live runs).
     pub engine_prefill_tokens: Vec<f64>,
+    /// Prompt tokens each engine rank was given (cached or not), by its own counters.
+    pub engine_prompt_tokens: Vec<f64>,
     /// The turns session admission held (offline runs with admission on).
     pub admission: Option<AdmissionFigures>,
     /// LoRA adapters (offline runs with `--lora-adapters`): requests naming one, of those

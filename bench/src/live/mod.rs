@@ -717,11 +717,13 @@ pub async fn replay(
     // the engines' own accounting
     let after = engine_counters(http, &target.engines).await;
     let mut per_rank_prefill: Vec<f64> = Vec::new();
+    let mut per_rank_prompt: Vec<f64> = Vec::new();
     let (mut hits, mut queries) = (0.0, 0.0);
     for (k, a) in &after {
         let b = before.get(k).copied().unwrap_or_default();
         hits += a.prefix_hits - b.prefix_hits;
         queries += a.prefix_queries - b.prefix_queries;
+        per_rank_prompt.push((a.prompt_tokens - b.prompt_tokens).max(0.0));
         per_rank_prefill
             .push(((a.prompt_tokens - b.prompt_tokens) - (a.prefix_hits - b.prefix_hits)).max(0.0));
     }
@@ -797,6 +799,7 @@ pub async fn replay(
             error_samples: errs,
             picker,
             engine_prefill_tokens: per_rank_prefill,
+            engine_prompt_tokens: per_rank_prompt,
             admission: None,
             lora: None,
             classes,
