@@ -172,7 +172,22 @@ expect keda 'query: "max\(kvroute_picker_pool_saturation\{model_config=\\"llama\
 expect keda 'threshold: "0\.8"$'
 refute default '^kind: ScaledObject$'
 
+# the Grafana dashboard's ConfigMap for the sidecar, and the pickers' PodMonitor
+render dashboards --set grafana.dashboards.enabled=true --set metrics.pickerPodMonitor.enabled=true \
+    --set grafana.dashboards.namespace=monitoring --set grafana.dashboards.annotations.grafana_folder=kvroute
+expect dashboards '^kind: ConfigMap$'
+expect dashboards '^    grafana_dashboard: "1"$'
+expect dashboards '^  namespace: monitoring$'
+expect dashboards '^    grafana_folder: kvroute$'
+expect dashboards '^  kvroute-picker\.json: \|-$'
+expect dashboards '"uid": "kvroute-picker"'
+expect dashboards '^kind: PodMonitor$'
+expect dashboards 'honorLabels: true$'
+refute default '^kind: PodMonitor$'
+refute default 'grafana_dashboard'
+
 # bad values: the schema, or the chart's relational checks, reject them
+reject dashboard-label 'label' --set grafana.dashboards.enabled=true --set grafana.dashboards.label='bad label'
 reject unknown-key 'additional propert|not allowed' --set operator.replicaz=2
 reject bad-seed-secret 'peerKeySeedSecret|pattern' --set operator.peerKeySeedSecret=Not_A_Name
 reject unknown-top-level-key 'additional propert|not allowed' --set watchNamespace=team-a

@@ -203,6 +203,17 @@ async fn the_pickers_own_errors_take_the_envelope_of_the_requests_api() {
             "{path}"
         );
     }
+    // a body naming no model, in a pool of two: which ones there are, in the user's terms
+    let (status, err) = ask(
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(
+        err["error"]["message"],
+        "missing required field `model`: this pool serves `llama`, `qwen`"
+    );
     // an answer relayed from an engine is left as the engine sent it
     let (status, answer) = ask(
         "/v1/messages",

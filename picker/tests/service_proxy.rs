@@ -507,6 +507,14 @@ async fn models_health_and_metrics() {
     let models: Value =
         kvroute_testkit::get_json(&c, format!("http://{}/v1/models", picker.addrs.http)).await;
     assert_eq!(models["data"][0]["id"], "llama");
+    // a body naming no model is for the pool's one model, as a vLLM server serves its one
+    let r = c
+        .post(format!("http://{}/v1/completions", picker.addrs.http))
+        .json(&json!({"prompt": "no model named"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
     let state = picker.state.clone();
     eventually(Duration::from_secs(3), || state.is_ready()).await;
     let r = c

@@ -279,7 +279,9 @@ pub struct ChatFields {
 pub struct ParsedRequest {
     pub kind: ApiKind,
     pub raw: Bytes,
-    pub model: String,
+    /// The model the body names; `None` when it names none (a vLLM server then serves its one
+    /// model, and the picker the pool's one model).
+    pub model: Option<String>,
     pub stream: bool,
     pub prompt: Option<Prompt>,
     pub chat: Option<ChatFields>,
@@ -449,7 +451,7 @@ impl ParsedRequest {
     fn without_prompt(
         kind: ApiKind,
         raw: Bytes,
-        model: String,
+        model: Option<String>,
         stream: bool,
         cache_salt: Option<String>,
     ) -> Self {
@@ -576,7 +578,7 @@ impl ParsedRequest {
         stream: Option<Value>,
         cache_salt: Option<Value>,
         transfer: bool,
-    ) -> Result<(String, bool, Option<String>), RequestError> {
+    ) -> Result<(Option<String>, bool, Option<String>), RequestError> {
         if transfer {
             return Err(RequestError::bad_request(
                 "invalid_field",
@@ -584,17 +586,12 @@ impl ParsedRequest {
             ));
         }
         let model = match model {
-            Some(Value::String(m)) if !m.is_empty() => m,
+            Some(Value::String(m)) if !m.is_empty() => Some(m),
+            None | Some(Value::Null) => None,
             Some(_) => {
                 return Err(RequestError::bad_request(
                     "invalid_field",
                     "`model` must be a non-empty string",
-                ));
-            }
-            None => {
-                return Err(RequestError::bad_request(
-                    "missing_field",
-                    "missing required field `model`",
                 ));
             }
         };
@@ -788,6 +785,16 @@ mod tests {
     }
 
     #[test]
+    fn a_body_without_a_model_is_for_the_pools_one_model() {
+        for body in [r#"{"prompt":"x"}"#, r#"{"model":null,"prompt":"x"}"#] {
+            let r = parse(ApiKind::Completions, body).expect(body);
+            assert_eq!(r.model, None, "{body}");
+        }
+        let r = parse(ApiKind::Completions, r#"{"model":"m","prompt":"x"}"#).expect("valid");
+        assert_eq!(r.model.as_deref(), Some("m"));
+    }
+
+    #[test]
     fn bad_bodies_are_400s_naming_the_problem() {
         for (body, code) in [
             ("[1,2]", "invalid_json"),
@@ -797,7 +804,6 @@ mod tests {
             (r#"{"model":"m","prompt":{}}"#, "invalid_field"),
             (r#"{"model":"m","prompt":[]}"#, "invalid_field"),
             (r#"{"model":"m"}"#, "missing_field"),
-            (r#"{"prompt":"x"}"#, "missing_field"),
             (r#"{"model":7,"prompt":"x"}"#, "invalid_field"),
             (
                 r#"{"model":"m","prompt":"x","stream":"yes"}"#,

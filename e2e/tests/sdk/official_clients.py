@@ -17,6 +17,7 @@ import sys
 import time
 
 import anthropic
+import httpx
 import openai
 
 PICKER = os.environ["PICKER_URL"]
@@ -198,6 +199,12 @@ for name, url in both.items():
         check(False, f"{name}: max_tokens past the context is not refused")
     except openai.BadRequestError:
         pass
+
+# --- a body naming no model: the engine serves its one model, the picker the pool's -----------
+section("no model named")
+for name, url in both.items():
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROSE, "max_tokens": 2}, timeout=60)
+    check(r.status_code == 200, f"{name}: a completion naming no model: {r.status_code} {r.text[:200]}")
 
 # --- an engine killed mid-stream: the client sees the stream break, the next call is served -----
 section("engine killed mid-stream")

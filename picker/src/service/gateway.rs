@@ -97,7 +97,7 @@ impl GatewayPicker {
             ParsedRequest::parse(kind, input.body.clone(), &picker.limits.request())
                 .map_err(|e| refuse(e.into()))?
         };
-        tracing::Span::current().record("model", parsed.model.as_str());
+        tracing::Span::current().record("model", parsed.model.as_deref().unwrap_or_default());
         let routed = picker
             .decide(
                 &parsed,

@@ -384,7 +384,7 @@ async fn proxy_traced(
         let _span = tracing::info_span!(target: telemetry::TARGET, "parse").entered();
         ParsedRequest::parse(kind, raw, &picker.limits.request())?
     };
-    tracing::Span::current().record("model", parsed.model.as_str());
+    tracing::Span::current().record("model", parsed.model.as_deref().unwrap_or_default());
     let mut routed = picker
         .decide(&parsed, &headers, None, Purpose::Forward)
         .await?;
@@ -969,7 +969,6 @@ mod tests {
             (&admin, Method::GET, "/v1/nope", vec![token], "", 404, "not_found", ""),
             (&inference, Method::POST, "/v1/completions", vec![json], "{not json", 400, "invalid_json", ""),
             (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"m"}"#, 400, "missing_field", "prompt"),
-            (&inference, Method::POST, "/v1/completions", vec![json], r#"{"prompt":"x"}"#, 400, "missing_field", "model"),
             (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"nope","prompt":"x"}"#, 404, "model_not_found", "nope"),
             (&inference, Method::POST, "/v1/completions", vec![json], &big, 413, "body_too_large", ""),
             (&inference, Method::POST, "/v1/completions", vec![json], r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#, 400, "invalid_field", "kv_transfer_params"),
@@ -990,6 +989,20 @@ mod tests {
             assert!(!message.is_empty() && message.contains(word), "{what}");
             assert!(err["error"]["type"].is_string(), "{what}");
         }
+        // a body naming no model is for the pool's one model
+        let (status, pick) = call(
+            admin(),
+            Method::POST,
+            "/v1/pick",
+            &[token],
+            r#"{"prompt":"x"}"#,
+        )
+        .await;
+        assert_eq!(
+            (status, &pick["model_config"]),
+            (200, &json!("a")),
+            "{pick}"
+        );
         // and the pick API's answer itself: an endpoint of the pool, and admission off
         let (status, pick) = call(admin(), Method::POST, "/v1/pick", &[token], completion).await;
         assert_eq!(status, 200, "{pick}");

@@ -76,6 +76,9 @@ pub struct Metrics {
     pub decisions: Family<DecisionLabels, Counter>,
     pub predicted_hit_tokens: Counter,
     pub prompt_tokens: Counter,
+    /// Per chosen endpoint, the prompt tokens it is predicted to prefill (prompt less the
+    /// predicted hit): the share of the pool's prefill each endpoint does.
+    pub prefill_tokens: Family<EndpointLabels, Counter>,
     pub piece_cache_tokens: Counter,
     pub decision_seconds: Histogram,
     pub upstream_ttft_seconds: Histogram,
@@ -166,6 +169,13 @@ impl Metrics {
             "prompt_tokens",
             "Prompt tokens routed",
             prompt_tokens.clone(),
+        );
+        let prefill_tokens = Family::<EndpointLabels, Counter>::default();
+        registry.register(
+            "endpoint_prefill_tokens",
+            "Prompt tokens routed to the endpoint that it is predicted to prefill (not cached \
+             there): its share of the pool's prefill",
+            prefill_tokens.clone(),
         );
         let piece_cache_tokens = Counter::default();
         registry.register(
@@ -400,6 +410,7 @@ impl Metrics {
             registry,
             decisions,
             predicted_hit_tokens,
+            prefill_tokens,
             prompt_tokens,
             piece_cache_tokens,
             decision_seconds,

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use super::declared::{DeclaredPool, KvPorts, ModelEntry, PoolChange};
 use super::diagnostics::{Diagnostics, Finding};
 use super::errors::ApiError;
-use super::metrics::{DecisionLabels, KindLabels, Metrics, MisconfigLabels};
+use super::metrics::{DecisionLabels, EndpointLabels, KindLabels, Metrics, MisconfigLabels};
 use super::request::{ApiKind, ParsedRequest, engine_body};
 use super::responses::{Known, ResponseOwner, ResponseWatch, Responses, conversation_named_after};
 use super::settings::{IndexSettings, Limits};
@@ -329,6 +329,30 @@ impl PickerState {
 
     pub fn model_entry(&self, name: &str) -> Option<Arc<ModelEntry>> {
         self.catalog.load().get(name).cloned()
+    }
+
+    /// The model a request that names none is for, as a vLLM server serves its one model: the
+    /// pool's base model when it serves exactly one (its LoRA adapters are named to be used);
+    /// else a 400 listing them.
+    fn the_one_model(&self) -> Result<String, ApiError> {
+        let catalog = self.catalog.load();
+        let mut models: Vec<&str> = catalog.values().map(|e| e.spec.model.as_str()).collect();
+        models.sort_unstable();
+        models.dedup();
+        match models.as_slice() {
+            [one] => Ok((*one).to_owned()),
+            [] => Err(self.no_such_model("")),
+            many => Err(ApiError::bad_request(
+                "missing_field",
+                format!(
+                    "missing required field `model`: this pool serves {}",
+                    many.iter()
+                        .map(|m| format!("`{m}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
     }
 
     /// The error for a model the pool does not serve: 404, or 503 `not_ready` while no pool
@@ -757,23 +781,27 @@ impl PickerState {
         routing: &RoutingConfig,
         session: Option<&str>,
     ) -> Result<Target, ApiError> {
+        let named = match &req.model {
+            Some(m) => m.clone(),
+            None => self.the_one_model()?,
+        };
         let rewrite = routing
             .model_rewrites
             .iter()
-            .any(|r| r.model == req.model)
+            .any(|r| r.model == named)
             .then(|| {
                 let key = session.map_or(&req.raw[..], str::as_bytes);
-                routing.rewrite_model(&req.model, xxhash_rust::xxh3::xxh3_64(key))
+                routing.rewrite_model(&named, xxhash_rust::xxh3::xxh3_64(key))
             })
             .flatten()
-            .filter(|t| *t != req.model)
+            .filter(|t| *t != named)
             .map(|t| ModelRewritten {
-                asked: req.model.clone(),
+                asked: named.clone(),
                 target: t.to_owned(),
             });
         let model = rewrite
             .as_ref()
-            .map_or(req.model.as_str(), |r| r.target.as_str());
+            .map_or(named.as_str(), |r| r.target.as_str());
         let (config, lora) = Router::resolve_model(snapshot, model).map_err(|_| {
             // a configured model without endpoints is "no endpoint", not "unknown model"
             if self
@@ -1175,6 +1203,14 @@ impl PickerState {
         self.metrics
             .predicted_hit_tokens
             .inc_by(u64::from(d.cached_tokens));
+        self.metrics
+            .prefill_tokens
+            .get_or_create(&EndpointLabels {
+                endpoint: d.endpoint.to_string(),
+            })
+            .inc_by(u64::from(
+                routed.plan.prompt_tokens.saturating_sub(d.cached_tokens),
+            ));
         self.metrics
             .disaggregation
             .get_or_create(&KindLabels {
