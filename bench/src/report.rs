@@ -189,11 +189,6 @@ pub fn notes(runs: &[PolicyRun]) -> String {
             );
         }
         if !d.engine_prompt_tokens.is_empty() {
-            let per: Vec<String> = d
-                .engine_prompt_tokens
-                .iter()
-                .map(|t| format!("{:.0}k", t / 1000.0))
-                .collect();
             let most = d.engine_prompt_tokens.iter().copied().fold(0.0, f64::max);
             let least = d
                 .engine_prompt_tokens
@@ -209,20 +204,15 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 out,
                 "{}: prompt tokens per engine: {} (most / least {spread})",
                 r.summary.policy,
-                per.join(" / ")
+                in_thousands(&d.engine_prompt_tokens)
             );
         }
         if !d.engine_prefill_tokens.is_empty() {
-            let per: Vec<String> = d
-                .engine_prefill_tokens
-                .iter()
-                .map(|t| format!("{:.0}k", t / 1000.0))
-                .collect();
             let _ = writeln!(
                 out,
                 "{}: tokens prefilled per engine: {}",
                 r.summary.policy,
-                per.join(" / ")
+                in_thousands(&d.engine_prefill_tokens)
             );
         }
     }
@@ -232,6 +222,15 @@ pub fn notes(runs: &[PolicyRun]) -> String {
         }
     }
     out
+}
+
+/// Token counts in thousands, `12k / 30k / ...`.
+fn in_thousands(tokens: &[f64]) -> String {
+    tokens
+        .iter()
+        .map(|t| format!("{:.0}k", t / 1000.0))
+        .collect::<Vec<_>>()
+        .join(" / ")
 }
 
 /// Write the summaries as a JSON array, one object per policy.
