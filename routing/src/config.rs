@@ -207,11 +207,11 @@ pub struct CostModelCalibration {
     /// of the tokens it would recompute. The TTFT estimate counts a recomputation once, as
     /// this request's latency, but it also takes engine time from every request queued behind
     /// it and puts a second copy of the prefix in a cache, evicting others; near saturation
-    /// that feeds on itself. The charge (the tokens' prefill less one engine step's fixed cost,
-    /// which any placement pays) is taken in the share of the copy that would evict cached
-    /// context there (what the endpoint holds plus the copy, over its reported KV capacity):
-    /// an engine with room, a new or idle one, pays little beyond its TTFT, so it is not left
-    /// without traffic while others queue. 0 = the greedy TTFT estimate. Default 8 (see
+    /// that feeds on itself. One engine step's fixed cost of it is charged in full (any
+    /// placement that recomputes pays it), the rest in the share of the copy that would evict
+    /// cached context there (what the endpoint holds plus the copy, over its reported KV
+    /// capacity): an engine with room, a new or idle one, pays little beyond its TTFT, so it
+    /// is not left without traffic while others queue. 0 = the greedy TTFT estimate. Default 8 (see
     /// bench/BENCHMARKS.md: best or near best on every Mooncake load tested).
     #[schemars(range(min = 0.0))]
     pub recompute_weight: f64,
