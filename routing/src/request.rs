@@ -655,12 +655,10 @@ pub fn engine_body(
     inject_fields(&req.raw, inject)
 }
 
-/// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
-/// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
-/// lone surrogate, nesting past its limit) is a 400 naming the reason.
-/// The fields the picker reads from a request body. A field of the wrong type is named, by its
-/// path in the body, with what it should be: `` `max_tokens`: invalid type: string "8",
-/// expected u32 ``; a body that is not JSON says where it stops being JSON.
+/// The fields the picker reads from a request body, parsed once on the fast path. A body that
+/// fails is parsed again, only then, to name the field at fault by its path in the body and
+/// what it should be (`` `prompt[1]`: invalid type: string "x", expected a token id ``); a body
+/// that is not JSON says where it stops being JSON.
 fn read_fields<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, RequestError> {
     let not_json = |e: serde_json::Error| {
         RequestError::bad_request(
@@ -668,25 +666,34 @@ fn read_fields<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, RequestE
             format!("the request body is not valid JSON: {e}"),
         )
     };
+    let e = match serde_json::from_slice(raw) {
+        Ok(fields) => return Ok(fields),
+        Err(e) if !e.is_data() => return Err(not_json(e)),
+        Err(e) => e,
+    };
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let fields = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if !inner.is_data() || path == "." {
-            return not_json(inner);
-        }
-        // serde's position is of no use to a client that built the body as an object
-        let what = inner.to_string();
-        let what = what
-            .rsplit_once(" at line ")
-            .map_or(what.as_str(), |(w, _)| w);
-        let what = what.replace("expected u32", "expected a token id (an integer from 0)");
-        RequestError::bad_request("invalid_field", format!("`{path}`: {what}"))
-    })?;
-    de.end().map_err(not_json)?;
-    Ok(fields)
+    let Err(named) = serde_path_to_error::deserialize::<_, T>(&mut de) else {
+        return Err(not_json(e)); // not reached: the same parse failed above
+    };
+    let path = named.path().to_string();
+    if path == "." {
+        return Err(not_json(e));
+    }
+    // serde's position is of no use to a client that built the body as an object
+    let what = named.into_inner().to_string();
+    let what = what
+        .rsplit_once(" at line ")
+        .map_or(what.as_str(), |(w, _)| w);
+    let what = what.replace("expected u32", "expected a token id (an integer from 0)");
+    Err(RequestError::bad_request(
+        "invalid_field",
+        format!("`{path}`: {what}"),
+    ))
 }
 
+/// `raw` (a JSON object) with `fields` set at its top level. The slow path, only for bodies that
+/// need a field injected; a body `serde_json` cannot hold as a tree (a number out of range, a
+/// lone surrogate, nesting past its limit) is a 400 naming the reason.
 fn inject_fields(raw: &[u8], fields: Vec<(&str, Value)>) -> Result<Bytes, RequestError> {
     let unrewritable = |why: String| {
         RequestError::bad_request(

@@ -227,7 +227,7 @@ try:
             os.killpg(DOOMED_PGID, signal.SIGKILL)
         if chunk.choices and chunk.choices[0].finish_reason:
             finished = True
-except (openai.APIError, Exception) as e:  # noqa: BLE001 - any break is what is expected
+except Exception as e:  # noqa: BLE001 - any break (a connection error, a protocol error) is expected
     broke = True
     print(f"the stream broke after {received} chunks: {type(e).__name__}: {e}", flush=True)
 check(received >= 3, f"the stream gave only {received} chunks before the kill")

@@ -31,7 +31,7 @@ pub const MAX_LIST_BYTES: usize = 1 << 20;
 struct Listed {
     entry: Option<Map<String, Value>>,
     /// The pool's own entry, when no endpoint describes the model.
-    declared: Value,
+    declared: Map<String, Value>,
     configs: Vec<String>,
     ready: usize,
 }
@@ -54,6 +54,7 @@ pub async fn list(picker: &PickerState) -> Value {
             .filter(|e| &*e.model_config.name == name && e.state == EndpointState::Ready)
             .collect();
         let mut hosts: Vec<String> = ready.iter().map(|e| e.id.host_port()).collect();
+        hosts.sort_unstable();
         hosts.dedup(); // the ranks of one server answer once
         let ids = std::iter::once((base.clone(), None))
             .chain(
@@ -67,18 +68,22 @@ pub async fn list(picker: &PickerState) -> Value {
         for (id, parent) in &ids {
             let item = listed.entry(id.clone()).or_insert_with(|| {
                 order.push(id.clone());
+                let mut declared = Map::new();
+                declared.insert("id".into(), id.as_str().into());
+                declared.insert("object".into(), "model".into());
+                declared.insert("created".into(), created.into());
+                declared.insert("owned_by".into(), "kvroute".into());
+                declared.insert("root".into(), id.as_str().into());
+                declared.insert("parent".into(), parent.clone().into());
                 Listed {
                     entry: None,
-                    declared: json!({
-                        "id": id, "object": "model", "created": created, "owned_by": "kvroute",
-                        "root": id, "parent": parent,
-                    }),
+                    declared,
                     configs: Vec::new(),
                     ready: 0,
                 }
             });
             item.configs.push(name.clone());
-            item.ready += hosts.len();
+            item.ready += ready.len();
         }
         for host in hosts.into_iter().take(ASKED_PER_CONFIG) {
             let ids: Vec<String> = ids.iter().map(|(id, _)| id.clone()).collect();
@@ -103,10 +108,7 @@ pub async fn list(picker: &PickerState) -> Value {
         .iter()
         .filter_map(|id| listed.remove(id))
         .map(|item| {
-            let mut entry = item.entry.unwrap_or_else(|| match item.declared {
-                Value::Object(m) => m,
-                _ => Map::new(),
-            });
+            let mut entry = item.entry.unwrap_or(item.declared);
             entry.insert(
                 "kvroute".into(),
                 json!({"model_configs": item.configs, "ready_endpoints": item.ready}),

@@ -1189,11 +1189,12 @@ impl PickerState {
     /// ([`Pool::record`]: the turn, and an approximate index learns the prompt's blocks).
     fn record_routed(&self, routed: &Routed) {
         let d = &routed.placement.decision;
+        let endpoint = d.endpoint.to_string();
         self.metrics
             .decisions
             .get_or_create(&DecisionLabels {
                 policy: d.policy.to_string(),
-                endpoint: d.endpoint.to_string(),
+                endpoint: endpoint.clone(),
                 reason: format!("{:?}", d.reason).to_lowercase(),
             })
             .inc();
@@ -1205,9 +1206,7 @@ impl PickerState {
             .inc_by(u64::from(d.cached_tokens));
         self.metrics
             .prefill_tokens
-            .get_or_create(&EndpointLabels {
-                endpoint: d.endpoint.to_string(),
-            })
+            .get_or_create(&EndpointLabels { endpoint })
             .inc_by(u64::from(
                 routed.plan.prompt_tokens.saturating_sub(d.cached_tokens),
             ));
