@@ -57,11 +57,21 @@ async fn warm(picker: &Picker, prefix: &str) -> Value {
         .complete(LLAMA_MODEL, prompt(prefix, "warm", 512), false)
         .await
         .unwrap();
+    // indexed, and the warming request gone from the engine's queue in the scraped metrics:
+    // an engine still reporting it waiting is priced with that queue, and an empty engine
+    // with room can rightly win (the cost model charges a recomputation little where it
+    // evicts nothing)
     wait::until("the picker to index the warmed prefix", TIMEOUT, || async {
         let pick = picker
             .pick(LLAMA_MODEL, prompt(prefix, "probe", 512))
             .await?;
-        Ok((pick["matched_blocks"].as_u64().unwrap_or(0) > 0).then_some(pick))
+        let idle = pick["candidates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["features"]["matched_blocks"].as_u64().unwrap_or(0) > 0)
+            .all(|c| c["features"]["waiting"] == 0.0 && c["features"]["running"] == 0.0);
+        Ok((pick["matched_blocks"].as_u64().unwrap_or(0) > 0 && idle).then_some(pick))
     })
     .await
     .unwrap()
