@@ -198,6 +198,7 @@ fn expected(generation: u64, seq: u64) -> EventBatch {
 #[derive(Debug, Clone, PartialEq)]
 enum Ev {
     Batch(u64, u64),
+    Continued(u64),
     Resync(ResyncReason),
     DecodeError(Option<u64>),
     Connected,
@@ -262,6 +263,7 @@ impl Harness {
                 Ev::Batch(generation, seq)
             }
             SubscriberEvent::Resync { reason } => Ev::Resync(reason),
+            SubscriberEvent::Continued { seq } => Ev::Continued(seq),
             SubscriberEvent::DecodeError { seq, error } => {
                 self.decode_errors.push(error);
                 Ev::DecodeError(seq)
@@ -571,8 +573,50 @@ async fn pyzmq_publisher_restart_resyncs_then_follows_new_stream() {
         py.publish(1).await;
         py.warm_up(&h.stats).await;
         py.publish(2).await;
-        let mut want = vec![Ev::Resync(ResyncReason::ContinuityLost { last_seq: 4 })];
+        // the new process holds nothing from 4 on: that is a restart, not a moved buffer
+        let mut want = vec![Ev::Resync(ResyncReason::ContinuityLost {
+            last_seq: 4,
+            restarted: true,
+        })];
         want.extend(batches(1, 0..3));
+        h.expect(&want).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// Issue 52: a subscriber for a view copied from a snapshot or a peer (taken at batch 2)
+/// proves continuity through the replay and delivers only what came after; one whose batch
+/// the publisher shows with another timestamp (another process) resynchronizes and rebuilds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_subscriber_continues_a_copied_view_or_resyncs() {
+    within(async {
+        let py = PyPublisher::start(&[]).await;
+        let mut probe = Harness::spawn(test_config(py.pub_endpoint(), py.replay_endpoint()));
+        probe.until(&Ev::Connected).await;
+        let mut py = py;
+        py.publish(1).await;
+        py.warm_up(&probe.stats).await;
+        py.publish(4).await;
+        probe.expect(&batches(0, 0..5)).await;
+        probe.stop().await;
+        // the copy holds batches 0..=2
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.resume = Some((2, expected(0, 2).ts.to_bits()));
+        let mut h = Harness::spawn(cfg);
+        let mut want = vec![Ev::Continued(2)];
+        want.extend(batches(0, 3..5));
+        h.expect(&want).await;
+        h.stop().await;
+        // a copy whose batch 2 had another timestamp came from another process
+        let mut cfg = test_config(py.pub_endpoint(), py.replay_endpoint());
+        cfg.resume = Some((2, expected(7, 2).ts.to_bits()));
+        let mut h = Harness::spawn(cfg);
+        let mut want = vec![Ev::Resync(ResyncReason::ContinuityLost {
+            last_seq: 2,
+            restarted: true,
+        })];
+        want.extend(batches(0, 0..5));
         h.expect(&want).await;
         h.stop().await;
     })
@@ -597,7 +641,9 @@ async fn reconnect_to_same_publisher_keeps_the_view() {
         py.cmd(json!({"op": "blip"})).await;
         assert_eq!(h.next().await, Ev::Disconnected);
         assert_eq!(h.next().await, Ev::Connected);
-        h.expect(&batches(0, 3..5)).await;
+        let mut want = vec![Ev::Continued(2)];
+        want.extend(batches(0, 3..5));
+        h.expect(&want).await;
         py.warm_up(&h.stats).await;
         py.publish(1).await;
         h.expect(&batches(0, 5..6)).await;

@@ -40,11 +40,13 @@ use crate::block_keys::BlockKey;
 use crate::endpoint::EndpointId;
 
 mod residency;
+mod seed;
 use residency::Residency;
 pub use residency::{
     Credit, EventPlace, GroupKind, LOWER_TIER_FACTOR, MAX_GROUPS, MAX_LOWER_TIERS, Namespace,
     NamespaceRefusal, Tier, TierBlocks,
 };
+pub use seed::{Exported, SeedOutcome};
 
 /// Dense handle of an endpoint inside the index (reused after the endpoint is removed).
 pub type Slot = u32;
@@ -834,6 +836,9 @@ struct EndpointEntry {
     /// Which view of the endpoint this is: a new number when it is added or cleared, so that
     /// work on it that let others at the index in between can tell ([`KvIndex::view`]).
     view: u64,
+    /// Precise mode: blocks loaded from a snapshot or a peer ([`KvIndex::seed_endpoint`]) that
+    /// the engine's own events have not confirmed yet.
+    unconfirmed: Option<seed::Unconfirmed>,
 }
 
 impl EndpointEntry {
@@ -966,6 +971,7 @@ impl KvIndex {
             copies: HashMap::default(),
             gap: false,
             view: self.next_view(),
+            unconfirmed: None,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -1104,6 +1110,11 @@ impl KvIndex {
                 chains.by_key.prefetch(k);
             }
             let p = match entry.by_engine_hash.get(engine_hash) {
+                Some(old) if chains.block(old).key == key && seed::confirm(entry, key) => {
+                    // a seeded block the engine stores again: confirmed, not a second copy
+                    prev = Some(old);
+                    continue;
+                }
                 Some(old) if chains.block(old).key == key => {
                     // another physical copy of a block it holds
                     if entry.copies.len() < entry.max_blocks
@@ -1136,7 +1147,14 @@ impl KvIndex {
             };
             prev = Some(p);
         }
-        if entry.by_engine_hash.len() > entry.budget() {
+        if entry.by_engine_hash.len() > entry.budget() && entry.unconfirmed.is_some() {
+            // what the engine said outranks what a snapshot or a peer said it held
+            self.drop_unconfirmed(slot);
+        }
+        if self
+            .entry(slot)
+            .is_some_and(|e| e.by_engine_hash.len() > e.budget())
+        {
             self.clear_endpoint(slot);
             return Ok(StoreOutcome::Overflowed);
         }
@@ -1192,6 +1210,9 @@ impl KvIndex {
                 self.chains.by_key.prefetch(self.chains.block(p).key);
             }
             for &p in places.iter().filter(|&&p| p != VACANT) {
+                if let Some(u) = entry.unconfirmed.as_mut() {
+                    u.keys.remove(&self.chains.block(p).key);
+                }
                 self.chains.release(p, slot);
                 n += 1;
             }
@@ -1221,6 +1242,7 @@ impl KvIndex {
         entry.provisional = LinkedHashMap::default();
         entry.copies = HashMap::default();
         entry.gap = false;
+        entry.unconfirmed = None;
         entry.view = view;
         n
     }
@@ -1295,6 +1317,13 @@ impl KvIndex {
             }
             _ => 0,
         };
+        if let Some(u) = entry.unconfirmed.as_mut() {
+            // the engine holds what it is sent once it has prefilled it (a seeded block it had
+            // evicted is stored again): seeded blocks of a routed prefix need no more proof
+            for k in &keys[..held] {
+                u.keys.remove(k);
+            }
+        }
         for batch in keys[held..].chunks(AHEAD) {
             if entry.by_engine_hash.len() > 0 {
                 // ask for the batch's table lines first, so that their misses overlap
@@ -1414,7 +1443,7 @@ impl KvIndex {
                 self.provisional -= Self::expire_provisional(entry, now_ms);
             }
         }
-        n
+        n + self.expire_unconfirmed(now_ms)
     }
 
     /// For each endpoint holding block 0 of `keys`, the length of its longest unbroken run of

@@ -20,7 +20,7 @@ use crate::endpoint::{
     Endpoint, EndpointId, EndpointPatch, EndpointSet, EndpointSnapshot, EndpointState,
 };
 use crate::handoff::HandoffLock;
-use crate::index::{IndexConfig, IndexError, IndexMode, KvIndex};
+use crate::index::{Exported, IndexConfig, IndexError, IndexMode, KvIndex, SeedOutcome};
 use crate::kv_events::EventBatch;
 use crate::kv_events::ingest::{IngestKeys, IngestStats, apply_batch};
 use crate::kv_events::resequence::ResyncReason;
@@ -161,7 +161,18 @@ struct Inner {
     /// When each member was first in a scrape round: one never scraped successfully is fresh
     /// from then until the staleness threshold has passed.
     first_seen: hashbrown::HashMap<EndpointId, u64>,
+    /// `(sequence number, timestamp bits)` of the last batch applied to each precise
+    /// endpoint's view in order ([`PoolState::apply_numbered_batch`]); absent once anything
+    /// broke that order (a clear, a dropped batch).
+    positions: hashbrown::HashMap<EndpointId, Position>,
+    /// Endpoints seeded from a copy ([`PoolState::seed_endpoint`]) whose subscription has not
+    /// started yet, with the position the copy was taken at when it can be continued.
+    seeds: hashbrown::HashMap<EndpointId, Option<Position>>,
 }
+
+/// Where a view stands in its engine's event stream: the last batch applied, as
+/// `(sequence number, timestamp bits)` (the timestamp tells the publisher process apart).
+pub type Position = (u64, u64);
 
 /// What [`PoolState::resync`] did to an endpoint's view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +249,8 @@ impl PoolState {
                 loads: LoadTable::new(),
                 members: hashbrown::HashMap::new(),
                 first_seen: hashbrown::HashMap::new(),
+                positions: hashbrown::HashMap::new(),
+                seeds: hashbrown::HashMap::new(),
             }),
             budget,
             changes: AtomicU64::new(0),
@@ -320,6 +333,8 @@ impl PoolState {
             inner.index.remove_endpoint(id);
             inner.loads.remove(id);
             inner.first_seen.remove(id);
+            inner.positions.remove(id);
+            inner.seeds.remove(id);
         }
         self.changes.fetch_add(1, Ordering::AcqRel);
         Ok(Membership { added, removed })
@@ -333,6 +348,19 @@ impl PoolState {
         keys: IngestKeys<'_>,
         batch: &EventBatch,
     ) -> Option<IngestStats> {
+        self.apply_numbered_batch(endpoint, keys, batch, None)
+    }
+
+    /// [`PoolState::apply_batch`] for batch number `seq` of the endpoint's stream, delivered
+    /// in order: the view's position becomes that batch's, so that a copy of the view
+    /// ([`PoolState::export_endpoint`]) says where it stands. `None` forgets the position.
+    pub fn apply_numbered_batch(
+        &self,
+        endpoint: &EndpointId,
+        keys: IngestKeys<'_>,
+        batch: &EventBatch,
+        seq: Option<u64>,
+    ) -> Option<IngestStats> {
         let mut inner = self.inner.write();
         let slot = inner.index.slot(endpoint)?;
         if inner.index.mode(slot) != Some(IndexMode::Precise) {
@@ -341,7 +369,16 @@ impl PoolState {
         // a large batch lets the picks waiting for the lock in between its steps
         let stats = apply_batch(&mut inner, slot, keys, batch);
         if stats.interrupted {
+            inner.positions.remove(endpoint);
             return Some(stats);
+        }
+        match seq {
+            Some(seq) if !stats.overflowed => {
+                inner.positions.insert(*endpoint, (seq, batch.ts.to_bits()));
+            }
+            _ => {
+                inner.positions.remove(endpoint);
+            }
         }
         if stats.orphan_blocks > 0 && inner.index.mark_gap(slot, self.gap_extend_ms()) {
             tracing::info!(
@@ -369,11 +406,31 @@ impl PoolState {
     /// parents it never saw ([`KvIndex::mark_gap`]), until its cache is cleared. Blocks whose
     /// removal was lost stay credited until then, or until the view outgrows the endpoint's
     /// block budget, which clears it.
+    ///
+    /// A view seeded from a copy whose continuity the replay could not show
+    /// ([`ResyncReason::ContinuityLost`] without a restart: the buffer moved on, or there is
+    /// no replay) keeps its unconfirmed blocks the same way: the engine's events settle them
+    /// ([`KvIndex::seed_endpoint`]).
     pub fn resync(&self, endpoint: &EndpointId, reason: &ResyncReason) -> Resynced {
-        if !reason.cache_survived() {
+        let seeded = || {
+            let inner = self.inner.read();
+            inner
+                .index
+                .slot(endpoint)
+                .is_some_and(|s| inner.index.unconfirmed_blocks(s) > 0)
+        };
+        let unproven_seed = matches!(
+            reason,
+            ResyncReason::ContinuityLost {
+                restarted: false,
+                ..
+            }
+        ) && seeded();
+        if !reason.cache_survived() && !unproven_seed {
             return Resynced::Cleared(self.clear(endpoint, ClearCause::Resync));
         }
         let mut inner = self.inner.write();
+        inner.positions.remove(endpoint);
         if let Some(slot) = inner.index.slot(endpoint) {
             inner.index.mark_gap(slot, self.gap_extend_ms());
         }
@@ -394,6 +451,61 @@ impl PoolState {
             tracing::debug!(%endpoint, cause = cause.as_str(), dropped, "cleared the endpoint's cached blocks");
         }
         dropped
+    }
+
+    /// A batch of `endpoint` was not applied (a rate limit dropped it): its view no longer
+    /// continues the engine's stream exactly.
+    pub fn forget_position(&self, endpoint: &EndpointId) {
+        self.inner.write().positions.remove(endpoint);
+    }
+
+    /// A copy of `endpoint`'s blocks with the position its view stands at (see
+    /// [`KvIndex::export_endpoint`]); `None` when it cannot be copied.
+    pub fn export_endpoint(&self, endpoint: &EndpointId) -> Option<(Exported, Option<Position>)> {
+        let inner = self.inner.read();
+        let slot = inner.index.slot(endpoint)?;
+        let exported = inner.index.export_endpoint(slot)?;
+        let position = inner.positions.get(endpoint).copied();
+        Some((exported, position))
+    }
+
+    /// Load a copy of `endpoint`'s blocks, taken at `position` when known, as unconfirmed
+    /// blocks kept until `until_ms` ([`KvIndex::seed_endpoint`]); `None` when the endpoint is
+    /// not a member. The subscription that starts next for it keeps the seed
+    /// ([`PoolState::take_seed`]).
+    pub fn seed_endpoint(
+        &self,
+        endpoint: &EndpointId,
+        blocks: &[(u64, BlockKey)],
+        until_ms: u64,
+        position: Option<Position>,
+    ) -> Option<SeedOutcome> {
+        let mut inner = self.inner.write();
+        let slot = inner.index.slot(endpoint)?;
+        let outcome = inner.index.seed_endpoint(slot, blocks, until_ms).ok()?;
+        if matches!(outcome, SeedOutcome::Seeded { blocks } if blocks > 0) {
+            inner.seeds.insert(*endpoint, position);
+        }
+        Some(outcome)
+    }
+
+    /// Whether `endpoint` holds a seed its subscription has not started from yet, and the
+    /// position to continue it from, if any; the seed is handed over (asked once).
+    pub fn take_seed(&self, endpoint: &EndpointId) -> Option<Option<Position>> {
+        let mut inner = self.inner.write();
+        let seed = inner.seeds.remove(endpoint)?;
+        let slot = inner.index.slot(endpoint)?;
+        (inner.index.unconfirmed_blocks(slot) > 0).then_some(seed)
+    }
+
+    /// The engine's stream was shown to continue `endpoint`'s view: its seeded blocks are all
+    /// confirmed. Returns how many were still unconfirmed.
+    pub fn confirm_seed(&self, endpoint: &EndpointId) -> usize {
+        let mut inner = self.inner.write();
+        match inner.index.slot(endpoint) {
+            Some(slot) => inner.index.confirm_seed(slot),
+            None => 0,
+        }
     }
 
     /// What the scraper read: each member's load (a sample of an endpoint that is no longer a
@@ -560,6 +672,7 @@ impl PoolState {
 
 impl Inner {
     fn clear(&mut self, endpoint: &EndpointId) -> usize {
+        self.positions.remove(endpoint);
         match self.index.slot(endpoint) {
             Some(slot) => self.index.clear_endpoint(slot),
             None => 0,

@@ -558,6 +558,7 @@ fn features(
                     matched_blocks: matched,
                     provisional_blocks: credit.map_or(0, |c| c.provisional).min(matched),
                     index_gap: slot.is_some_and(|s| ctx.index.has_gap(s)),
+                    index_copied: slot.is_some_and(|s| ctx.index.unconfirmed_blocks(s) > 0),
                     cached_tokens: cached,
                     uncached_tokens: req.prompt_tokens - cached - loaded,
                     offloaded,

@@ -311,7 +311,10 @@ impl World {
                     prop_assert!(!self.view.is_empty(), "resync of an empty view");
                     self.view.clear();
                 }
-                Action::Skip { .. } | Action::Drop { .. } | Action::Gap { .. } => {}
+                Action::Skip { .. }
+                | Action::Drop { .. }
+                | Action::Gap { .. }
+                | Action::Continued { .. } => {}
             }
             self.check_view()?;
         }

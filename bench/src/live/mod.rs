@@ -222,6 +222,7 @@ pub fn picker_config(
             ..IndexSettings::default()
         },
         peers: PeerSettings::default(),
+        warm_start: Default::default(),
     };
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("generated picker config: {e}"))?;

@@ -142,6 +142,7 @@ pub fn metrics_app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route(super::warm_start::COPY_PATH, get(index_copy))
         .fallback(not_found)
         .with_state(state)
 }
@@ -851,8 +852,31 @@ async fn pick(
     }
 }
 
+/// A peer replica's request for this picker's KV index ([`super::warm_start`]).
+async fn index_copy(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let auth = headers
+        .get(super::warm_start::AUTH_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let picker = state.picker.clone();
+    let served = tokio::task::spawn_blocking(move || {
+        super::warm_start::serve_copy(&picker, auth.as_deref())
+    })
+    .await
+    .unwrap_or_else(|e| Err((500, e.to_string())));
+    match served {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response(),
+        Err((status, message)) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, axum::Json(json!({"error": {"message": message}}))).into_response()
+        }
+    }
+}
+
 async fn debug_endpoints(State(state): State<AppState>) -> Response {
     let picker = &state.picker;
+    // (never under the pool's lock: loading a copy takes them the other way round)
+    let warm = picker.warm.lock().clone();
     let pool = picker.pool.state().read();
     let (snap, index, loads) = (&pool.endpoints, pool.index(), pool.loads());
     let list: Vec<Value> = snap
@@ -870,6 +894,8 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
                 "inflight": picker.pool.inflight().get(&e.id),
                 "peer_inflight": picker.pool.inflight().peers_total(&e.id),
                 "cached_blocks": slot.map_or(0, |s| index.endpoint_blocks(s)),
+                "unconfirmed_blocks": slot.map_or(0, |s| index.unconfirmed_blocks(s)),
+                "view_gap": slot.is_some_and(|s| index.has_gap(s)),
                 "index_mode": slot.and_then(|s| index.mode(s)).map(|m| format!("{m:?}")),
                 "diagnostics": picker.diagnostics.lock().get(&e.id),
                 "outlier": picker.outlier_status(&e.id),
@@ -881,6 +907,7 @@ async fn debug_endpoints(State(state): State<AppState>) -> Response {
         "version": snap.version(),
         "now_ms": picker.now_ms(),
         "routing": *picker.routing(),
+        "warm_start": warm,
         "endpoints": list,
     }))
     .into_response()

@@ -23,6 +23,7 @@ pub mod source;
 pub mod state;
 pub mod telemetry;
 pub mod tenancy;
+pub mod warm_start;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -332,6 +333,15 @@ pub async fn start(
             "no pool view applied yet; serving, not ready, until one is"
         );
     }
+    // a copy of the index from a peer or the snapshot, before the subscriptions start
+    let warm = warm_start::WarmStart {
+        settings: config.warm_start.clone(),
+        peers: config.peers.clone(),
+        key: warm_start::key_bytes(&peer_key),
+        metrics_port: metrics_addr.port(),
+    };
+    warm.load(&picker).await;
+    tasks.spawn(warm.run_snapshots(picker.clone(), cancel.clone()));
     tasks.spawn(feeds::subscriptions::run_event_manager(
         picker.clone(),
         cancel.clone(),

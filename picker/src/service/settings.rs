@@ -311,6 +311,72 @@ pub struct PickerConfig {
     pub index: IndexSettings,
     #[serde(default)]
     pub peers: PeerSettings,
+    #[serde(default)]
+    pub warm_start: WarmStartSettings,
+}
+
+/// Warm start (`warmStart`): where a starting picker gets a copy of the KV index from, and
+/// what it serves its peers ([`crate::service::warm_start`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct WarmStartSettings {
+    /// A file the picker writes its index snapshot to every `snapshotInterval` and when it
+    /// stops, and loads at start when no peer has a copy (the chart mounts an `emptyDir`).
+    /// Absent: no snapshot.
+    pub snapshot_path: Option<String>,
+    #[serde(with = "duration_str")]
+    pub snapshot_interval: Duration,
+    /// Ask the peers (`peers.addresses`, `peers.dns`) for their index at start.
+    pub from_peers: bool,
+    /// Serve this picker's index to peers on the metrics listener (`GET
+    /// /internal/index-copy`; signed requests only when `peers.keyFile` is set).
+    pub serve_peers: bool,
+    /// The port the peers serve their copy on; absent: this picker's metrics port.
+    pub peer_port: Option<u16>,
+    /// How long the peers are asked at start, all at once.
+    #[serde(with = "duration_str")]
+    pub peer_timeout: Duration,
+    /// Largest copy written, served or read (bytes).
+    pub max_bytes: usize,
+    /// How long copied blocks that no event has confirmed are kept.
+    #[serde(with = "duration_str")]
+    pub unconfirmed_ttl: Duration,
+}
+
+impl Default for WarmStartSettings {
+    fn default() -> Self {
+        Self {
+            snapshot_path: None,
+            snapshot_interval: Duration::from_secs(10),
+            from_peers: true,
+            serve_peers: true,
+            peer_port: None,
+            peer_timeout: Duration::from_secs(3),
+            max_bytes: 256 << 20,
+            unconfirmed_ttl: Duration::from_secs(120),
+        }
+    }
+}
+
+impl WarmStartSettings {
+    pub fn validate(&self) -> Result<(), PickerError> {
+        if self.snapshot_interval < Duration::from_secs(1) {
+            return Err("warmStart.snapshotInterval must be at least 1s".into());
+        }
+        if self.peer_timeout.is_zero() || self.peer_timeout > Duration::from_secs(60) {
+            return Err("warmStart.peerTimeout must be between 1ms and 60s".into());
+        }
+        if self.max_bytes < 4096 {
+            return Err("warmStart.maxBytes must be at least 4096".into());
+        }
+        if self.unconfirmed_ttl.is_zero() {
+            return Err("warmStart.unconfirmedTtl must be more than 0".into());
+        }
+        if self.snapshot_path.as_deref().is_some_and(str::is_empty) {
+            return Err("warmStart.snapshotPath must not be empty".into());
+        }
+        Ok(())
+    }
 }
 
 /// The exchange of in-flight counts with the pool's other picker replicas (`peers`): each
@@ -463,6 +529,7 @@ impl PickerConfig {
             .map_err(PickerError::Invalid)?;
         self.tenancy.validate()?;
         self.peers.validate()?;
+        self.warm_start.validate()?;
         let l = &self.limits;
         for (name, v) in [
             ("limits.maxBodyBytes", l.max_body_bytes),

@@ -224,6 +224,10 @@ pub struct PickerState {
     pub responses: Responses,
     /// The requests waiting at the pool's gate ([`super::flow`]).
     pub waiters: Waiters,
+    /// This replica's random id (its index copies carry it, so that it skips its own).
+    pub replica: u64,
+    /// Where the index it started with came from ([`super::warm_start`]).
+    pub warm: parking_lot::Mutex<super::warm_start::WarmStatus>,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -263,6 +267,8 @@ impl PickerState {
             diagnostics: parking_lot::Mutex::new(Diagnostics::default()),
             responses: Responses::default(),
             waiters: Waiters::default(),
+            replica: rand::random(),
+            warm: parking_lot::Mutex::default(),
         })
     }
 

@@ -181,6 +181,13 @@ pub enum Action {
         /// Why.
         reason: DropReason,
     },
+    /// The replay showed that the stream continues the view the consumer holds from before a
+    /// reconnect (or from a seed, [`Resequencer::resuming`]): batch `seq` with the same
+    /// timestamp. What follows it is delivered next.
+    Continued {
+        /// The last batch the view held.
+        seq: u64,
+    },
     /// A gap was seen in the live stream (for the counters; the replay follows).
     Gap {
         /// First missing number.
@@ -246,6 +253,10 @@ pub enum ResyncReason {
     ContinuityLost {
         /// The last sequence number delivered before the disconnect.
         last_seq: u64,
+        /// The replay showed another process: that number with another timestamp, or
+        /// nothing from it on (a process that sent it still buffers it or later ones).
+        /// `false` when it could not tell (the buffer moved on, or no replay).
+        restarted: bool,
     },
 }
 
@@ -293,7 +304,7 @@ impl fmt::Display for ResyncReason {
                 write!(f, "publisher restarted (expected {expected}, got {got})")
             }
             Self::EpochChanged => f.write_str("publisher epoch changed"),
-            Self::ContinuityLost { last_seq } => {
+            Self::ContinuityLost { last_seq, .. } => {
                 write!(
                     f,
                     "cannot show continuity after {last_seq} across a reconnect"
@@ -485,6 +496,20 @@ impl Resequencer {
         }
     }
 
+    /// A machine for a consumer that already holds a view up to batch `seq`, whose timestamp
+    /// has the bits `ts_bits` (an index copied from a snapshot or a peer replica, with the
+    /// position it was taken at): on connecting it asks the replay for that batch, as after a
+    /// reconnect, and either continues from it ([`Action::Continued`]) or asks for a resync
+    /// ([`ResyncReason::ContinuityLost`]).
+    #[must_use]
+    pub fn resuming(cfg: ResequencerConfig, seq: u64, ts_bits: u64) -> Self {
+        let mut m = Self::new(cfg);
+        let _first = m.tracker.observe(seq);
+        m.last = Some((seq, ts_bits));
+        m.newest_ts = Some(f64::from_bits(ts_bits));
+        m
+    }
+
     /// What to read next.
     #[must_use]
     pub fn wants(&self) -> Wants {
@@ -556,7 +581,10 @@ impl Resequencer {
                 // Without a replay socket nothing shows whether the publisher restarted
                 // while we were away; a restarted one would have its numbers misread as
                 // duplicates, so start over.
-                self.resync(ResyncReason::ContinuityLost { last_seq: seq });
+                self.resync(ResyncReason::ContinuityLost {
+                    last_seq: seq,
+                    restarted: false,
+                });
                 self.restart_tracking();
             }
             None => {
@@ -795,6 +823,7 @@ impl Resequencer {
                 if opened && got == seq && batch.ts.to_bits() == ts_bits =>
             {
                 debug!(seq, "continuity verified after reconnect");
+                self.actions.push_back(Action::Continued { seq });
                 let from = seq.saturating_add(1);
                 self.mode = Mode::Filling(Fill {
                     from,
@@ -809,7 +838,15 @@ impl Resequencer {
             }
             other => {
                 debug!(reply = ?other, "replay for the continuity check did not verify it");
-                self.resync(ResyncReason::ContinuityLost { last_seq: seq });
+                let restarted = match &other {
+                    Input::Replayed(Ok((got, _))) => *got <= seq,
+                    Input::ReplayEnd => opened,
+                    _ => false,
+                };
+                self.resync(ResyncReason::ContinuityLost {
+                    last_seq: seq,
+                    restarted,
+                });
                 self.restart_tracking();
                 self.start_fill(AfterStartup::Nothing);
             }
@@ -1172,7 +1209,10 @@ mod tests {
         assert_eq!(
             actions[0],
             Action::Resync {
-                reason: ResyncReason::ContinuityLost { last_seq: 1 }
+                reason: ResyncReason::ContinuityLost {
+                    last_seq: 1,
+                    restarted: true
+                }
             }
         );
         assert_eq!(delivered(&actions), vec![0, 1]);

@@ -62,6 +62,10 @@ pub struct Features {
     /// the engine's replay window): its credit rests partly on the picker's routing record
     /// until the engine's cache is cleared.
     pub index_gap: bool,
+    /// Blocks of the endpoint's view came from a copy (a peer picker's index or this
+    /// picker's snapshot, at start) that the engine's events have not confirmed yet: its
+    /// `matched_blocks` may count some the engine evicted meanwhile.
+    pub index_copied: bool,
     pub cached_tokens: u32,
     /// Tokens to prefill: neither cached nor loadable from a lower tier.
     pub uncached_tokens: u32,

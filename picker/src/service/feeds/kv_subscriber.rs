@@ -133,6 +133,11 @@ pub struct SubscriberConfig {
     pub channel_capacity: usize,
     /// Counters the subscriber updates; share the `Arc` to export them as metrics.
     pub stats: Arc<SubscriberStats>,
+    /// The consumer already holds this endpoint's view up to batch `(seq, timestamp bits)`
+    /// (an index copied from a snapshot or a peer): the subscriber starts as after a
+    /// reconnect, proving continuity from that batch ([`SubscriberEvent::Continued`]) or
+    /// resynchronizing.
+    pub resume: Option<(u64, u64)>,
 }
 
 impl SubscriberConfig {
@@ -154,6 +159,7 @@ impl SubscriberConfig {
             restart_window: SequenceTracker::DEFAULT_RESTART_WINDOW,
             channel_capacity: 1024,
             stats: Arc::new(SubscriberStats::default()),
+            resume: None,
         }
     }
 
@@ -180,6 +186,12 @@ pub enum SubscriberEvent {
     Disconnected {
         /// Why, for logs.
         error: String,
+    },
+    /// The replay showed that the stream continues the view held before a reconnect, or the
+    /// one [`SubscriberConfig::resume`] named: batch `seq` with the same timestamp.
+    Continued {
+        /// The last batch of the view.
+        seq: u64,
     },
     /// The next batch of this endpoint: apply it.
     Batch {
@@ -325,11 +337,15 @@ impl Feed {
         sink: mpsc::Sender<SubscriberEvent>,
         cancel: CancellationToken,
     ) -> Self {
-        let order = Resequencer::new(ResequencerConfig {
+        let machine = ResequencerConfig {
             replay: cfg.replay.is_some(),
             replay_max_batches: cfg.replay_max_batches,
             restart_window: cfg.restart_window,
-        });
+        };
+        let order = match cfg.resume {
+            Some((seq, ts_bits)) => Resequencer::resuming(machine, seq, ts_bits),
+            None => Resequencer::new(machine),
+        };
         Self {
             stats: Arc::clone(&cfg.stats),
             cfg,
@@ -548,6 +564,9 @@ impl Feed {
                 }
                 Action::Gap { .. } => {
                     bump(&self.stats.gaps);
+                }
+                Action::Continued { seq } => {
+                    self.emit(SubscriberEvent::Continued { seq }).await?;
                 }
             }
         }

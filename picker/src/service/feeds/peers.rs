@@ -115,6 +115,11 @@ impl PeerKey {
         Ok(Self(Some(key)))
     }
 
+    /// The key's bytes, when there is one.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        self.0.as_deref()
+    }
+
     #[cfg(test)]
     fn of(key: &[u8]) -> Self {
         Self(Some(key.to_vec()))
@@ -352,7 +357,7 @@ fn unix_ms() -> u64 {
 
 /// The peers' addresses: the listed ones and what the DNS name returns now (the last good
 /// answer is kept when a lookup fails).
-async fn resolve(settings: &PeerSettings, last: &[SocketAddr]) -> Vec<SocketAddr> {
+pub(crate) async fn resolve(settings: &PeerSettings, last: &[SocketAddr]) -> Vec<SocketAddr> {
     let mut out: Vec<SocketAddr> = settings.addresses.clone();
     if let Some(name) = &settings.dns {
         match tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(name)).await {

@@ -21,51 +21,54 @@ use crate::service::state::PickerState;
 
 /// What a subscription is for; a change in any part means a new subscription.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct SubscriptionKey {
-    endpoint: EndpointId,
-    publisher: String,
+pub(crate) struct SubscriptionKey {
+    pub(crate) endpoint: EndpointId,
+    pub(crate) publisher: String,
     replay: Option<String>,
     topic: String,
     block_size: u32,
     model: String,
 }
 
+/// The subscription `endpoint` gets: its publisher (from the ports the engine serves, else
+/// the model config's port plus the rank), replay, topic and keying; `None` when its model
+/// config publishes no KV events.
+pub(crate) fn subscription_for(
+    picker: &PickerState,
+    catalog: &std::collections::BTreeMap<String, Arc<crate::service::declared::ModelEntry>>,
+    e: &crate::endpoint::Endpoint,
+) -> Option<SubscriptionKey> {
+    let entry = catalog.get(&*e.model_config.name)?;
+    let ev = entry.spec.kv_events.as_ref()?;
+    let host = match e.id.address {
+        std::net::IpAddr::V4(a) => a.to_string(),
+        std::net::IpAddr::V6(a) => format!("[{a}]"),
+    };
+    let rank = e.id.rank as u16;
+    let (events_port, replay_port) = match picker.kv_ports_of(&e.id) {
+        Some(p) => (p.events, p.replay),
+        None => (
+            ev.port.saturating_add(rank),
+            ev.replay_port.map(|p| p.saturating_add(rank)),
+        ),
+    };
+    Some(SubscriptionKey {
+        endpoint: e.id,
+        publisher: format!("tcp://{host}:{events_port}"),
+        replay: replay_port.map(|p| format!("tcp://{host}:{p}")),
+        topic: ev.topic.clone(),
+        block_size: entry.config.block_size,
+        model: entry.config.model.to_string(),
+    })
+}
+
 fn desired(picker: &PickerState) -> HashMap<EndpointId, SubscriptionKey> {
     let snap = picker.pool.state().endpoints();
     let catalog = picker.catalog();
-    let mut out = HashMap::new();
-    for e in snap.endpoints() {
-        let Some(entry) = catalog.get(&*e.model_config.name) else {
-            continue;
-        };
-        let Some(ev) = &entry.spec.kv_events else {
-            continue;
-        };
-        let host = match e.id.address {
-            std::net::IpAddr::V4(a) => a.to_string(),
-            std::net::IpAddr::V6(a) => format!("[{a}]"),
-        };
-        let rank = e.id.rank as u16;
-        let (events_port, replay_port) = match picker.kv_ports_of(&e.id) {
-            Some(p) => (p.events, p.replay),
-            None => (
-                ev.port.saturating_add(rank),
-                ev.replay_port.map(|p| p.saturating_add(rank)),
-            ),
-        };
-        out.insert(
-            e.id,
-            SubscriptionKey {
-                endpoint: e.id,
-                publisher: format!("tcp://{host}:{events_port}"),
-                replay: replay_port.map(|p| format!("tcp://{host}:{p}")),
-                topic: ev.topic.clone(),
-                block_size: entry.config.block_size,
-                model: entry.config.model.to_string(),
-            },
-        );
-    }
-    out
+    snap.endpoints()
+        .iter()
+        .filter_map(|e| subscription_for(picker, &catalog, e).map(|k| (e.id, k)))
+        .collect()
 }
 
 /// Apply one subscriber's events until it ends.
@@ -87,7 +90,7 @@ async fn consume(
     let mut received = false;
     while let Some(ev) = rx.recv().await {
         match ev {
-            SubscriberEvent::Batch { batch, .. } => {
+            SubscriberEvent::Batch { seq, batch } => {
                 if !std::mem::replace(&mut received, true) {
                     picker.report(picker.diagnostics.lock().kv_batch(key.endpoint));
                 }
@@ -95,6 +98,7 @@ async fn consume(
                     Admit::Apply => {}
                     Admit::Drop => {
                         picker.metrics.event_problem("rate_limited");
+                        picker.pool.state().forget_position(&key.endpoint);
                         continue;
                     }
                     Admit::DropAndClear => {
@@ -107,8 +111,12 @@ async fn consume(
                         continue;
                     }
                 }
-                let Some(stats) = picker.pool.state().apply_batch(&key.endpoint, keys, &batch)
-                else {
+                let Some(stats) = picker.pool.state().apply_numbered_batch(
+                    &key.endpoint,
+                    keys,
+                    &batch,
+                    Some(seq),
+                ) else {
                     continue;
                 };
                 picker.metrics.event_batches.inc();
@@ -147,13 +155,27 @@ async fn consume(
             }
             SubscriberEvent::Resync { reason } => {
                 picker.metrics.event_problem("resync");
-                match picker.pool.state().resync(&key.endpoint, &reason) {
+                let resynced = picker.pool.state().resync(&key.endpoint, &reason);
+                match resynced {
                     Resynced::Cleared(_) => {
                         tracing::warn!(endpoint = %key.endpoint, %reason, "KV events resync: cleared the endpoint's blocks")
                     }
                     Resynced::Kept => {
                         tracing::warn!(endpoint = %key.endpoint, %reason, "KV events lost: the endpoint's blocks are kept and its view marked as having a gap")
                     }
+                }
+                if let crate::kv_events::resequence::ResyncReason::ContinuityLost { .. } = reason {
+                    picker
+                        .warm
+                        .lock()
+                        .not_continued(key.endpoint, resynced == Resynced::Kept);
+                }
+            }
+            SubscriberEvent::Continued { seq } => {
+                let confirmed = picker.pool.state().confirm_seed(&key.endpoint);
+                if confirmed > 0 {
+                    tracing::info!(endpoint = %key.endpoint, seq, confirmed, "the engine's replay continues the copied view: its blocks are confirmed");
+                    picker.warm.lock().confirmed(key.endpoint);
                 }
             }
             SubscriberEvent::DecodeError { error, .. } => {
@@ -204,7 +226,20 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                 if running.contains_key(&id) {
                     continue;
                 }
-                picker.pool.state().clear(&id, ClearCause::Subscribed);
+                // a view copied from a snapshot or a peer is kept, and continued from its
+                // position when it was taken from this same publisher
+                let resume = match picker.pool.state().take_seed(&id) {
+                    Some(position) => picker.warm.lock().resume_for(
+                        id,
+                        &key.publisher,
+                        key.replay.is_some(),
+                        position,
+                    ),
+                    None => {
+                        picker.pool.state().clear(&id, ClearCause::Subscribed);
+                        None
+                    }
+                };
                 // the engine's sockets are reached through frame-checking relays: the
                 // `zeromq` crate would abort on a frame announcing an absurd size
                 // (twice the payload bound: a merely oversized payload is skipped and counted
@@ -236,6 +271,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
                 cfg.topic = key.topic.as_bytes().to_vec();
                 cfg.max_payload_bytes = picker.limits.max_event_payload_bytes;
                 cfg.limits.max_events_per_batch = picker.limits.max_events_per_batch;
+                cfg.resume = resume;
                 let (tx, rx) = cfg.channel();
                 picker.report(picker.diagnostics.lock().kv_subscribed(
                     id,
