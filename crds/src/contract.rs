@@ -151,6 +151,14 @@ pub const TOKENIZER_CONFIG_JSON: &str = "tokenizer_config.json";
 pub const PEER_KEY_MOUNT_DIR: &str = "/var/run/secrets/kvroute/peers";
 pub const PEER_KEY_FILE: &str = "key";
 
+/// Where the picker keeps its index snapshot (`warmStart.snapshotPath`): an `emptyDir`,
+/// which outlives a restart of the picker's container in its pod, of at most
+/// [`WARM_START_SIZE_LIMIT`] (twice the largest snapshot: the last one and the next, which
+/// is written beside it and renamed over it).
+pub const WARM_START_DIR: &str = "/var/lib/kvroute/warm";
+pub const WARM_START_SNAPSHOT: &str = "index.snapshot";
+pub const WARM_START_SIZE_LIMIT: &str = "512Mi";
+
 /// Where `spec.picker.saltSecretRef` is mounted in the picker; the key becomes this file.
 pub const SALT_MOUNT_DIR: &str = "/var/run/secrets/kvroute/salt";
 pub const SALT_FILE: &str = "salt";

@@ -325,9 +325,17 @@ pub fn render_picker_config(pool: &KVRoutePool, keyed: bool) -> Result<(String, 
         "routing": to_value("routing", &pool.spec.routing)?,
         "tenancy": to_value("tenancy", &tenancy)?,
         "peers": peers,
+        // the snapshot outlives a container restart in its pod; a new pod copies a peer's
+        "warmStart": {
+            "snapshotPath": format!("{}/{}", contract::WARM_START_DIR, contract::WARM_START_SNAPSHOT),
+        },
     });
     // what a picker reads only at startup: a change rolls the pickers
-    let static_hash = hash_of(&json!({ "listen": doc["listen"], "peers": doc["peers"] }))?;
+    let static_hash = hash_of(&json!({
+        "listen": doc["listen"],
+        "peers": doc["peers"],
+        "warmStart": doc["warmStart"],
+    }))?;
     let yaml = serde_yaml_ng::to_string(&doc).map_err(Error::RenderYaml)?;
     Ok((
         format!(
@@ -380,6 +388,11 @@ fn picker_deployment(
             "readOnly": true,
         }));
     }
+    volumes.push(json!({
+        "name": "warm-start",
+        "emptyDir": {"sizeLimit": contract::WARM_START_SIZE_LIMIT},
+    }));
+    mounts.push(json!({"name": "warm-start", "mountPath": contract::WARM_START_DIR}));
     if settings.peer_key_seed.is_some() {
         volumes.push(json!({
             "name": "peer-key",

@@ -267,6 +267,37 @@ fn each_pool_gets_a_peer_key_derived_from_the_operators_seed() {
         text.contains("keyFile: /var/run/secrets/kvroute/peers/key"),
         "{text}"
     );
+    // issue 52: the index snapshot lives in an emptyDir the config points at (the root file
+    // system is read-only), and the rendered config is one the picker accepts
+    let warm = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "warm-start")
+        .expect("warm-start volume");
+    assert!(
+        warm.empty_dir
+            .as_ref()
+            .expect("emptyDir")
+            .size_limit
+            .is_some()
+    );
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "warm-start")
+        .expect("warm-start mount");
+    assert_eq!(mount.mount_path, contract::WARM_START_DIR);
+    assert!(mount.read_only != Some(true));
+    assert!(
+        text.contains(&format!(
+            "snapshotPath: {}/{}",
+            contract::WARM_START_DIR,
+            contract::WARM_START_SNAPSHOT
+        )),
+        "{text}"
+    );
     // no seed: no Secret, no mount, no key file
     let d = desired_for(base_spec(), &[]);
     assert!(d.peer_secret.is_none());
@@ -342,11 +373,12 @@ fn picker_deployment_and_service() {
         [
             "/etc/kvroute",
             "/var/lib/kvroute/tokenizers/llama-tok",
+            "/var/lib/kvroute/warm",
             "/var/run/secrets/kvroute/salt"
         ]
     );
     assert_eq!(
-        pod["volumes"][2]["secret"],
+        pod["volumes"][3]["secret"],
         json!({"secretName": "salt", "items": [{"key": "k", "path": "salt"}]})
     );
     assert_eq!(pod["serviceAccountName"], "llama-picker");

@@ -328,9 +328,9 @@ pub struct WarmStartSettings {
     pub snapshot_interval: Duration,
     /// Ask the peers (`peers.addresses`, `peers.dns`) for their index at start.
     pub from_peers: bool,
-    /// Serve this picker's index to peers on the metrics listener (`GET
-    /// /internal/index-copy`; signed requests only when `peers.keyFile` is set).
-    pub serve_peers: bool,
+    /// Whether this picker serves its index to peers on the metrics listener (`GET
+    /// /internal/index-copy`).
+    pub serve_peers: ServePeers,
     /// The port the peers serve their copy on; absent: this picker's metrics port.
     pub peer_port: Option<u16>,
     /// How long the peers are asked at start, all at once.
@@ -349,13 +349,27 @@ impl Default for WarmStartSettings {
             snapshot_path: None,
             snapshot_interval: Duration::from_secs(10),
             from_peers: true,
-            serve_peers: true,
+            serve_peers: ServePeers::Signed,
             peer_port: None,
             peer_timeout: Duration::from_secs(3),
             max_bytes: 256 << 20,
             unconfirmed_ttl: Duration::from_secs(120),
         }
     }
+}
+
+/// `warmStart.servePeers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServePeers {
+    /// To requests signed with the pool's peer key (`peers.keyFile`); without a key, to
+    /// nobody: the block keys of an unsalted pool tell whoever reads them which prompts
+    /// are cached.
+    Signed,
+    /// To any request that reaches the metrics listener, signed or not (a pool without a
+    /// peer key on a network that only its pickers reach).
+    Always,
+    /// To nobody.
+    Off,
 }
 
 impl WarmStartSettings {

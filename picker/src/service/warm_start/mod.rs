@@ -10,7 +10,8 @@
 //!   over the last one); the chart mounts an `emptyDir` there, which outlives a container
 //!   restart in its pod.
 //! - **Peers.** Each picker serves its copy on the metrics listener (`GET
-//!   /internal/index-copy`), signed with the pool's peer key; a starting picker asks every
+//!   /internal/index-copy`) to requests signed with the pool's peer key, and signs the copy
+//!   with it (without a key, only with `servePeers: Always`); a starting picker asks every
 //!   peer the in-flight exchange knows (`peers.addresses`, `peers.dns`) for one, within
 //!   `peerTimeout`, and loads the largest. A peer's copy is fresher than the picker's own
 //!   snapshot, which is the fallback.
@@ -42,7 +43,7 @@ use crate::index::SeedOutcome;
 use crate::pool_state::Position;
 use crate::service::feeds::peers::PeerKey;
 use crate::service::feeds::subscriptions::subscription_for;
-use crate::service::settings::{PeerSettings, WarmStartSettings};
+use crate::service::settings::{PeerSettings, ServePeers, WarmStartSettings};
 use crate::service::state::PickerState;
 
 /// The header that signs a peer's request for a copy: `<unix ms>.<hex HMAC-SHA256>` of
@@ -148,7 +149,7 @@ struct Serving {
     replica: u64,
     key: Option<Vec<u8>>,
     max_bytes: usize,
-    enabled: bool,
+    mode: ServePeers,
 }
 
 /// The model configurations of the pool, as a copy names them.
@@ -336,16 +337,25 @@ pub fn serve_copy(picker: &PickerState, auth: Option<&str>) -> Result<Vec<u8>, (
     let Some(s) = picker.warm.lock().serve.clone() else {
         return Err((404, "this picker serves no index copy".into()));
     };
-    if !s.enabled {
-        return Err((404, "warmStart.servePeers is off".into()));
-    }
-    if let Some(key) = &s.key
-        && !authorized(auth, key, &s.group, unix_ms())
-    {
-        return Err((
-            401,
-            format!("a copy is served to requests signed with the pool's peer key ({AUTH_HEADER})"),
-        ));
+    match (s.mode, &s.key) {
+        (ServePeers::Off, _) => return Err((404, "warmStart.servePeers is Off".into())),
+        (ServePeers::Signed, None) => {
+            return Err((
+                404,
+                "without peers.keyFile no copy is served (warmStart.servePeers: Always serves \
+                 one unsigned)"
+                    .into(),
+            ));
+        }
+        (_, Some(key)) if !authorized(auth, key, &s.group, unix_ms()) => {
+            return Err((
+                401,
+                format!(
+                    "a copy is served to requests signed with the pool's peer key ({AUTH_HEADER})"
+                ),
+            ));
+        }
+        _ => {}
     }
     let copy = take_copy(picker, &s.group, s.replica, unix_ms());
     let bytes = codec::encode(&copy, s.key.as_deref());
@@ -452,7 +462,7 @@ impl WarmStart {
             replica,
             key: self.key.clone(),
             max_bytes: self.settings.max_bytes,
-            enabled: self.settings.serve_peers,
+            mode: self.settings.serve_peers,
         });
         let until = picker.now_ms() + self.settings.unconfirmed_ttl.as_millis() as u64;
         let mut best: Option<(IndexCopy, String)> = None;
