@@ -355,6 +355,9 @@ pub struct ReplayArgs {
     /// (simulated ms offline, wall ms live); 0: they do not.
     #[arg(long, default_value_t = kvroute_picker::inflight::DEFAULT_PEER_INTERVAL_MS)]
     pub peer_sync_ms: f64,
+    /// Live, `picker-restart`: where the restarted picker gets a copy of the index from.
+    #[arg(long, value_enum, default_value_t = crate::WarmStartSource::None)]
+    pub warm_start: crate::WarmStartSource,
     /// Send each request's session id in the session header (sticky sessions).
     #[arg(long)]
     pub session_header: bool,
@@ -671,6 +674,10 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         "--scrape-ms must be positive"
     );
     anyhow::ensure!(
+        a.warm_start != crate::WarmStartSource::Peer || (a.pickers > 1 && a.peer_sync_ms > 0.0),
+        "--warm-start peer needs --pickers 2 or more with the exchange on (--peer-sync-ms above 0)"
+    );
+    anyhow::ensure!(
         a.peer_sync_ms >= 0.0 && a.peer_sync_ms.is_finite(),
         "--peer-sync-ms must be a non-negative number of ms, got {}",
         a.peer_sync_ms
@@ -757,6 +764,7 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         },
         scrape_ms: a.scrape_ms,
         peer_sync_ms: a.peer_sync_ms,
+        warm_start: a.warm_start,
         slo: Slo {
             ttft_ms: a.slo_ttft_ms,
             tpot_ms: a.slo_tpot_ms,

@@ -77,6 +77,19 @@ impl ClusterConfig {
 }
 
 /// Options of one comparison, shared by both modes.
+/// Where a live run's restarted picker gets a copy of the index from (`--warm-start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WarmStartSource {
+    /// Nowhere: it learns from the engines' events alone.
+    #[default]
+    None,
+    /// Its own snapshot file, written every 10 s (the picker is killed, so the last periodic
+    /// one is what it finds).
+    Snapshot,
+    /// A peer picker (needs `--pickers` 2 or more).
+    Peer,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchOptions {
     pub cluster: ClusterConfig,
@@ -88,6 +101,8 @@ pub struct BenchOptions {
     /// Several pickers: how often each publishes its in-flight counts to the others (ms of
     /// simulated time offline, the pickers' `peers.intervalMs` live); 0: they do not.
     pub peer_sync_ms: f64,
+    /// Live, own pickers: where a restarted picker gets its index from (issue 52).
+    pub warm_start: WarmStartSource,
     pub slo: Slo,
     pub max_requests: Option<usize>,
     /// Release no request after this many simulated ms.
@@ -190,6 +205,7 @@ impl Default for BenchOptions {
             routing: RoutingConfig::default(),
             scrape_ms: 100.0,
             peer_sync_ms: kvroute_picker::inflight::DEFAULT_PEER_INTERVAL_MS,
+            warm_start: WarmStartSource::None,
             slo: Slo {
                 ttft_ms: 2_000.0,
                 tpot_ms: 100.0,

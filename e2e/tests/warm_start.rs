@@ -234,16 +234,26 @@ async fn a_new_picker_copies_a_warm_peers_index_and_the_replay_confirms_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_picker_loads_its_snapshot_and_refuses_a_corrupt_one() {
-    let a = sim("127.0.0.43").await;
-    let b = sim("127.0.0.44").await;
+    // engines without a replay socket: a restarted picker cannot prove its copy continuous
+    // (as when the replay window has passed), so the copy stays unconfirmed credit that the
+    // engine's events settle
+    let no_replay = |ip: &str| {
+        let mut c = sim_config(ip, 50.0);
+        c.kv_replay = kvroute_sim::server::PortSpec::Disabled;
+        c
+    };
+    let a = kvroute_sim::server::start(no_replay("127.0.0.43"))
+        .await
+        .unwrap();
+    let b = kvroute_sim::server::start(no_replay("127.0.0.44"))
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("index.snapshot");
     let warm_start = format!(
         "warmStart: {{snapshotPath: \"{}\", snapshotInterval: 1s}}\n",
         path.display()
     );
-    // no replay ports: a restarted picker cannot prove its copy continuous (the window has
-    // passed), so the copy stays unconfirmed credit that the engine's events settle
     let first = picker(&[&a, &b], false, &warm_start).await;
     let tokens = prompt(54, 1024);
     warm(&first, &a, &tokens).await;

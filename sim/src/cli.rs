@@ -131,6 +131,9 @@ struct Args {
     kv_events_topic: String,
     #[arg(long, value_enum, default_value = "map-events")]
     kv_events_encoding: EncodingArg,
+    /// Do not serve `GET /kv_event_sources` (as vLLM before 0.32 and SGLang do not).
+    #[arg(long)]
+    no_kv_event_sources: bool,
     /// Batches kept for replay per rank.
     #[arg(long, default_value_t = 10_000)]
     kv_replay_buffer: usize,
@@ -239,6 +242,7 @@ fn config(a: Args) -> anyhow::Result<SimConfig> {
             EncodingArg::Map => EventEncoding::Map,
             EncodingArg::Trtllm => EventEncoding::Trtllm,
         },
+        kv_event_sources: !a.no_kv_event_sources,
         replay_buffer: a.kv_replay_buffer,
         max_waiting: a.max_waiting,
         max_body_bytes: a.max_body_bytes,

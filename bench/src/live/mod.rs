@@ -368,7 +368,7 @@ pub async fn start_picker_with(
     engines: &EnginesInfo,
     http: &reqwest::Client,
     suffix: &str,
-    peers: PeerSettings,
+    configure: &(dyn Fn(&mut PickerConfig) + Send + Sync),
 ) -> anyhow::Result<Picker> {
     // unique in this process: runs side by side (tests, `--jobs`) must not share a config file
     static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -383,7 +383,7 @@ pub async fn start_picker_with(
     });
     let mut cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
     cfg.index.provisional_ttl = opts.index_settings().provisional_ttl;
-    cfg.peers = peers;
+    configure(&mut cfg);
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("generated picker config: {e}"))?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));

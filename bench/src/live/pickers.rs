@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use kvroute_picker::service::settings::PeerSettings;
+use kvroute_picker::service::settings::{PeerSettings, PickerConfig, WarmStartSettings};
 
 use super::{EnginesInfo, Picker, start_picker_with};
 use crate::{BenchOptions, PolicySpec};
@@ -32,6 +32,15 @@ struct Spawner {
     http: reqwest::Client,
     /// Each picker's UDP port for the peer exchange (empty: no exchange).
     peer_ports: Vec<u16>,
+    /// `--warm-start peer`: picker `i` listens on `127.0.0.(20 + i)`, its metrics on this
+    /// port (one port for all, as in a pod's fixed ports), where the others ask it for its
+    /// index; the pool's key signs the copies.
+    copy_port: Option<(u16, PathBuf)>,
+}
+
+/// The loopback address of picker `i` when the pickers copy each other's index.
+fn picker_ip(i: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, 0, 0, 20 + (i % 200) as u8)
 }
 
 /// `n` free UDP ports on loopback (bound and released: a picker binds its own a moment
@@ -72,6 +81,19 @@ impl LivePickers {
         } else {
             Vec::new()
         };
+        let copy_port = if opts.warm_start == crate::WarmStartSource::Peer {
+            let port = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))?
+                .local_addr()?
+                .port();
+            let key = super::procs::work_dir()?.join("peer.key");
+            std::fs::write(
+                &key,
+                format!("bench-pool-key-{:032x}", rand::random::<u128>()),
+            )?;
+            Some((port, key))
+        } else {
+            None
+        };
         let spawner = Spawner {
             exe,
             opts: opts.clone(),
@@ -79,6 +101,7 @@ impl LivePickers {
             engines,
             http: http.clone(),
             peer_ports,
+            copy_port,
         };
         let mut running = Vec::new();
         let mut urls = Vec::new();
@@ -160,19 +183,61 @@ impl Spawner {
                 e.replay.clear();
             }
         }
-        let lo = |p: u16| SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, p));
+        let ip = match self.copy_port {
+            Some(_) => picker_ip(i),
+            None => std::net::Ipv4Addr::LOCALHOST,
+        };
         let peers = match self.peer_ports.get(i) {
             Some(&own) => PeerSettings {
-                listen: Some(lo(own)),
-                addresses: (self.peer_ports.iter())
-                    .filter(|&&p| p != own)
-                    .map(|&p| lo(p))
+                listen: Some(SocketAddr::from((ip, own))),
+                addresses: (self.peer_ports.iter().enumerate())
+                    .filter(|&(j, _)| j != i)
+                    .map(|(j, &p)| match self.copy_port {
+                        Some(_) => SocketAddr::from((picker_ip(j), p)),
+                        None => SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, p)),
+                    })
                     .collect(),
                 interval: Duration::from_millis(self.opts.peer_sync_ms.round().max(5.0) as u64),
                 group: "bench".into(),
+                key_file: self
+                    .copy_port
+                    .as_ref()
+                    .map(|(_, k)| k.display().to_string()),
                 ..PeerSettings::default()
             },
             None => PeerSettings::default(),
+        };
+        let warm = match self.opts.warm_start {
+            crate::WarmStartSource::None => WarmStartSettings {
+                from_peers: false,
+                ..WarmStartSettings::default()
+            },
+            crate::WarmStartSource::Snapshot => WarmStartSettings {
+                snapshot_path: Some(
+                    super::procs::work_dir()?
+                        .join(format!("picker-{i}.snapshot"))
+                        .display()
+                        .to_string(),
+                ),
+                from_peers: false,
+                ..WarmStartSettings::default()
+            },
+            crate::WarmStartSource::Peer => WarmStartSettings {
+                peer_port: self.copy_port.as_ref().map(|(p, _)| *p),
+                ..WarmStartSettings::default()
+            },
+        };
+        let copy_port = self.copy_port.as_ref().map(|(p, _)| *p);
+        let configure = move |cfg: &mut PickerConfig| {
+            cfg.peers = peers.clone();
+            cfg.warm_start = warm.clone();
+            // past the replay window: the engines' lists would name their replay sockets
+            cfg.scrape.event_sources = replay;
+            if let Some(port) = copy_port {
+                cfg.listen.http = SocketAddr::from((ip, 0));
+                cfg.listen.admin = SocketAddr::from((ip, 0));
+                cfg.listen.metrics = SocketAddr::from((ip, port));
+            }
         };
         start_picker_with(
             &self.exe,
@@ -181,7 +246,7 @@ impl Spawner {
             &engines,
             &self.http,
             &format!("{i}"),
-            peers,
+            &configure,
         )
         .await
     }

@@ -333,7 +333,15 @@ pub async fn start(
             "no pool view applied yet; serving, not ready, until one is"
         );
     }
-    // a copy of the index from a peer or the snapshot, before the subscriptions start
+    // where the engines publish (vLLM's /kv_event_sources), then a copy of the index from a
+    // peer or the snapshot, before the subscriptions start
+    if config.scrape.event_sources {
+        feeds::sources::round(&picker).await;
+        tasks.spawn(feeds::sources::run_discovery(
+            picker.clone(),
+            cancel.clone(),
+        ));
+    }
     let warm = warm_start::WarmStart {
         settings: config.warm_start.clone(),
         peers: config.peers.clone(),
@@ -342,6 +350,10 @@ pub async fn start(
     };
     warm.load(&picker).await;
     tasks.spawn(warm.run_snapshots(picker.clone(), cancel.clone()));
+    tasks.spawn(feeds::sources::run_discovery(
+        picker.clone(),
+        cancel.clone(),
+    ));
     tasks.spawn(feeds::subscriptions::run_event_manager(
         picker.clone(),
         cancel.clone(),

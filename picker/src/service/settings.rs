@@ -218,6 +218,10 @@ pub struct ScrapeSettings {
     /// Path of the Prometheus endpoint (`/metrics` for vLLM and SGLang,
     /// `/prometheus/metrics` for TRT-LLM serve).
     pub path: Option<String>,
+    /// Ask the engines where their KV event publishers are (`GET /kv_event_sources`,
+    /// vLLM 0.32 and later) and subscribe there ([`crate::service::feeds::sources`]); off:
+    /// the ports computed from the pool's settings only.
+    pub event_sources: bool,
 }
 
 impl Default for ScrapeSettings {
@@ -226,6 +230,7 @@ impl Default for ScrapeSettings {
             interval: Duration::from_millis(100),
             timeout: Duration::from_millis(500),
             path: None,
+            event_sources: true,
         }
     }
 }

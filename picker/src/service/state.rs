@@ -228,6 +228,8 @@ pub struct PickerState {
     pub replica: u64,
     /// Where the index it started with came from ([`super::warm_start`]).
     pub warm: parking_lot::Mutex<super::warm_start::WarmStatus>,
+    /// The KV event publishers the engines list ([`super::feeds::sources`]).
+    pub event_sources: super::feeds::sources::EventSources,
 }
 
 impl std::fmt::Debug for PickerState {
@@ -269,6 +271,7 @@ impl PickerState {
             waiters: Waiters::default(),
             replica: rand::random(),
             warm: parking_lot::Mutex::default(),
+            event_sources: Default::default(),
         })
     }
 

@@ -46,6 +46,7 @@ pub(crate) fn router(rt: Arc<Runtime>, slot: Arc<EngineSlot>, fixed_rank: Option
         .route("/v1/completions/render", post(render_completions))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/v1/models", get(models))
+        .route("/kv_event_sources", get(kv_event_sources))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/fault", post(admin_fault))
@@ -825,6 +826,39 @@ async fn models(State(s): State<AppState>) -> Response {
         }));
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// vLLM 0.32's `GET /kv_event_sources`: each rank's resolved `KVEventsConfig`, keyed by
+/// data-parallel rank (a bound address, never the `*` it was configured with when the port
+/// was 0). Absent before 0.32, and in SGLang.
+async fn kv_event_sources(State(s): State<AppState>) -> Response {
+    let cfg = &s.rt.cfg;
+    if !cfg.kv_event_sources || cfg.flavor != super::metrics::Flavor::Vllm {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let Some(addrs) = s.slot.addrs.lock().clone() else {
+        return axum::Json(json!({})).into_response();
+    };
+    let mut out = serde_json::Map::new();
+    for (rank, pub_addr) in addrs.kv_events.iter().enumerate() {
+        if s.fixed_rank.is_some_and(|k| k as usize != rank) {
+            continue;
+        }
+        out.insert(
+            rank.to_string(),
+            json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": format!("tcp://{pub_addr}"),
+                "replay_endpoint": addrs.replay.get(rank).map(|a| format!("tcp://{a}")),
+                "buffer_steps": cfg.replay_buffer,
+                "hwm": 100_000,
+                "max_queue_size": 100_000,
+                "topic": cfg.kv_topic,
+            }),
+        );
+    }
+    axum::Json(Json::Object(out)).into_response()
 }
 
 async fn health() -> StatusCode {

@@ -96,6 +96,9 @@ pub struct SimConfig {
     pub kv_replay: PortSpec,
     pub kv_topic: String,
     pub kv_encoding: EventEncoding,
+    /// Serve `GET /kv_event_sources` (vLLM 0.32 and later; the `vllm` flavor only): each
+    /// rank's bound publisher and replay endpoints.
+    pub kv_event_sources: bool,
     /// Batches kept for replay per rank.
     pub replay_buffer: usize,
     /// Waiting requests per rank beyond which new ones get 429.
@@ -146,6 +149,7 @@ impl Default for SimConfig {
             kv_replay: PortSpec::Disabled,
             kv_topic: String::new(),
             kv_encoding: EventEncoding::MapEvents,
+            kv_event_sources: true,
             replay_buffer: 10_000,
             max_waiting: 4096,
             max_body_bytes: 64 << 20,

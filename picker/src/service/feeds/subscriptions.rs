@@ -52,11 +52,20 @@ pub(crate) fn subscription_for(
             ev.replay_port.map(|p| p.saturating_add(rank)),
         ),
     };
+    // what the engine lists at /kv_event_sources outranks what the pool computes
+    let (publisher, replay, topic) = match picker.event_sources.get(&e.id) {
+        Some(s) => (s.publisher, s.replay, s.topic),
+        None => (
+            format!("tcp://{host}:{events_port}"),
+            replay_port.map(|p| format!("tcp://{host}:{p}")),
+            ev.topic.clone(),
+        ),
+    };
     Some(SubscriptionKey {
         endpoint: e.id,
-        publisher: format!("tcp://{host}:{events_port}"),
-        replay: replay_port.map(|p| format!("tcp://{host}:{p}")),
-        topic: ev.topic.clone(),
+        publisher,
+        replay,
+        topic,
         block_size: entry.config.block_size,
         model: entry.config.model.to_string(),
     })
@@ -187,6 +196,8 @@ async fn consume(
             }
             SubscriberEvent::Disconnected { error } => {
                 picker.metrics.event_problem("disconnect");
+                // the engine may have come back on other ports
+                picker.event_sources.nudge(&key.endpoint);
                 tracing::debug!(endpoint = %key.endpoint, %error, "KV events disconnected");
             }
         }
@@ -205,11 +216,13 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
     // wakes on every applied pool view (the model configs may have changed with it) and every
     // change of the endpoint set
     let mut changes = picker.watch_pool();
+    let mut sources = picker.event_sources.watch();
     let mut seen_version = None;
     loop {
         let version = (
             picker.pool.state().endpoints().version(),
             Arc::as_ptr(&picker.catalog()) as usize,
+            picker.event_sources.version(),
         );
         if seen_version != Some(version) {
             seen_version = Some(version);
@@ -291,6 +304,7 @@ pub async fn run_event_manager(picker: Arc<PickerState>, cancel: CancellationTok
         let stop = tokio::select! {
             () = cancel.cancelled() => true,
             changed = changes.changed() => changed.is_err(),
+            Ok(()) = sources.changed() => false,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
         };
         if stop {
