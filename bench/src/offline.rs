@@ -1389,6 +1389,7 @@ fn finish(sim: Sim<'_>, name: &str) -> PolicyRun {
             }),
             phases,
             recoveries,
+            restarted_picker: None,
             admission: sim.pickers[0].router().config().admission.enabled.then(|| {
                 AdmissionFigures::from_waits(&sim.held_waits, sim.held_timeouts, &sim.live_samples)
             }),

@@ -133,6 +133,17 @@ pub fn notes(runs: &[PolicyRun]) -> String {
                 &d.recoveries,
             ));
         }
+        if let Some(p) = &d.restarted_picker {
+            let _ = writeln!(
+                out,
+                "  the restarted picker's first {} requests after it came back: hit {:.1}%; the \
+                 other pickers' {} over the same span: {:.1}%",
+                p.requests,
+                p.hit_rate * 100.0,
+                p.others_requests,
+                p.others_hit_rate * 100.0
+            );
+        }
         if let Some(p) = &d.picker {
             let pct =
                 |x: Option<f64>| x.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0));

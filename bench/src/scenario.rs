@@ -426,6 +426,71 @@ pub fn recoveries(scenario: &Scenario, records: &[RequestRecord]) -> Vec<Recover
         .collect()
 }
 
+/// With several pickers, how the one a `picker-restart` restarted did on its first requests
+/// after it came back, against the other pickers over the same span (issue 52: a picker
+/// that joins warm ones routes as warm as they do).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RestartedPicker {
+    /// Requests of the restarted picker counted (its first after the restart, at most 100).
+    pub requests: usize,
+    pub hit_rate: f64,
+    /// The other pickers' requests released over the same span.
+    pub others_requests: usize,
+    pub others_hit_rate: f64,
+}
+
+/// [`RestartedPicker`] for picker 0 of `pickers` (request `id` goes to picker `id % pickers`),
+/// from `records` and their request ids; `None` without a `picker-restart` or with one picker.
+pub fn restarted_picker(
+    scenario: &Scenario,
+    records: &[RequestRecord],
+    ids: &[u64],
+    pickers: usize,
+) -> Option<RestartedPicker> {
+    const FIRST: usize = 100;
+    if pickers < 2 {
+        return None;
+    }
+    let at = scenario
+        .events
+        .iter()
+        .find(|e| matches!(e.action, Action::PickerRestart { .. }))?
+        .at_ms;
+    let mut after: Vec<(&RequestRecord, bool)> = records
+        .iter()
+        .zip(ids)
+        .filter(|(r, _)| r.release_ms >= at && r.error.is_none())
+        .map(|(r, &id)| (r, id % pickers as u64 == 0))
+        .collect();
+    after.sort_by(|a, b| a.0.release_ms.total_cmp(&b.0.release_ms));
+    let mine: Vec<&RequestRecord> = after
+        .iter()
+        .filter(|(_, m)| *m)
+        .take(FIRST)
+        .map(|(r, _)| *r)
+        .collect();
+    let until = mine.last()?.release_ms;
+    let others: Vec<&RequestRecord> = after
+        .iter()
+        .filter(|(r, m)| !*m && r.release_ms <= until)
+        .map(|(r, _)| *r)
+        .collect();
+    let hit = |rs: &[&RequestRecord]| {
+        let prompt: f64 = rs.iter().map(|r| f64::from(r.prompt_tokens)).sum();
+        let cached: f64 = rs
+            .iter()
+            .map(|r| f64::from(r.cached_tokens.unwrap_or(0)))
+            .sum();
+        if prompt > 0.0 { cached / prompt } else { 0.0 }
+    };
+    Some(RestartedPicker {
+        requests: mine.len(),
+        hit_rate: hit(&mine),
+        others_requests: others.len(),
+        others_hit_rate: hit(&others),
+    })
+}
+
 /// The phase table and recoveries of one policy, for the terminal.
 pub fn text(policy: &str, phases: &[Phase], recoveries: &[Recovery]) -> String {
     let mut out = String::new();
@@ -488,6 +553,33 @@ mod tests {
             end_ms: release_ms + 200.0,
             error: ttft.is_none().then(|| "engine died".to_string()),
         }
+    }
+
+    /// Picker 0 of 4 restarted at 100 ms: its first requests after it (ids 0, 4, 8, ...) are
+    /// compared with the others' released over the same span; failed requests do not count.
+    #[test]
+    fn the_restarted_pickers_first_requests_are_set_against_the_others() {
+        let s = Scenario::parse("picker-restart@0.1").expect("parses");
+        let mut records = Vec::new();
+        let mut ids = Vec::new();
+        for id in 0..1000u64 {
+            let mut r = record(id as f64, Some(10.0));
+            // the restarted picker's requests hit 20 of 100 tokens, the others' 60
+            r.cached_tokens = Some(if id % 4 == 0 { 20 } else { 60 });
+            if id == 104 {
+                r.error = Some("lost".into());
+            }
+            records.push(r);
+            ids.push(id);
+        }
+        let got = restarted_picker(&s, &records, &ids, 4).expect("a restart");
+        assert_eq!(got.requests, 100);
+        assert!((got.hit_rate - 0.2).abs() < 1e-9);
+        assert!((got.others_hit_rate - 0.6).abs() < 1e-9);
+        // ids 100..=500 (the 100th of picker 0, 104 having failed): the others' 300 in it
+        assert_eq!(got.others_requests, 300);
+        assert!(restarted_picker(&s, &records, &ids, 1).is_none());
+        assert!(restarted_picker(&Scenario::default(), &records, &ids, 4).is_none());
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub struct RunDetail {
     /// came back.
     pub phases: Vec<crate::scenario::Phase>,
     pub recoveries: Vec<crate::scenario::Recovery>,
+    /// Live, several pickers and a `picker-restart`: the restarted picker's first requests
+    /// against the others'.
+    pub restarted_picker: Option<crate::scenario::RestartedPicker>,
 }
 
 /// What session admission held: how many first turns and how long (their TTFTs include it).

@@ -81,6 +81,25 @@ impl Engine {
         e
     }
 
+    /// Its KV-event publisher and replay sockets bound at port 0 (`tcp://*:0`, on
+    /// `VLLM_HOST_IP`): only vLLM's `GET /kv_event_sources` says where they are (`kv` and
+    /// `replay` read 0).
+    pub fn spawn_port0_publishers(
+        model: &Path,
+        core: u32,
+        kv_cache_bytes: u64,
+        logs: &Path,
+    ) -> Self {
+        Self::start(
+            model,
+            core,
+            kv_cache_bytes,
+            logs,
+            (free_port(), 0, 0),
+            false,
+        )
+    }
+
     /// On given (http, kv, replay) ports: a restart keeps the addresses the picker knows.
     pub fn spawn_on(
         model: &Path,
@@ -123,6 +142,10 @@ impl Engine {
                 ])
                 .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
                 .env("VLLM_NIXL_SIDE_CHANNEL_PORT", free_port().to_string());
+        }
+        if kv == 0 {
+            // `tcp://*:0` binds the node's IP, which vLLM takes from here
+            command.env("VLLM_HOST_IP", "127.0.0.1");
         }
         let child = command
             .env("KVROUTE_VLLM_VENV", vllm_venv())

@@ -399,6 +399,96 @@ async fn a_real_sliding_window_hybrid_is_credited_as_the_engine_reuses() {
     );
 }
 
+/// Issue 52: a vLLM 0.32 engine whose KV-event sockets are bound at port 0 (`tcp://*:0`)
+/// lists them at `GET /kv_event_sources`, and the picker, whose settings know no port for it,
+/// subscribes there: the blocks of a request it routes reach its index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_0_publisher_is_found_through_kv_event_sources() {
+    let _venv = vllm_venv();
+    let work = tempfile::tempdir().unwrap();
+    let model = work.path().join("model");
+    make_model(&model);
+    let mut e = Engine::spawn_port0_publishers(&model, 1, KV_CACHE_BYTES, work.path());
+    e.wait_healthy().await;
+    // what vLLM lists: rank 0, bound on VLLM_HOST_IP at ports it chose
+    let listed: Value = client()
+        .get(e.url("/kv_event_sources"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    eprintln!("/kv_event_sources: {listed}");
+    let endpoint = listed["0"]["endpoint"].as_str().unwrap().to_owned();
+    let replay = listed["0"]["replay_endpoint"].as_str().unwrap().to_owned();
+    assert!(endpoint.starts_with("tcp://127.0.0.1:"), "{listed}");
+    assert!(
+        !endpoint.ends_with(":0") && !replay.ends_with(":0"),
+        "{listed}"
+    );
+    // the picker's settings name no KV-event port for the engine (the model config's 1 is
+    // wrong): only the list can lead it there
+    let yaml = format!(
+        r#"
+{LOOPBACK_LISTEN}
+modelConfigs:
+  - name: tiny
+    model: {MODEL}
+    engine: vllm
+    blockSize: {BLOCK}
+    kvEvents: {{port: 1, topic: kv-events}}
+    tokenizer:
+      path: {}
+      configPath: {}
+endpoints:
+  - {{address: 127.0.0.1, modelConfig: tiny, port: {}}}
+routing: {{strategy: CostModel, stalenessThreshold: 5s}}
+scrape: {{interval: 100ms}}
+"#,
+        model.join("tokenizer.json").display(),
+        model.join("tokenizer_config.json").display(),
+        e.http,
+    );
+    let p = static_picker(&yaml).await;
+    let id = p.state.pool.state().endpoints().endpoints()[0].id;
+    let found = p
+        .state
+        .event_sources
+        .get(&id)
+        .expect("the engine's list was read");
+    assert_eq!(found.publisher, endpoint);
+    assert_eq!(found.replay.as_deref(), Some(replay.as_str()));
+    assert_eq!(found.topic, "kv-events");
+    // a request through the picker: its blocks come back as the engine's events
+    let prompt: Vec<u32> = (300..300 + 6 * BLOCK as u32).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut n = 0u32;
+    loop {
+        let body = json!({"model": MODEL, "prompt": prompt.iter().map(|t| t + n).collect::<Vec<_>>(), "max_tokens": 1});
+        let r = client()
+            .post(format!("http://{}/v1/completions", p.addrs.http))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if p.state.pool.state().live_blocks() >= 5 {
+            break;
+        }
+        // (a subscriber that joined after the first store gets it from the replay)
+        assert!(
+            Instant::now() < deadline,
+            "no KV event reached the index through the listed publisher (log: {})",
+            e.log_tail()
+        );
+        n += 1000;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(p);
+    drop(e);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_against_two_real_vllm_engines() {
     let _venv = vllm_venv();

@@ -10,7 +10,8 @@
 #   --model DIR         a model folder (make_tiny_model.py writes one); served with random weights
 #                       (--load-format dummy): nothing is downloaded
 #   --port P            OpenAI HTTP port on 127.0.0.1 (also /metrics, /tokenize, the render endpoints)
-#   --kv-port K         KV-event PUB socket, bound as tcp://*:K (a `*` makes vLLM bind; a plain
+#   --kv-port K         KV-event PUB socket, bound as tcp://*:K (0: a port vLLM picks on
+#                       VLLM_HOST_IP, listed at GET /kv_event_sources; a `*` makes vLLM bind; a plain
 #                       host makes it connect out instead)
 #   --replay-port R     KV-event replay ROUTER socket, tcp://*:R (default: none)
 #   --core C            CPU core for the engine's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)

@@ -590,6 +590,7 @@ pub async fn replay(
         .then(|| Arc::from(opts.routing.session_header.as_str()));
     let mut records: Vec<RequestRecord> = Vec::with_capacity(total.min(1 << 20));
     let mut record_class: Vec<usize> = Vec::with_capacity(total.min(1 << 20));
+    let mut record_ids: Vec<u64> = Vec::with_capacity(total.min(1 << 20));
     let mut issues: Vec<Issue> = Vec::new();
     let mut errors = 0usize;
     let block_tokens = workload.block_tokens;
@@ -684,6 +685,7 @@ pub async fn replay(
                 }
                 records.push(rec);
                 record_class.push(class);
+                record_ids.push(id);
                 let now = clock.now_ms();
                 driver.complete(id, now, &mut issues);
                 progress(records.len(), total, errors);
@@ -810,6 +812,12 @@ pub async fn replay(
                 crate::scenario::phases(&opts.scenario, &records, opts.slo)
             },
             recoveries: crate::scenario::recoveries(&opts.scenario, &records),
+            restarted_picker: crate::scenario::restarted_picker(
+                &opts.scenario,
+                &records,
+                &record_ids,
+                target.pickers.as_ref().map_or(0, |p| p.len()),
+            ),
         },
     })
 }
