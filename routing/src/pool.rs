@@ -78,15 +78,19 @@ impl Default for DataParallel {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KvEventsSpec {
-    /// ZMQ PUB port of rank 0; rank k publishes on `port + k`.
+    /// ZMQ PUB port of rank 0; rank k publishes on `port + k`. An engine that lists its
+    /// publishers at `GET /kv_event_sources` (vLLM 0.32 and later, which may bind them at
+    /// port 0) is subscribed where it lists them instead; this port serves the others (older
+    /// vLLM, SGLang).
     #[schemars(range(min = 1, max = 65535))]
     pub port: u16,
     /// Topic filter (empty = every topic).
     #[serde(default)]
     #[schemars(length(max = 256))]
     pub topic: String,
-    /// ZMQ ROUTER port of rank 0 serving replays of missed batches (offset by the rank too).
-    /// Absent: gaps are repaired by clearing the endpoint's blocks.
+    /// ZMQ ROUTER port of rank 0 serving replays of missed batches (offset by the rank too;
+    /// an engine's `/kv_event_sources` list outranks it as for `port`). Absent: gaps are
+    /// repaired by clearing the endpoint's blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub replay_port: Option<u16>,
