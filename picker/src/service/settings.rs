@@ -346,6 +346,10 @@ pub struct WarmStartSettings {
     /// How long copied blocks that no event has confirmed are kept.
     #[serde(with = "duration_str")]
     pub unconfirmed_ttl: Duration,
+    /// A copy taken longer ago than this is not loaded (the engines have turned their caches
+    /// over since, or restarted).
+    #[serde(with = "duration_str")]
+    pub max_age: Duration,
 }
 
 impl Default for WarmStartSettings {
@@ -359,6 +363,7 @@ impl Default for WarmStartSettings {
             peer_timeout: Duration::from_secs(3),
             max_bytes: 256 << 20,
             unconfirmed_ttl: Duration::from_secs(120),
+            max_age: Duration::from_secs(600),
         }
     }
 }
@@ -390,6 +395,9 @@ impl WarmStartSettings {
         }
         if self.unconfirmed_ttl.is_zero() {
             return Err("warmStart.unconfirmedTtl must be more than 0".into());
+        }
+        if self.max_age.is_zero() {
+            return Err("warmStart.maxAge must be more than 0".into());
         }
         if self.snapshot_path.as_deref().is_some_and(str::is_empty) {
             return Err("warmStart.snapshotPath must not be empty".into());

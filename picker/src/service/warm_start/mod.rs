@@ -541,6 +541,15 @@ impl WarmStart {
         let Some((copy, source)) = best else {
             return;
         };
+        let age_ms = unix_ms().saturating_sub(copy.taken_unix_ms);
+        if age_ms > self.settings.max_age.as_millis() as u64 {
+            picker.warm.lock().refuse(format!(
+                "{source}: taken {} s ago, longer than warmStart.maxAge ({:?})",
+                age_ms / 1000,
+                self.settings.max_age
+            ));
+            return;
+        }
         match load_copy(picker, &copy, self.group(), &source, until) {
             Ok(l) => tracing::info!(
                 %source,
@@ -678,6 +687,41 @@ mod tests {
             w.refused
         );
         assert_eq!(w.endpoints.len(), 1);
+    }
+
+    /// A snapshot older than `maxAge` is refused with a message and loads nothing; a fresh
+    /// one of the same contents loads.
+    #[tokio::test]
+    async fn a_snapshot_older_than_max_age_is_refused() {
+        let warm = pool(16);
+        stored(&warm, "127.0.0.2", &[(1, 10), (2, 20)]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.snapshot");
+        let ws = WarmStart {
+            settings: WarmStartSettings {
+                snapshot_path: Some(path.display().to_string()),
+                ..WarmStartSettings::default()
+            },
+            peers: PeerSettings::default(),
+            key: None,
+            metrics_port: 0,
+        };
+        let mut copy = take_copy(&warm, "", 1, unix_ms() - 3_600_000);
+        std::fs::write(&path, codec::encode(&copy, None)).unwrap();
+        let cold = pool(16);
+        ws.load(&cold).await;
+        assert_eq!(cold.pool.state().live_blocks(), 0);
+        let refused = cold.warm.lock().refused.clone();
+        assert!(
+            refused.len() == 1 && refused[0].contains("maxAge"),
+            "{refused:?}"
+        );
+        copy.taken_unix_ms = unix_ms();
+        std::fs::write(&path, codec::encode(&copy, None)).unwrap();
+        let fresh = pool(16);
+        ws.load(&fresh).await;
+        assert_eq!(fresh.pool.state().live_blocks(), 2);
+        assert!(fresh.warm.lock().refused.is_empty());
     }
 
     #[test]
