@@ -355,7 +355,9 @@ pub struct ReplayArgs {
     /// (simulated ms offline, wall ms live); 0: they do not.
     #[arg(long, default_value_t = kvroute_picker::inflight::DEFAULT_PEER_INTERVAL_MS)]
     pub peer_sync_ms: f64,
-    /// Live, `picker-restart`: where the restarted picker gets a copy of the index from.
+    /// `picker-restart`: where the restarted picker gets a copy of the index from (offline:
+    /// `peer` copies the index at the restart, as a peer's, fed the same events, would be;
+    /// `snapshot` the one taken every 10 s of simulated time).
     #[arg(long, value_enum, default_value_t = crate::WarmStartSource::None)]
     pub warm_start: crate::WarmStartSource,
     /// Send each request's session id in the session header (sticky sessions).
@@ -674,8 +676,11 @@ fn bench_options(a: &ReplayArgs, cluster: ClusterConfig) -> anyhow::Result<Bench
         "--scrape-ms must be positive"
     );
     anyhow::ensure!(
-        a.warm_start != crate::WarmStartSource::Peer || (a.pickers > 1 && a.peer_sync_ms > 0.0),
-        "--warm-start peer needs --pickers 2 or more with the exchange on (--peer-sync-ms above 0)"
+        a.warm_start != crate::WarmStartSource::Peer
+            || a.mode == Mode::Offline
+            || (a.pickers > 1 && a.peer_sync_ms > 0.0),
+        "--warm-start peer needs --pickers 2 or more with the exchange on (--peer-sync-ms above 0) \
+         live (offline, with one picker, it copies the index it had: every picker's is the same)"
     );
     anyhow::ensure!(
         a.peer_sync_ms >= 0.0 && a.peer_sync_ms.is_finite(),

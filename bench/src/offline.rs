@@ -212,6 +212,31 @@ struct Sim<'a> {
     /// How long engines keep their batches for a restarted picker's replay (the longest
     /// `picker-restart` replay of the scenario; 0: not kept).
     replay_keep_ms: f64,
+    /// `--warm-start snapshot`: the first picker's last snapshot (taken every
+    /// [`SNAPSHOT_EVERY_MS`] of simulated time) and when it was taken.
+    snapshot: Option<(f64, IndexSnapshot)>,
+}
+
+/// Every endpoint's copied blocks (`PoolState::export_endpoint`).
+type IndexSnapshot = Vec<(EndpointId, Vec<(u64, u64)>)>;
+
+/// How often the offline picker writes its snapshot (the service's default
+/// `warmStart.snapshotInterval`).
+const SNAPSHOT_EVERY_MS: f64 = 10_000.0;
+
+/// How long copied blocks no event confirmed are kept (the service's default
+/// `warmStart.unconfirmedTtl`).
+const UNCONFIRMED_TTL_MS: u64 = 120_000;
+
+/// A copy of `pool`'s index, endpoint by endpoint.
+fn copy_index(pool: &Pool, engines: &[Engine]) -> IndexSnapshot {
+    engines
+        .iter()
+        .filter_map(|e| {
+            let (exported, _) = pool.state().export_endpoint(&e.id)?;
+            Some((e.id, exported.blocks))
+        })
+        .collect()
 }
 
 /// The picker's pool for `policy`, as the service builds it from its settings.
@@ -323,6 +348,7 @@ impl<'a> Sim<'a> {
             record_class: Vec::new(),
             delayed: Vec::new(),
             replay_keep_ms,
+            snapshot: None,
         })
     }
 
@@ -814,6 +840,14 @@ impl<'a> Sim<'a> {
     }
 
     fn scrape(&mut self, t: f64) {
+        if self.opts.warm_start == crate::WarmStartSource::Snapshot
+            && self
+                .snapshot
+                .as_ref()
+                .is_none_or(|(at, _)| t - at >= SNAPSHOT_EVERY_MS)
+        {
+            self.snapshot = Some((t, copy_index(&self.pickers[0], &self.engines)));
+        }
         let admission = self.pickers[0].router().config().admission;
         if admission.enabled {
             // the sessions' live context, as one picker seeing every turn would count it
@@ -1130,9 +1164,24 @@ impl<'a> Sim<'a> {
                 done.push(issue.id);
             }
         }
+        // warm start: the copy it starts from (a peer's index now, or its own last snapshot)
+        let copy = match self.opts.warm_start {
+            crate::WarmStartSource::None => Vec::new(),
+            crate::WarmStartSource::Peer => {
+                let peer = &self.pickers[self.pickers.len().min(2) - 1];
+                copy_index(peer, &self.engines)
+            }
+            crate::WarmStartSource::Snapshot => {
+                self.snapshot.take().map(|(_, c)| c).unwrap_or_default()
+            }
+        };
         let pool = new_pool(self.policy, self.opts, &self.limits)?;
         pool.apply_view(members(&self.engines), || {})
             .map_err(|err| anyhow::anyhow!("index: {err}"))?;
+        for (id, blocks) in &copy {
+            pool.state()
+                .seed_endpoint(id, blocks, t as u64 + UNCONFIRMED_TTL_MS, None);
+        }
         if self.pickers.len() > 1 && self.opts.peer_sync_ms > 0.0 {
             pool.share_sessions();
         }
