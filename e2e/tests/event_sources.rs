@@ -10,18 +10,7 @@ mod sim_support;
 use std::time::Duration;
 
 use kvroute_sim::server::start as start_sim;
-use serde_json::json;
 use sim_support::*;
-
-async fn complete(url: String, tokens: &[u32]) {
-    let r = client()
-        .post(url)
-        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-}
 
 /// Send `engine_url` distinct prompts until `ip`'s blocks show in `p`'s index (a subscriber
 /// joining a publisher misses what was sent before it joined).

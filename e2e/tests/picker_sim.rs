@@ -32,17 +32,6 @@ scrape: {{interval: 50ms}}
     static_picker(&yaml).await
 }
 
-async fn complete(url: String, tokens: &[u32]) -> Value {
-    let r = client()
-        .post(url)
-        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_move_the_decision_to_the_engine_that_cached_the_prefix() {
     let a = sim("127.0.0.1").await;
@@ -299,8 +288,8 @@ mod envoy;
 #[path = "sim_support/mod.rs"]
 mod sim_support;
 use sim_support::{
-    LLAMA_PRECISE, LOOPBACK_LISTEN, client, endpoint_entry, eventually, indexed_blocks, pick,
-    prompt, sim, sim_config, static_picker,
+    LLAMA_PRECISE, LOOPBACK_LISTEN, client, complete, endpoint_entry, eventually, indexed_blocks,
+    pick, prompt, sim, sim_config, static_picker,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

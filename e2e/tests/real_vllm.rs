@@ -119,7 +119,13 @@ async fn picker_with(model: &Path, engines: &[&Engine], extra_yaml: &str) -> Run
         )
         .unwrap();
     }
-    let yaml = format!(
+    static_picker(&picker_yaml(model, &endpoints, extra_yaml)).await
+}
+
+/// A picker config for the tiny model (KV events on port 1, which no engine uses: each
+/// endpoint line names its own ports, or the engine lists them) with `endpoints` lines.
+fn picker_yaml(model: &Path, endpoints: &str, extra_yaml: &str) -> String {
+    format!(
         r#"
 {LOOPBACK_LISTEN}
 modelConfigs:
@@ -139,8 +145,7 @@ scrape: {{interval: 100ms}}
 "#,
         model.join("tokenizer.json").display(),
         model.join("tokenizer_config.json").display()
-    );
-    static_picker(&yaml).await
+    )
 }
 
 async fn post_as(url: String, tenant: &str, body: &Value) -> Value {
@@ -429,27 +434,11 @@ async fn a_port_0_publisher_is_found_through_kv_event_sources() {
     );
     // the picker's settings name no KV-event port for the engine (the model config's 1 is
     // wrong): only the list can lead it there
-    let yaml = format!(
-        r#"
-{LOOPBACK_LISTEN}
-modelConfigs:
-  - name: tiny
-    model: {MODEL}
-    engine: vllm
-    blockSize: {BLOCK}
-    kvEvents: {{port: 1, topic: kv-events}}
-    tokenizer:
-      path: {}
-      configPath: {}
-endpoints:
-  - {{address: 127.0.0.1, modelConfig: tiny, port: {}}}
-routing: {{strategy: CostModel, stalenessThreshold: 5s}}
-scrape: {{interval: 100ms}}
-"#,
-        model.join("tokenizer.json").display(),
-        model.join("tokenizer_config.json").display(),
-        e.http,
+    let endpoint_line = format!(
+        "  - {{address: 127.0.0.1, modelConfig: tiny, port: {}}}\n",
+        e.http
     );
+    let yaml = picker_yaml(&model, &endpoint_line, "");
     let p = static_picker(&yaml).await;
     let id = p.state.pool.state().endpoints().endpoints()[0].id;
     let found = p

@@ -12,18 +12,8 @@ use std::time::Duration;
 
 use kvroute_picker::service::Running;
 use kvroute_sim::server::SimHandle;
-use serde_json::{Value, json};
+use serde_json::Value;
 use sim_support::*;
-
-async fn complete(url: String, tokens: &[u32]) {
-    let r = client()
-        .post(url)
-        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-}
 
 async fn debug(p: &Running) -> Value {
     client()

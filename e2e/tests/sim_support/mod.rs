@@ -114,3 +114,15 @@ pub async fn pick(p: &Running, tokens: &[u32]) -> Value {
     )
     .await
 }
+
+/// A completion of `tokens` (2 output tokens) at `url`, which must answer 200; its body.
+pub async fn complete(url: String, tokens: &[u32]) -> Value {
+    let r = client()
+        .post(url)
+        .json(&json!({"model": "llama", "prompt": tokens, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
