@@ -436,8 +436,57 @@ fn bench_tokenize(c: &mut Criterion) {
     g.finish();
 }
 
+/// Warm start (issue 52): copying one endpoint's view out of the index and loading it into
+/// another picker's, for an engine whose cache is full (31,250 blocks of 16 tokens: 500k
+/// tokens, the bench's default engine), stored as chains of 64 blocks.
+fn bench_index_copy(c: &mut Criterion) {
+    const BLOCKS: usize = 31_250;
+    let mut g = c.benchmark_group("index_copy");
+    g.measurement_time(Duration::from_secs(3)).sample_size(20);
+    g.throughput(Throughput::Elements(BLOCKS as u64));
+    let h = BlockHasher::new(BLOCK);
+    let root = ChainRoot::new("model", None, None);
+    let mut ix = KvIndex::default();
+    let slot = ix
+        .add_endpoint(endpoint(0), IndexMode::Precise, BLOCKS)
+        .expect("slot");
+    let mut seed = 0u32;
+    while ix.endpoint_blocks(slot) + 64 <= BLOCKS {
+        let keys = h.keys(root, &tokens(seed, 64 * BLOCK as usize));
+        let pairs: Vec<(u64, u64)> = keys.iter().map(|&k| (k.rotate_left(7), k)).collect();
+        ix.store(slot, &pairs).expect("store");
+        seed += 1;
+    }
+    let copy = ix.export_endpoint(slot).expect("precise");
+    g.bench_function("export_full_endpoint", |b| {
+        b.iter(|| black_box(ix.export_endpoint(slot).map(|e| e.blocks.len())))
+    });
+    g.bench_function("seed_full_endpoint", |b| {
+        b.iter_batched(
+            || {
+                let mut fresh = KvIndex::default();
+                let s = fresh
+                    .add_endpoint(endpoint(0), IndexMode::Precise, BLOCKS)
+                    .expect("slot");
+                (fresh, s)
+            },
+            |(mut fresh, s)| {
+                black_box(
+                    fresh
+                        .seed_endpoint(s, &copy.blocks, u64::MAX)
+                        .expect("seeded"),
+                );
+                fresh
+            },
+            criterion::BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_index_copy,
     bench_longest_prefix,
     bench_hashing,
     bench_decision,
