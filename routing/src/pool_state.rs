@@ -412,26 +412,21 @@ impl PoolState {
     /// no replay) keeps its unconfirmed blocks the same way: the engine's events settle them
     /// ([`KvIndex::seed_endpoint`]).
     pub fn resync(&self, endpoint: &EndpointId, reason: &ResyncReason) -> Resynced {
-        let seeded = || {
-            let inner = self.inner.read();
-            inner
-                .index
-                .slot(endpoint)
-                .is_some_and(|s| inner.index.unconfirmed_blocks(s) > 0)
-        };
+        let mut inner = self.inner.write();
+        let slot = inner.index.slot(endpoint);
         let unproven_seed = matches!(
             reason,
             ResyncReason::ContinuityLost {
                 restarted: false,
                 ..
             }
-        ) && seeded();
+        ) && slot.is_some_and(|s| inner.index.unconfirmed_blocks(s) > 0);
         if !reason.cache_survived() && !unproven_seed {
-            return Resynced::Cleared(self.clear(endpoint, ClearCause::Resync));
+            let dropped = inner.clear(endpoint);
+            return Resynced::Cleared(cleared(endpoint, ClearCause::Resync, dropped));
         }
-        let mut inner = self.inner.write();
         inner.positions.remove(endpoint);
-        if let Some(slot) = inner.index.slot(endpoint) {
+        if let Some(slot) = slot {
             inner.index.mark_gap(slot, self.gap_extend_ms());
         }
         Resynced::Kept
@@ -447,10 +442,7 @@ impl PoolState {
     /// Forget `endpoint`'s cached blocks; returns how many were dropped.
     pub fn clear(&self, endpoint: &EndpointId, cause: ClearCause) -> usize {
         let dropped = self.inner.write().clear(endpoint);
-        if dropped > 0 {
-            tracing::debug!(%endpoint, cause = cause.as_str(), dropped, "cleared the endpoint's cached blocks");
-        }
-        dropped
+        cleared(endpoint, cause, dropped)
     }
 
     /// A batch of `endpoint` was not applied (a rate limit dropped it): its view no longer
@@ -668,6 +660,14 @@ impl PoolState {
     pub fn live_blocks(&self) -> usize {
         self.inner.read().index.live_blocks()
     }
+}
+
+/// Logs that `dropped` blocks of `endpoint` were forgotten for `cause`; returns `dropped`.
+fn cleared(endpoint: &EndpointId, cause: ClearCause, dropped: usize) -> usize {
+    if dropped > 0 {
+        tracing::debug!(%endpoint, cause = cause.as_str(), dropped, "cleared the endpoint's cached blocks");
+    }
+    dropped
 }
 
 impl Inner {

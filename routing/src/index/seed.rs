@@ -219,6 +219,24 @@ mod tests {
         (index, a, b)
     }
 
+    /// A fresh index whose endpoint 1 (budget `budget`) is seeded, until 5,000 ms, with
+    /// [`warm`]'s endpoint `a` (12 blocks); the copy too.
+    fn reseeded(budget: usize) -> (KvIndex, Slot, Exported) {
+        let (index, a, _) = warm();
+        let ea = index.export_endpoint(a).unwrap();
+        let mut fresh = KvIndex::new(IndexConfig::default());
+        let fa = fresh
+            .add_endpoint(ep(1), IndexMode::Precise, budget)
+            .unwrap();
+        assert_eq!(
+            fresh.seed_endpoint(fa, &ea.blocks, 5_000).unwrap(),
+            SeedOutcome::Seeded {
+                blocks: budget.min(12)
+            }
+        );
+        (fresh, fa, ea)
+    }
+
     #[test]
     fn an_export_loaded_elsewhere_answers_the_same_lookups() {
         let (index, a, b) = warm();
@@ -248,11 +266,7 @@ mod tests {
 
     #[test]
     fn events_confirm_or_remove_seeded_blocks_and_the_rest_expires() {
-        let (index, a, _) = warm();
-        let ea = index.export_endpoint(a).unwrap();
-        let mut fresh = KvIndex::new(IndexConfig::default());
-        let fa = fresh.add_endpoint(ep(1), IndexMode::Precise, 1000).unwrap();
-        fresh.seed_endpoint(fa, &ea.blocks, 5_000).unwrap();
+        let (mut fresh, fa, _) = reseeded(1000);
         // the engine stores block 100 again (after the seed was taken): confirmed, no copy
         fresh.store(fa, &[(100, 1000)]).unwrap();
         assert_eq!(fresh.unconfirmed_blocks(fa), 11);
@@ -274,11 +288,7 @@ mod tests {
 
     #[test]
     fn a_request_routed_to_a_seeded_prefix_confirms_it() {
-        let (index, a, _) = warm();
-        let ea = index.export_endpoint(a).unwrap();
-        let mut fresh = KvIndex::new(IndexConfig::default());
-        let fa = fresh.add_endpoint(ep(1), IndexMode::Precise, 1000).unwrap();
-        fresh.seed_endpoint(fa, &ea.blocks, 5_000).unwrap();
+        let (mut fresh, fa, _) = reseeded(1000);
         // a request for the first five blocks of chain 1 and two new ones
         let keys: Vec<BlockKey> = (0..5).map(|i| 1000 + i).chain([9000, 9001]).collect();
         fresh.record_provisional(fa, &keys, 100, 1_000);
@@ -289,11 +299,7 @@ mod tests {
 
     #[test]
     fn a_proven_seed_is_confirmed_whole_and_a_cleared_one_is_gone() {
-        let (index, a, _) = warm();
-        let ea = index.export_endpoint(a).unwrap();
-        let mut fresh = KvIndex::new(IndexConfig::default());
-        let fa = fresh.add_endpoint(ep(1), IndexMode::Precise, 1000).unwrap();
-        fresh.seed_endpoint(fa, &ea.blocks, 5_000).unwrap();
+        let (mut fresh, fa, ea) = reseeded(1000);
         assert_eq!(fresh.confirm_seed(fa), 12);
         assert_eq!(fresh.expire(10_000), 0);
         assert_eq!(fresh.endpoint_blocks(fa), 12);
@@ -311,14 +317,8 @@ mod tests {
 
     #[test]
     fn a_seed_larger_than_the_budget_is_cut_and_yields_to_the_engines_blocks() {
-        let (index, a, _) = warm();
-        let ea = index.export_endpoint(a).unwrap();
-        let mut fresh = KvIndex::new(IndexConfig::default());
-        let fa = fresh.add_endpoint(ep(1), IndexMode::Precise, 10).unwrap();
-        assert_eq!(
-            fresh.seed_endpoint(fa, &ea.blocks, 5_000).unwrap(),
-            SeedOutcome::Seeded { blocks: 10 }
-        );
+        let (mut fresh, fa, ea) = reseeded(10);
+        assert_eq!(fresh.endpoint_blocks(fa), 10, "cut to the budget");
         // the engine stores a new chain: over the budget, the seed goes, the chain stays
         let new: Vec<(u64, BlockKey)> = (0..3).map(|i| (300 + i, 3000 + i)).collect();
         assert_eq!(

@@ -86,15 +86,25 @@ impl EventSources {
         }
     }
 
-    /// Record `server`'s answer; `true` when what it lists changed.
-    fn record(&self, server: (IpAddr, u16), ranks: Option<BTreeMap<u32, RankSource>>) -> bool {
+    /// Record that `server` was asked and, when it answered, what it lists (`Some(None)`: it
+    /// does not serve the path); `true` when that changed. A server that did not answer keeps
+    /// what it listed last: an engine that is down or slow has not moved its publishers.
+    fn record(
+        &self,
+        server: (IpAddr, u16),
+        answer: Option<Option<BTreeMap<u32, RankSource>>>,
+    ) -> bool {
         let mut servers = self.servers.lock();
         let s = servers.entry(server).or_default();
         s.asked = Some(Instant::now());
         s.nudged = false;
-        let changed = s.ranks != ranks;
-        s.ranks = ranks;
-        changed
+        match answer {
+            Some(ranks) if s.ranks != ranks => {
+                s.ranks = ranks;
+                true
+            }
+            _ => false,
+        }
     }
 }
 
@@ -248,17 +258,12 @@ pub async fn round(picker: &PickerState) -> bool {
         let ranks = match r {
             Ok(ranks) => ranks,
             Err(e) => {
-                // keep what it listed last: an engine that is down or slow to answer has not
-                // moved its publishers
                 tracing::debug!(server = ?server, error = %e, "cannot read /kv_event_sources");
-                let mut servers = picker.event_sources.servers.lock();
-                let s = servers.entry(server).or_default();
-                s.asked = Some(Instant::now());
-                s.nudged = false;
+                picker.event_sources.record(server, None);
                 continue;
             }
         };
-        if picker.event_sources.record(server, ranks.clone()) {
+        if picker.event_sources.record(server, Some(ranks.clone())) {
             changed = true;
             match &ranks {
                 Some(r) => {

@@ -74,7 +74,9 @@ pub struct WarmStatus {
     #[serde(skip)]
     serve: Option<Serving>,
     #[serde(skip)]
-    positions: BTreeMap<EndpointId, (String, Option<Position>)>,
+    /// The publisher each seeded endpoint's copy was built from (its position is the
+    /// index's, `PoolState::take_seed`).
+    publishers: BTreeMap<EndpointId, String>,
 }
 
 /// One seeded endpoint's state.
@@ -100,8 +102,8 @@ impl WarmStatus {
     }
 
     /// The subscription of `id` (to `publisher`) starts on a seeded view taken at `position`:
-    /// where it resumes from, if anywhere.
-    /// Without a replay socket to ask, nothing can prove continuity: it starts afresh.
+    /// where it resumes from, if anywhere. Only a copy of this publisher's stream can be
+    /// continued, and without a replay socket to ask nothing can prove continuity.
     pub fn resume_for(
         &mut self,
         id: EndpointId,
@@ -109,11 +111,8 @@ impl WarmStatus {
         replay: bool,
         position: Option<Position>,
     ) -> Option<Position> {
-        let taken = self.positions.remove(&id);
-        let resume = match taken {
-            Some((from, Some(p))) if replay && from == publisher && position == Some(p) => Some(p),
-            _ => None,
-        };
+        let same = self.publishers.remove(&id).as_deref() == Some(publisher);
+        let resume = position.filter(|_| replay && same);
         if let Some(e) = self.endpoints.get_mut(&id.to_string()) {
             e.state = if resume.is_some() {
                 "continuing"
@@ -266,7 +265,7 @@ pub fn load_copy(
             Some(SeedOutcome::Seeded { blocks }) if blocks > 0 => {
                 loaded.endpoints += 1;
                 loaded.blocks += blocks;
-                seeded.push((id, ec.publisher.clone(), position, blocks));
+                seeded.push((id, ec.publisher.clone(), blocks));
             }
             _ => {}
         }
@@ -275,8 +274,8 @@ pub fn load_copy(
     for why in refused {
         warm.refuse(why);
     }
-    for (id, publisher, position, blocks) in seeded {
-        warm.positions.insert(id, (publisher, position));
+    for (id, publisher, blocks) in seeded {
+        warm.publishers.insert(id, publisher);
         warm.endpoints.insert(
             id.to_string(),
             EndpointWarmth {
