@@ -17,6 +17,7 @@ pub mod live;
 pub mod offline;
 pub mod real_vllm;
 pub mod report;
+pub mod scale;
 pub mod scenario;
 pub mod stats;
 pub mod workload;

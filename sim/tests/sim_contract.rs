@@ -365,3 +365,86 @@ async fn sglang_flavor_metrics() {
     })
     .await;
 }
+
+/// Simulator-only: `background_prefill` is the simulator's stand-in for a GPU busy with other
+/// traffic, for scale benchmarks.
+#[tokio::test]
+async fn background_prefill_publishes_a_busy_gpus_events_until_cleared() {
+    bounded(async {
+        // 32 usable blocks of 16 tokens per rank; 4-block prompts at 4,000 tokens/s fill it
+        // within a quarter of a second
+        let (_h, a) = start(|c| {
+            c.dp_size = 2;
+            c.engine.num_blocks = 33;
+        })
+        .await;
+        let mut sub0 = Sub::connect(a.kv_events[0]).await;
+        let mut sub1 = Sub::connect(a.kv_events[1]).await;
+        let (status, body) = post(
+            a.http,
+            "/admin/fault",
+            &json!({"kind": "background_prefill", "tokens_per_second": 4000, "prompt_tokens": 64, "rank": 1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let (status, body) = post(
+            a.http,
+            "/admin/fault",
+            &json!({"kind": "background_prefill", "tokens_per_second": 0}),
+        )
+        .await;
+        assert_eq!(status, 400, "a zero rate is refused: {body}");
+        // the stream never goes quiet: read it for 600 ms
+        let mut busy = Vec::new();
+        let until = tokio::time::Instant::now() + Duration::from_millis(600);
+        while let Some(left) = until.checked_duration_since(tokio::time::Instant::now()) {
+            match sub1.next(left).await {
+                Some(m) => busy.push(m),
+                None => break,
+            }
+        }
+        let (mut stored_blocks, mut removed_blocks) = (0, 0);
+        for (_, b) in &busy {
+            assert_eq!(b.data_parallel_rank, Some(1));
+            for e in &b.events {
+                match e {
+                    kvroute_routing::kv_events::KvEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        ..
+                    } => {
+                        assert_eq!(token_ids.len(), block_hashes.len() * BS as usize);
+                        stored_blocks += block_hashes.len();
+                    }
+                    kvroute_routing::kv_events::KvEvent::BlockRemoved { block_hashes, .. } => {
+                        removed_blocks += block_hashes.len();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // ~2,400 tokens in 0.6 s: ~150 blocks stored, all but the 32 that fit evicted again
+        assert!(stored_blocks >= 64, "{stored_blocks} blocks stored");
+        assert!(removed_blocks > 0 && removed_blocks <= stored_blocks);
+        assert!(stored_blocks - removed_blocks <= 32);
+        assert!(
+            sub0.drain_quiet(Duration::from_millis(100)).await.is_empty(),
+            "rank 0 was not loaded"
+        );
+        // served-request counters did not move
+        let text = metrics_text(a.http).await;
+        assert_eq!(
+            contract::series(&text, "vllm:prompt_tokens_total", "engine=\"1\",model_name=\"sim-model\""),
+            0.0
+        );
+        // cleared: the stream stops
+        let (status, _) = post(a.http, "/admin/fault", &json!({"kind": "clear"})).await;
+        assert_eq!(status, 200);
+        sub1.drain_quiet(Duration::from_millis(100)).await;
+        assert!(
+            sub1.next(Duration::from_millis(300)).await.is_none(),
+            "nothing published after the clear"
+        );
+    })
+    .await;
+}

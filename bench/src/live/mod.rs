@@ -384,10 +384,21 @@ pub async fn start_picker_with(
     let mut cfg = picker_config(engines, &opts.cluster, &routing, opts.scrape_ms, tokenizer)?;
     cfg.index.provisional_ttl = opts.index_settings().provisional_ttl;
     configure(&mut cfg);
+    spawn_picker(exe, &cfg, &tag, http).await
+}
+
+/// Start a picker with configuration `cfg` (its config file and log named by `tag`) and wait
+/// until it is ready: endpoints loaded and scraped, subscriptions given time to connect.
+pub async fn spawn_picker(
+    exe: &Path,
+    cfg: &PickerConfig,
+    tag: &str,
+    http: &reqwest::Client,
+) -> anyhow::Result<Picker> {
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("generated picker config: {e}"))?;
     let path = procs::work_dir()?.join(format!("picker-{tag}.yaml"));
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
+    std::fs::write(&path, serde_json::to_string_pretty(cfg)?)
         .with_context(|| format!("writing {}", path.display()))?;
     let args = vec![
         "picker".to_string(),

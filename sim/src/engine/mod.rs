@@ -530,6 +530,16 @@ impl Rank {
                 max_model_len,
             });
         }
+        let id = request.id;
+        let req = self.new_req(request, arrival_ms);
+        self.requests.insert(id, req);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// The engine's record of a request that has passed [`Self::submit_at`]'s checks, with its
+    /// block hashes.
+    fn new_req(&mut self, request: Request, arrival_ms: f64) -> Req {
         let lora_name: Option<Arc<str>> = request.lora.as_deref().map(Arc::from);
         let lora_id = lora_name.as_ref().map(|name| {
             let next = self.lora_ids.len() as i64 + 1;
@@ -560,9 +570,38 @@ impl Rank {
             pulled_all: false,
         };
         self.extend_block_hashes(&mut req);
-        self.requests.insert(request.id, req);
-        self.waiting.push_back(request.id);
-        Ok(())
+        req
+    }
+
+    /// Prefill a synthetic prompt of `len` tokens (ids drawn from `seed`) outside the
+    /// scheduler, as traffic this simulator does not serve would: its blocks are stored in
+    /// the cache, evicting the least recently used as a full GPU does, then released, so they
+    /// stay cached until evicted in turn. Returns the KV events that a real engine publishes
+    /// for it (a `BlockStored`, and a `BlockRemoved` per evicted block); none when running
+    /// requests hold too much of the cache to take it. Takes no modelled time and leaves the
+    /// counters alone.
+    pub fn prefill_synthetic(&mut self, seed: u64, len: u32) -> Vec<KvEvent> {
+        let token_ids = (0..len.max(1))
+            .map(|i| (mix(seed ^ u64::from(i).wrapping_mul(0xa076_1d64_78bd_642f)) % 32_000) as u32)
+            .collect();
+        let request = Request {
+            id: RequestId::MAX,
+            token_ids,
+            max_tokens: 1,
+            cache_salt: None,
+            lora: None,
+            remote_blocks: 0,
+        };
+        let now = self.now_ms;
+        let mut req = self.new_req(request, now);
+        let hits = self.lookup_prefix(&req);
+        req.num_computed = hits.len() as u32 * self.config.block_size;
+        let todo = req.num_tokens() - req.num_computed;
+        let mut events = Vec::new();
+        if self.allocate(&mut req, todo, &hits, &mut events) {
+            self.release_blocks(&mut req);
+        }
+        events
     }
 
     /// Remove a request wherever it is (client went away), releasing its blocks. Returns

@@ -689,3 +689,57 @@ fn remote_kv_is_pulled_not_prefilled_and_local_blocks_are_not_pulled() {
     run(&mut warm);
     assert_eq!(warm.stats().remote_kv_tokens, 161);
 }
+
+#[test]
+fn synthetic_prefill_stores_then_evicts_like_a_full_gpu() {
+    // 9 blocks of 4 tokens, one of them the null block: 8 usable
+    let mut r = Rank::new(cfg(9));
+    let first = r.prefill_synthetic(1, 16);
+    let stored: Vec<_> = first
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                ..
+            } => Some((block_hashes.len(), *parent_block_hash, token_ids.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored, vec![(4, None, 16)]);
+    assert_eq!(
+        first.len(),
+        1,
+        "nothing evicted from an empty cache: {first:?}"
+    );
+    // the prompt stays cached after it is released (all but the block holding the last token)
+    let tokens: Vec<u32> = (0..16u32)
+        .map(|i| (mix(1 ^ u64::from(i).wrapping_mul(0xa076_1d64_78bd_642f)) % 32_000) as u32)
+        .collect();
+    assert_eq!(r.probe_prefix(&tokens, None, None), 12);
+    // the same prompt again hits its first 3 blocks and computes only the last one
+    let again = r.prefill_synthetic(1, 16);
+    assert!(
+        matches!(&again[..], [KvEvent::BlockStored { block_hashes, parent_block_hash: Some(_), .. }] if block_hashes.len() == 1),
+        "{again:?}"
+    );
+    // two more prompts overflow the 8 usable blocks: the oldest blocks are evicted one by one
+    r.prefill_synthetic(2, 16);
+    let third = r.prefill_synthetic(3, 16);
+    let removed = third
+        .iter()
+        .filter(
+            |e| matches!(e, KvEvent::BlockRemoved { block_hashes, .. } if block_hashes.len() == 1),
+        )
+        .count();
+    assert_eq!(removed, 4, "{third:?}");
+    assert_eq!(r.probe_prefix(&tokens, None, None), 0);
+    // served-request counters are untouched, and nothing is left running
+    let expected = EngineStats {
+        cached_blocks: 8,
+        ..Rank::new(cfg(9)).stats()
+    };
+    assert_eq!(r.stats(), expected);
+    assert!(!r.has_work());
+}

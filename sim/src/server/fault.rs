@@ -49,7 +49,19 @@ pub enum Fault {
         #[serde(default = "garbage_bytes")]
         max_bytes: usize,
     },
-    /// Undo `hang`, `slow`, `drop_events` and `garbage_events`.
+    /// Besides the requests it serves, each rank prefills synthetic prompts of
+    /// `prompt_tokens` random tokens at `tokens_per_second` (wall time), as a GPU busy with
+    /// traffic from elsewhere: their blocks enter its cache, evicting the least recently used
+    /// once it is full, and it publishes what a real engine publishes for them (a
+    /// `BlockStored` per prompt, a `BlockRemoved` per evicted block). It takes none of the
+    /// modelled step time and moves none of the served-request counters. For scale
+    /// benchmarks: a large pool's event load without serving its requests.
+    BackgroundPrefill {
+        tokens_per_second: f64,
+        #[serde(default = "background_prompt")]
+        prompt_tokens: u32,
+    },
+    /// Undo `hang`, `slow`, `drop_events`, `garbage_events` and `background_prefill`.
     Clear,
 }
 
@@ -68,6 +80,14 @@ fn garbage_rate() -> u32 {
 fn garbage_bytes() -> usize {
     4_096
 }
+
+fn background_prompt() -> u32 {
+    2_048
+}
+
+/// Highest background prefill rate (tokens per second per rank) and prompt accepted.
+pub const MAX_BACKGROUND_TOKENS_PER_SECOND: f64 = 1e8;
+pub const MAX_BACKGROUND_PROMPT: u32 = 1 << 20;
 
 /// Highest garbage message rate and size accepted (the flood must not take the simulator down).
 pub const MAX_GARBAGE_PER_SECOND: u32 = 1_000_000;
@@ -133,6 +153,20 @@ impl FaultSpec {
                      max_bytes within 1..={MAX_GARBAGE_BYTES}, got {per_second} and {max_bytes}"
                 ))
             }
+            Fault::BackgroundPrefill {
+                tokens_per_second,
+                prompt_tokens,
+            } if !(tokens_per_second.is_finite()
+                && *tokens_per_second > 0.0
+                && *tokens_per_second <= MAX_BACKGROUND_TOKENS_PER_SECOND
+                && (1..=MAX_BACKGROUND_PROMPT).contains(prompt_tokens)) =>
+            {
+                Err(format!(
+                    "background_prefill needs tokens_per_second within (0, \
+                     {MAX_BACKGROUND_TOKENS_PER_SECOND}] and prompt_tokens within \
+                     1..={MAX_BACKGROUND_PROMPT}, got {tokens_per_second} and {prompt_tokens}"
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -192,6 +226,20 @@ mod tests {
                 .validate()
                 .is_err()
         );
+        assert_eq!(
+            p(r#"{"kind":"background_prefill","tokens_per_second":1e4}"#).fault,
+            Fault::BackgroundPrefill {
+                tokens_per_second: 1e4,
+                prompt_tokens: 2_048
+            }
+        );
+        for bad in [
+            r#"{"kind":"background_prefill","tokens_per_second":0}"#,
+            r#"{"kind":"background_prefill","tokens_per_second":1e12}"#,
+            r#"{"kind":"background_prefill","tokens_per_second":10,"prompt_tokens":0}"#,
+        ] {
+            assert!(p(bad).validate().is_err(), "{bad}");
+        }
         assert_eq!(p(r#"{"kind":"clear"}"#).fault, Fault::Clear);
         assert!(serde_json::from_str::<FaultSpec>(r#"{"kind":"melt"}"#).is_err());
         assert!(p(r#"{"kind":"slow","factor":0}"#).validate().is_err());

@@ -484,6 +484,11 @@ async fn launch(slot: &Arc<EngineSlot>) -> anyhow::Result<()> {
             hang_tx.subscribe(),
             cancel.clone(),
         ));
+        tokio::spawn(rank::background(
+            state.clone(),
+            mix(cfg.seed ^ mix(index as u64) ^ u64::from(k) ^ generation ^ 0xb9),
+            cancel.clone(),
+        ));
         ranks.push(state);
     }
 
@@ -609,9 +614,21 @@ pub(crate) async fn apply_fault(slot: &Arc<EngineSlot>, spec: &FaultSpec) {
                 r.restart(*seq == SeqMode::Zero).await;
             }
         }
+        Fault::BackgroundPrefill {
+            tokens_per_second,
+            prompt_tokens,
+        } => {
+            for r in ranks {
+                r.background.send_replace(Some(rank::Background {
+                    tokens_per_second: *tokens_per_second,
+                    prompt_tokens: *prompt_tokens,
+                }));
+            }
+        }
         Fault::Clear => {
             rt.hang.send_replace(false);
             for r in &rt.ranks {
+                r.background.send_replace(None);
                 r.inner.lock().engine.set_slowdown(1.0);
                 let mut publisher = r.publisher.lock();
                 publisher.drop = DropPolicy::default();

@@ -53,7 +53,21 @@ pub(crate) struct RankState {
     max_waiting: usize,
     /// Its id on the KV connector (new for every incarnation of the engine).
     pub engine_id: String,
+    /// The `background_prefill` fault's load, read by [`background`].
+    pub background: watch::Sender<Option<Background>>,
 }
+
+/// Synthetic prefill work besides the served requests (the `background_prefill` fault).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Background {
+    pub tokens_per_second: f64,
+    pub prompt_tokens: u32,
+}
+
+/// How often the background prefill takes its share (wall time).
+const BACKGROUND_TICK: Duration = Duration::from_millis(20);
+/// Work a late tick may catch up on, in seconds of its rate.
+const BACKGROUND_CATCH_UP_S: f64 = 0.5;
 
 /// Wall-clock to virtual-time mapping shared by the ranks of an engine.
 #[derive(Debug, Clone, Copy)]
@@ -104,6 +118,7 @@ impl RankState {
             publisher,
             max_waiting,
             engine_id,
+            background: watch::Sender::new(None),
         }
     }
 
@@ -270,6 +285,59 @@ pub(crate) async fn drive(
             let batch = state.batch(outcome.kv_events);
             if tx.send(PublishCmd::Batch(batch)).await.is_err() {
                 tracing::debug!(rank = state.rank, "event publisher is gone");
+            }
+        }
+    }
+}
+
+/// Runs the `background_prefill` fault's load: every tick, the prompts its rate owes are
+/// prefilled ([`Rank::prefill_synthetic`], prompt ids drawn from `seed`) and their events
+/// published as one batch. Idle while no load is set; returns when `cancel` fires.
+pub(crate) async fn background(state: Arc<RankState>, seed: u64, cancel: CancellationToken) {
+    let mut load_rx = state.background.subscribe();
+    let mut prompts: u64 = 0;
+    loop {
+        let load = *load_rx.borrow_and_update();
+        let Some(load) = load else {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                _ = load_rx.changed() => continue,
+            }
+        };
+        let mut tick = tokio::time::interval(BACKGROUND_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let prompt = f64::from(load.prompt_tokens);
+        let most = (load.tokens_per_second * BACKGROUND_CATCH_UP_S).max(prompt);
+        let mut owed = 0.0_f64;
+        let mut last = Instant::now();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                _ = load_rx.changed() => break,
+                _ = tick.tick() => {}
+            }
+            let now = Instant::now();
+            owed =
+                (owed + load.tokens_per_second * now.duration_since(last).as_secs_f64()).min(most);
+            last = now;
+            let mut events = Vec::new();
+            {
+                let mut g = state.inner.lock();
+                while owed >= prompt {
+                    owed -= prompt;
+                    prompts += 1;
+                    let s = seed ^ prompts.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                    events.extend(g.engine.prefill_synthetic(s, load.prompt_tokens));
+                }
+            }
+            if !events.is_empty()
+                && let Some(tx) = &state.events
+                && tx
+                    .send(PublishCmd::Batch(state.batch(events)))
+                    .await
+                    .is_err()
+            {
+                return;
             }
         }
     }
