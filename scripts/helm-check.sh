@@ -161,6 +161,10 @@ expect extras '^kind: ServiceMonitor$'
 expect extras 'name: kvroute-picker$'
 expect extras 'image: "ghcr\.io/kvroute/kvroute:dev"'
 expect extras '--picker-image=registry\.local/picker:1$'
+# the pickers' default resources (the sizing rule), passed as JSON; null drops them
+expect default '"--picker-resources=\{\\"limits\\":\{\\"memory\\":\\"3Gi\\"\},\\"requests\\":\{\\"cpu\\":\\"1\\",\\"memory\\":\\"1Gi\\"\}\}"$'
+render no-picker-resources --set-json 'operator.pickerResources=null'
+refute no-picker-resources 'picker-resources'
 
 render keda --set-json 'autoscaling.scaledObjects=[{"name":"llama-servers","namespace":"serving","deployment":"llama-vllm","modelConfig":"llama","prometheusAddress":"http://prometheus.monitoring:9090","maxReplicas":16}]'
 expect keda '^kind: ScaledObject$'

@@ -93,6 +93,13 @@ pub struct ScaleArgs {
     pub tokenizer: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Let the picker share every CPU with the engines and the client (default: the last CPU
+    /// is its own, with `taskset`).
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Each step runs until at least this many requests went through the picker.
+    #[arg(long, default_value_t = 400)]
+    pub min_step_requests: u32,
     /// Also write the report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -1340,6 +1347,8 @@ async fn scale(a: ScaleArgs) -> anyhow::Result<()> {
         scrape_ms: a.scrape_ms,
         tokenizer,
         seed: a.seed,
+        pin: !a.no_pin,
+        min_step_requests: a.min_step_requests,
     })
     .await?;
     print!("{}", crate::scale::markdown(&report));

@@ -91,6 +91,12 @@ pub struct ScaleOptions {
     pub scrape_ms: u64,
     pub tokenizer: PathBuf,
     pub seed: u64,
+    /// Pin the picker to the machine's last CPU and everything else (this process, the
+    /// engines) to the others, so that its figures are one core's and the load it is under
+    /// does not share that core (`taskset`).
+    pub pin: bool,
+    /// Each step runs until at least this many requests went through the picker.
+    pub min_step_requests: u32,
 }
 
 /// A phase without requests.
@@ -147,6 +153,11 @@ pub struct Knee {
 pub struct ScaleReport {
     pub options: ScaleOptions,
     pub endpoints: usize,
+    /// CPUs the picker could run on.
+    pub picker_cpus: usize,
+    /// Time from the steady load's start until the ingest lag's p99 over two seconds was
+    /// under 100 ms (the fill's backlog drained).
+    pub settle_secs: f64,
     pub metrics_bytes_per_server: usize,
     pub scrapes_per_s: f64,
     pub idle: Phase,
@@ -210,13 +221,17 @@ struct Ctx {
 
 impl Ctx {
     async fn sample(&self) -> anyhow::Result<Sample> {
-        let metrics = self
-            .http
-            .get(format!("http://{}/metrics", self.picker_metrics))
-            .send()
-            .await?
-            .text()
-            .await?;
+        // a pooled connection the server closed while idle fails once: ask again
+        let url = format!("http://{}/metrics", self.picker_metrics);
+        let mut tries = 0;
+        let metrics = loop {
+            tries += 1;
+            match self.http.get(&url).send().await {
+                Ok(r) => break r.text().await?,
+                Err(e) if tries >= 3 => return Err(e).context("reading the picker's metrics"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
         Ok(Sample {
             proc: proc_sample(self.picker_pid)?,
             metrics,
@@ -247,6 +262,20 @@ impl Ctx {
         }
         Ok(())
     }
+}
+
+/// Runs every thread of `pid` on `cpus` (a `taskset` list such as `0-2`).
+fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .output()
+        .context("running taskset (util-linux) to pin the processes; --no-pin runs without")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "taskset -a -p -c {cpus} {pid}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
 }
 
 fn gauge(text: &str, name: &str) -> f64 {
@@ -402,11 +431,13 @@ async fn run_step(
     prompts: &Prompts,
     rate: f64,
     secs: f64,
+    min_requests: u32,
     seed: u64,
     baseline_cores: f64,
 ) -> anyhow::Result<Step> {
     let before = ctx.sample().await?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let secs = secs.max(f64::from(min_requests) / rate);
     let start = tokio::time::Instant::now();
     let end = start + Duration::from_secs_f64(secs);
     let mut next = start;
@@ -514,6 +545,28 @@ async fn run_step(
     })
 }
 
+/// Sends each shared prefix through the picker once, untimed.
+async fn warm_up(ctx: &Ctx, prompts: &Prompts) -> anyhow::Result<()> {
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    for n in 0..prompts.shared.len() as u64 {
+        let r = ctx
+            .http
+            .post(format!("{}/v1/completions", ctx.picker_url))
+            .header("content-type", "application/json")
+            .body(prompts.body(&mut rng, n))
+            .send()
+            .await?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        anyhow::ensure!(
+            status.is_success(),
+            "warm-up request refused: {status}: {}",
+            truncate(&text, 300)
+        );
+    }
+    Ok(())
+}
+
 async fn measure_phase(ctx: &Ctx, name: &'static str, secs: f64) -> anyhow::Result<Phase> {
     let a = ctx.sample().await?;
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
@@ -575,10 +628,28 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
     cfg.limits.upstream_timeout = REQUEST_TIMEOUT;
     cfg.limits.idle_timeout = REQUEST_TIMEOUT;
     let picker = live::spawn_picker(&exe, &cfg, "scale", &http).await?;
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let picker_pid = picker.guard.pid().context("the picker has no pid")?;
+    let picker_cpus = if opts.pin && cpus >= 2 {
+        let last = (cpus - 1).to_string();
+        let rest = if cpus == 2 {
+            "0".to_string()
+        } else {
+            format!("0-{}", cpus - 2)
+        };
+        pin(picker_pid, &last)?;
+        pin(std::process::id(), &rest)?;
+        if let Some(p) = engines_guard.pid() {
+            pin(p, &rest)?;
+        }
+        1
+    } else {
+        cpus
+    };
     let ctx = Ctx {
         http: http.clone(),
         engines,
-        picker_pid: picker.guard.pid().context("the picker has no pid")?,
+        picker_pid,
         picker_url: format!("http://{}", picker.http),
         picker_metrics: picker.metrics,
     };
@@ -619,7 +690,20 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
 
     ctx.background(Some(opts.prefill_tokens_per_s), opts.prefill_prompt_tokens)
         .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let settle_start = Instant::now();
+    let mut before = ctx.sample().await?;
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = ctx.sample().await?;
+        let lag = phase("settle", &before, &now).lag_p99_ms;
+        eprint!("\r  settling: lag p99 {lag:?} ms   ");
+        if lag.is_some_and(|l| l < 100.0) || settle_start.elapsed() > Duration::from_secs(180) {
+            break;
+        }
+        before = now;
+    }
+    eprintln!();
+    let settle_secs = settle_start.elapsed().as_secs_f64();
     eprintln!("scale: events only for {} s", opts.phase_secs);
     let events = measure_phase(&ctx, "events", opts.phase_secs).await?;
 
@@ -629,6 +713,8 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
     for &kind in &opts.kinds {
         for &tokens in &opts.sizes {
             let prompts = Prompts::new(kind, tokens, opts.new_fraction, cpt, opts.seed);
+            // the shared prefixes have been seen before, as a session's earlier turns have
+            warm_up(&ctx, &prompts).await?;
             let mut knee = Knee {
                 kind,
                 tokens,
@@ -642,6 +728,7 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
                     &prompts,
                     rate,
                     opts.step_secs,
+                    opts.min_step_requests,
                     opts.seed ^ (i as u64) << 32 ^ u64::from(tokens),
                     events.picker_cores,
                 )
@@ -658,7 +745,7 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
                     step.errors,
                     step.first_error.as_deref().unwrap_or("")
                 );
-                let total = (step.achieved_per_s * opts.step_secs).max(1.0);
+                let total = f64::from(opts.min_step_requests).max(1.0);
                 let stop = if step.added_p99_ms > opts.stop_added_p99_ms {
                     knee.passes_at_per_s = Some(rate);
                     Some(format!("added p99 over {} ms", opts.stop_added_p99_ms))
@@ -685,6 +772,8 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
     Ok(ScaleReport {
         options: opts,
         endpoints,
+        picker_cpus,
+        settle_secs,
         metrics_bytes_per_server,
         scrapes_per_s,
         idle,
@@ -709,7 +798,8 @@ pub fn markdown(r: &ScaleReport) -> String {
         s,
         "{} servers x {} ranks = {} endpoints, {} KV blocks of {} tokens per rank; background \
          prefill {} tokens/s per rank in prompts of {} tokens; scrape every {} ms ({:.0} \
-         scrapes/s of {} KB)\n",
+         scrapes/s of {} KB); the picker on {} CPU(s){}; {:.0}% of each prompt new; fill \
+         backlog drained {:.0} s after the steady load started\n",
         o.servers,
         o.dp_size,
         r.endpoints,
@@ -719,7 +809,11 @@ pub fn markdown(r: &ScaleReport) -> String {
         o.prefill_prompt_tokens,
         o.scrape_ms,
         r.scrapes_per_s,
-        r.metrics_bytes_per_server / 1024
+        r.metrics_bytes_per_server / 1024,
+        r.picker_cpus,
+        if o.pin { " of its own" } else { "" },
+        o.new_fraction * 100.0,
+        r.settle_secs
     );
     let _ = writeln!(
         s,

@@ -24,6 +24,12 @@ pub struct Args {
     /// Picker image for pools that name none.
     #[arg(long, env = "KVROUTE_PICKER_IMAGE", default_value_t = BuildSettings::default().picker_image)]
     pub picker_image: String,
+    /// CPU and memory of the picker container for pools that set none
+    /// (`spec.picker.resources`), as the JSON of a container's `resources`
+    /// (`{"requests":{"cpu":"1","memory":"1Gi"}}`). The chart sets it from its sizing rule
+    /// (docs/helm.md, "Sizing the pickers"). Default: none.
+    #[arg(long, env = "KVROUTE_PICKER_RESOURCES", value_parser = parse_resources)]
+    pub picker_resources: Option<k8s_openapi::api::core::v1::ResourceRequirements>,
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "KVROUTE_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
@@ -62,6 +68,13 @@ pub struct Args {
     /// What `peer_key_seed_file` holds, read once at start.
     #[arg(skip)]
     pub peer_key_seed: Option<PeerKeySeed>,
+}
+
+/// `--picker-resources`: a container's `resources` as JSON.
+fn parse_resources(s: &str) -> Result<k8s_openapi::api::core::v1::ResourceRequirements, String> {
+    serde_json::from_str(s).map_err(|e| {
+        format!("not a container's resources (`{{\"requests\":{{\"cpu\":\"1\"}}}}`): {e}")
+    })
 }
 
 /// The seed named by `--peer-key-seed-file`, read and checked.
@@ -162,6 +175,7 @@ async fn run_controller(
     let settings = BuildSettings {
         picker_image: args.picker_image.clone(),
         peer_key_seed: args.peer_key_seed.clone(),
+        picker_resources: args.picker_resources.clone(),
     };
     let ctx_client = client.clone();
     crate::controller::run(

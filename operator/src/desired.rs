@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ObjectReference, ResourceRequirements, Secret, Service, ServiceAccount,
+};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -22,13 +24,16 @@ use crate::eligibility::{ConfigEndpoints, ListedPod};
 use crate::error::{Error, Result};
 
 /// Operator-wide settings that shape what it builds.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BuildSettings {
     /// Picker image when the pool names none.
     pub picker_image: String,
     /// The operator's secret from which each pool's peer key is derived (`--peer-key-seed-file`);
     /// none: pickers exchange in-flight counts without a key.
     pub peer_key_seed: Option<PeerKeySeed>,
+    /// CPU and memory of the picker container when the pool sets none
+    /// (`--picker-resources`; the chart's `operator.pickerResources`).
+    pub picker_resources: Option<ResourceRequirements>,
 }
 
 impl Default for BuildSettings {
@@ -36,6 +41,7 @@ impl Default for BuildSettings {
         Self {
             picker_image: format!("ghcr.io/kvroute/kvroute:{}", env!("CARGO_PKG_VERSION")),
             peer_key_seed: None,
+            picker_resources: None,
         }
     }
 }
@@ -449,7 +455,11 @@ fn picker_deployment(
     if let Some(level) = &picker.log_level {
         container["env"] = json!([{"name": "RUST_LOG", "value": level}]);
     }
-    if let Some(r) = &picker.resources {
+    if let Some(r) = picker
+        .resources
+        .as_ref()
+        .or(settings.picker_resources.as_ref())
+    {
         container["resources"] = to_value("picker resources", r)?;
     }
     let service_account = picker

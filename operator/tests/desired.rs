@@ -208,6 +208,40 @@ fn rendered_config_is_a_valid_picker_config() {
     );
 }
 
+/// The operator's default picker resources (the chart's sizing rule) apply to a pool that
+/// sets none; a pool's own win.
+#[test]
+fn a_pool_without_picker_resources_gets_the_operators_default() {
+    let settings = BuildSettings {
+        picker_resources: Some(
+            serde_json::from_value(json!({
+                "requests": {"cpu": "1", "memory": "1Gi"},
+                "limits": {"memory": "3Gi"}
+            }))
+            .expect("resources"),
+        ),
+        ..BuildSettings::default()
+    };
+    let container = |spec: Value| {
+        let pool = mk_pool(spec);
+        let d = build(&pool, &resolve(&pool.spec, NS, &[]), &settings).expect("build");
+        serde_json::to_value(&d.deployment).expect("json")["spec"]["template"]["spec"]["containers"]
+            [0]
+        .clone()
+    };
+    let c = container(base_spec());
+    assert_eq!(c["resources"]["requests"]["memory"], "1Gi");
+    assert_eq!(c["resources"]["limits"]["memory"], "3Gi");
+    let mut own = base_spec();
+    own["picker"] = json!({"resources": {"requests": {"cpu": "4"}}});
+    let c = container(own);
+    assert_eq!(c["resources"], json!({"requests": {"cpu": "4"}}));
+    // the operator's own default is none
+    let d = desired_for(base_spec(), &[]);
+    let dep = serde_json::to_value(&d.deployment).expect("json");
+    assert!(dep["spec"]["template"]["spec"]["containers"][0]["resources"].is_null());
+}
+
 /// With the operator's seed, every pool gets its own peer key in a Secret that its pickers
 /// mount and name as `peers.keyFile`; without it, none.
 #[test]

@@ -262,6 +262,16 @@ impl Steps {
     }
 }
 
+/// How many of `events` from the first on are removals from the same place as one just read.
+fn removal_run(events: &[KvEvent], medium: &Option<String>, place: &BlockPlace) -> usize {
+    events
+        .iter()
+        .take_while(|e| {
+            matches!(e, KvEvent::BlockRemoved { medium: m, place: p, .. } if m == medium && p == place)
+        })
+        .count()
+}
+
 /// Apply every event of `batch` to `slot`'s blocks. Never fails: bad events are counted and
 /// skipped so one malformed event cannot stall the stream. Large batches are applied in steps
 /// of [`STEP_BLOCKS`] blocks, letting waiting picks in between ([`IndexAccess`]); if the
@@ -279,7 +289,10 @@ pub fn apply_batch(
     let mut pairs = Vec::new();
     let mut salted = Vec::new();
     let mut salts = Vec::new();
-    for event in &batch.events {
+    let mut merged = Vec::new();
+    let mut next = 0;
+    while let Some(event) = batch.events.get(next) {
+        next += 1;
         match event {
             KvEvent::BlockStored {
                 block_hashes,
@@ -415,6 +428,23 @@ pub fn apply_batch(
                 medium,
                 place,
             } => {
+                // an engine reports each evicted block in an event of its own (vLLM's block
+                // pool): a run of them is removed as one, so the index works through the
+                // run's table lines together instead of one block's at a time
+                let run = removal_run(&batch.events[next..], medium, place);
+                let block_hashes = if run == 0 {
+                    block_hashes
+                } else {
+                    merged.clear();
+                    merged.extend_from_slice(block_hashes);
+                    for e in &batch.events[next..next + run] {
+                        if let KvEvent::BlockRemoved { block_hashes, .. } = e {
+                            merged.extend_from_slice(block_hashes);
+                        }
+                    }
+                    next += run;
+                    &merged
+                };
                 salts.clear();
                 if place.any_tier {
                     access
@@ -567,6 +597,60 @@ mod tests {
         assert_eq!(matched(&ix, &prompt), 2);
         apply_batch(&mut ix, slot, keys, &batch(vec![KvEvent::AllBlocksCleared]));
         assert_eq!(matched(&ix, &prompt), 0);
+    }
+
+    #[test]
+    fn a_run_of_one_block_removals_is_applied_as_one_and_never_across_a_store() {
+        let prompt: Vec<u32> = (0..16).collect();
+        let rm = |h: u64| KvEvent::BlockRemoved {
+            block_hashes: vec![h],
+            medium: None,
+            place: Default::default(),
+        };
+        let events = vec![
+            rm(0xa4),
+            rm(0xa3),
+            // stored again between two runs: the second run must not undo it
+            stored(&[0xa3], Some(0xa2), prompt[8..12].to_vec()),
+            rm(0xa2),
+            rm(0xa9),
+        ];
+        let (mut one, slot, keys) = setup();
+        let (mut each, _, _) = setup();
+        let full = batch(vec![stored(
+            &[0xa1, 0xa2, 0xa3, 0xa4],
+            None,
+            prompt.clone(),
+        )]);
+        apply_batch(&mut one, slot, keys, &full);
+        apply_batch(&mut each, slot, keys, &full);
+        let s = apply_batch(&mut one, slot, keys, &batch(events.clone()));
+        let mut removed = 0;
+        for e in events {
+            removed += apply_batch(&mut each, slot, keys, &batch(vec![e])).removed_blocks;
+        }
+        assert_eq!(s.removed_blocks, removed);
+        assert_eq!(s.removed_blocks, 3, "0xa4, 0xa3, 0xa2; 0xa9 was never held");
+        // block 1 is left, and block 3 is stored again under a parent that is gone
+        assert_eq!(matched(&one, &prompt), 1);
+        assert_eq!(one.endpoint_blocks(slot), each.endpoint_blocks(slot));
+        assert_eq!(one.endpoint_blocks(slot), 2);
+        assert_eq!(
+            removal_run(&[rm(1), rm(2)], &None, &BlockPlace::default()),
+            2
+        );
+        assert_eq!(
+            removal_run(
+                &[rm(1), stored(&[5], None, vec![0; 4]), rm(2)],
+                &None,
+                &BlockPlace::default()
+            ),
+            1
+        );
+        assert_eq!(
+            removal_run(&[rm(1)], &Some("CPU".into()), &BlockPlace::default()),
+            0
+        );
     }
 
     #[test]

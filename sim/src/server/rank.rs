@@ -65,7 +65,7 @@ pub(crate) struct Background {
 }
 
 /// How often the background prefill takes its share (wall time).
-const BACKGROUND_TICK: Duration = Duration::from_millis(20);
+const BACKGROUND_TICK: Duration = Duration::from_millis(100);
 /// Work a late tick may catch up on, in seconds of its rate.
 const BACKGROUND_CATCH_UP_S: f64 = 0.5;
 

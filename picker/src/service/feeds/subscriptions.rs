@@ -161,6 +161,12 @@ async fn consume(
                 if (0.0..3600.0).contains(&lag) {
                     picker.metrics.event_lag_seconds.observe(lag);
                 }
+                // A batch is applied without an await: a busy stream would otherwise keep its
+                // worker thread for as many batches as the channel holds (tokio's budget is
+                // 128 receives, tens of milliseconds at a few hundred blocks each) while the
+                // requests on that worker wait. A yield per batch lets them in between two
+                // batches (`kvroute-bench scale`, picker/BENCHMARKS.md section 4).
+                tokio::task::yield_now().await;
             }
             SubscriberEvent::Resync { reason } => {
                 picker.metrics.event_problem("resync");
