@@ -697,7 +697,8 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
         let now = ctx.sample().await?;
         let lag = phase("settle", &before, &now).lag_p99_ms;
         eprint!("\r  settling: lag p99 {lag:?} ms   ");
-        if lag.is_some_and(|l| l < 100.0) || settle_start.elapsed() > Duration::from_secs(180) {
+        // no batch in the window (no background load): nothing to drain
+        if lag.is_none_or(|l| l < 100.0) || settle_start.elapsed() > Duration::from_secs(180) {
             break;
         }
         before = now;

@@ -484,8 +484,39 @@ fn bench_index_copy(c: &mut Criterion) {
     g.finish();
 }
 
+/// Decoding one engine step's KV events as vLLM publishes them (map events): a 2,048-token
+/// prompt stored (128 blocks of 16 tokens, ids below 128k) and the 128 blocks it evicted, each
+/// in a `BlockRemoved` of its own; the busy GPU of `kvroute-bench scale`.
+fn bench_event_decode(c: &mut Criterion) {
+    use kvroute_routing::kv_events::{
+        DecodeLimits, EventEncoding, decode_event_batch, encode_event_batch,
+    };
+    let ids: Vec<u32> = tokens(3, 2048).iter().map(|t| t % 128_000).collect();
+    let mut events = vec![KvEvent::plain_stored(
+        (0..128).map(|i| 0x5eed_0000 + i).collect(),
+        Some(7),
+        ids,
+        BLOCK,
+    )];
+    events.extend((0..128u64).map(|i| KvEvent::BlockRemoved {
+        block_hashes: vec![0xdead_0000 + i],
+        medium: Some("GPU".into()),
+        place: Default::default(),
+    }));
+    let bytes = encode_event_batch(&EventBatch::new(1.0, events), EventEncoding::MapEvents);
+    let limits = DecodeLimits::default();
+    let mut g = c.benchmark_group("event_decode");
+    g.measurement_time(Duration::from_secs(3));
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("store_128_blocks_evict_128", |b| {
+        b.iter(|| black_box(decode_event_batch(black_box(&bytes), &limits).map(|b| b.events.len())))
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_event_decode,
     bench_index_copy,
     bench_longest_prefix,
     bench_hashing,

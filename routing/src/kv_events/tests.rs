@@ -1113,3 +1113,39 @@ fn a_batch_costs_one_per_event_plus_one_per_block_it_names() {
     };
     assert_eq!(batch.budget_cost(), 513 + 4 + 1);
 }
+
+/// Token ids of every msgpack width decode in place, and a list cut short is an error, not a
+/// shorter list.
+#[test]
+fn token_ids_of_every_width_round_trip_and_a_cut_list_fails() {
+    let tokens = vec![0, 1, 127, 128, 255, 256, 65_535, 65_536, u32::MAX, 42];
+    let b = batch(
+        1.5,
+        vec![stored(&[1], None, tokens.clone(), None, None, None)],
+        Some(0),
+        0,
+    );
+    for enc in [EventEncoding::Array, EventEncoding::MapEvents] {
+        let bytes = encode_event_batch(&b, enc);
+        let back = decode(&bytes);
+        let Some(KvEvent::BlockStored { token_ids, .. }) = back.events.first() else {
+            panic!("{back:?}");
+        };
+        assert_eq!(token_ids, &tokens, "{enc:?}");
+    }
+    // the list ends inside its last id (a uint32 cut after two of its bytes)
+    let bytes = encode_event_batch(
+        &batch(
+            1.5,
+            vec![stored(&[1], None, vec![7, u32::MAX], None, None, None)],
+            None,
+            0,
+        ),
+        EventEncoding::Array,
+    );
+    let at = bytes
+        .windows(5)
+        .position(|w| w == [0xce, 0xff, 0xff, 0xff, 0xff])
+        .expect("the uint32 id");
+    let _ = decode_err(&bytes[..at + 3]);
+}
