@@ -185,8 +185,11 @@ pub struct PickerSpec {
     /// `Always`, `IfNotPresent` or `Never`. Default: Kubernetes' default for the image tag.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<PullPolicy>,
-    /// CPU and memory of the picker container. Tokenizing long prompts is CPU-bound: budget
-    /// about one core per few thousand decisions per second at 8k-token prompts.
+    /// CPU and memory of the picker container (default: the operator's, which the chart sets
+    /// from its sizing rule). Measured per picker (docs/helm.md, "Sizing the pickers"): about
+    /// 0.1 core and 300 MiB per 100 endpoints with full caches and busy event streams, plus
+    /// per 100 requests/s 0.1-0.2 core at 8k-32k-token prompts as token ids or text whose
+    /// earlier turns repeat, and 2-3 cores at 128k tokens of text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     /// Run pickers under this existing ServiceAccount instead of the per-pool one the
