@@ -186,10 +186,11 @@ pub struct PickerSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<PullPolicy>,
     /// CPU and memory of the picker container (default: the operator's, which the chart sets
-    /// from its sizing rule). Measured per picker (docs/helm.md, "Sizing the pickers"): about
-    /// 0.1 core and 300 MiB per 100 endpoints with full caches and busy event streams, plus
-    /// per 100 requests/s 0.1-0.2 core at 8k-32k-token prompts as token ids or text whose
-    /// earlier turns repeat, and 2-3 cores at 128k tokens of text.
+    /// from its sizing rule). Measured per picker (docs/helm.md, "Sizing the pickers"): 300 MiB
+    /// and 0.1 core, plus per 100 endpoints with full caches (31k blocks) and busy event
+    /// streams about 250 MiB and 0.1 core, plus per 100 requests/s 0.1-0.2 core at 8k-32k
+    /// tokens as token ids or 8k of text, 0.6 at 32k tokens of text and 2.2 at 128k (each
+    /// prompt a tenth new).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     /// Run pickers under this existing ServiceAccount instead of the per-pool one the
