@@ -1328,28 +1328,31 @@ async fn scale(a: ScaleArgs) -> anyhow::Result<()> {
             "/../routing/tests/fixtures/tokenizer"
         ))
     });
-    let report = crate::scale::run(crate::scale::ScaleOptions {
-        servers: a.servers,
-        dp_size: a.dp_size,
-        block_size: a.block_size,
-        kv_blocks: a.kv_blocks,
-        prefill_tokens_per_s: a.prefill_tokens_per_s,
-        fill_tokens_per_s: a.fill_tokens_per_s,
-        prefill_prompt_tokens: a.prefill_prompt_tokens,
-        fill_fraction: a.fill_fraction,
-        kinds: a.kinds,
-        sizes: a.sizes,
-        rates: a.rates,
-        step_secs: a.step_secs,
-        phase_secs: a.phase_secs,
-        new_fraction: a.new_fraction,
-        stop_added_p99_ms: a.stop_added_p99_ms,
-        scrape_ms: a.scrape_ms,
-        tokenizer,
-        seed: a.seed,
-        pin: !a.no_pin,
-        min_step_requests: a.min_step_requests,
-    })
+    let report = crate::scale::run(
+        crate::scale::ScaleOptions {
+            servers: a.servers,
+            dp_size: a.dp_size,
+            block_size: a.block_size,
+            kv_blocks: a.kv_blocks,
+            prefill_tokens_per_s: a.prefill_tokens_per_s,
+            fill_tokens_per_s: a.fill_tokens_per_s,
+            prefill_prompt_tokens: a.prefill_prompt_tokens,
+            fill_fraction: a.fill_fraction,
+            kinds: a.kinds,
+            sizes: a.sizes,
+            rates: a.rates,
+            step_secs: a.step_secs,
+            phase_secs: a.phase_secs,
+            new_fraction: a.new_fraction,
+            stop_added_p99_ms: a.stop_added_p99_ms,
+            scrape_ms: a.scrape_ms,
+            tokenizer,
+            seed: a.seed,
+            pin: !a.no_pin,
+            min_step_requests: a.min_step_requests,
+        },
+        &crate::live::self_exe()?,
+    )
     .await?;
     print!("{}", crate::scale::markdown(&report));
     if let Some(path) = &a.json {

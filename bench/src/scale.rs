@@ -574,8 +574,9 @@ async fn measure_phase(ctx: &Ctx, name: &'static str, secs: f64) -> anyhow::Resu
     Ok(phase(name, &a, &b))
 }
 
-/// Runs the benchmark; progress on stderr.
-pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
+/// Runs the benchmark with `exe` (the `kvroute-bench` binary) for the engine and picker
+/// processes; progress on stderr.
+pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> {
     anyhow::ensure!(!opts.rates.is_empty(), "--rates names no rate");
     anyhow::ensure!(
         opts.rates.iter().all(|r| r.is_finite() && *r > 0.0),
@@ -585,7 +586,6 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
         (0.0..1.0).contains(&opts.new_fraction),
         "--new-fraction must be within [0, 1)"
     );
-    let exe = live::self_exe()?;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(MAX_INFLIGHT)
         .build()
@@ -609,7 +609,7 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
         "scale: starting {} servers x {} ranks = {endpoints} endpoints",
         opts.servers, opts.dp_size
     );
-    let (engines_guard, engines) = live::start_engines(&exe, &cluster, opts.seed, "scale").await?;
+    let (engines_guard, engines) = live::start_engines(exe, &cluster, opts.seed, "scale").await?;
     let tokenizer = TokenizerSpec {
         path: Some(opts.tokenizer.join("tokenizer.json").display().to_string()),
         config_path: Some(opts.tokenizer.join("tokenizer_config.json"))
@@ -627,7 +627,7 @@ pub async fn run(opts: ScaleOptions) -> anyhow::Result<ScaleReport> {
     cfg.limits.max_prompt_tokens = 1 << 20;
     cfg.limits.upstream_timeout = REQUEST_TIMEOUT;
     cfg.limits.idle_timeout = REQUEST_TIMEOUT;
-    let picker = live::spawn_picker(&exe, &cfg, "scale", &http).await?;
+    let picker = live::spawn_picker(exe, &cfg, "scale", &http).await?;
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let picker_pid = picker.guard.pid().context("the picker has no pid")?;
     let picker_cpus = if opts.pin && cpus >= 2 {
