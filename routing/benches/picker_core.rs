@@ -514,8 +514,27 @@ fn bench_event_decode(c: &mut Criterion) {
     g.finish();
 }
 
+/// Parsing a vLLM server's `/metrics` page (the fixture: a real vLLM exposition, 30 KB), as
+/// the scraper does for every server every interval.
+fn bench_metrics_parse(c: &mut Criterion) {
+    use kvroute_routing::endpoint::EngineKind;
+    use kvroute_routing::engine_metrics::{ParseLimits, parse_engine_metrics};
+    let text = include_str!("../tests/fixtures/metrics/vllm.txt");
+    let limits = ParseLimits::default();
+    let mut g = c.benchmark_group("metrics_parse");
+    g.measurement_time(Duration::from_secs(3));
+    g.throughput(Throughput::Bytes(text.len() as u64));
+    g.bench_function("vllm_page", |b| {
+        b.iter(|| {
+            black_box(parse_engine_metrics(black_box(text), EngineKind::Vllm, &limits).is_ok())
+        })
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_metrics_parse,
     bench_event_decode,
     bench_index_copy,
     bench_longest_prefix,
