@@ -147,6 +147,25 @@ pub struct Knee {
     /// The highest rate run below the threshold.
     pub last_below_per_s: Option<f64>,
     pub stopped_by: String,
+    /// The picker's cores per 100 requests/s: the least-squares slope of its cores over the
+    /// rates run below the threshold (at least two), which leaves out the events and scrapes
+    /// it carries at any rate.
+    pub slope_cores_per_100_rps: Option<f64>,
+}
+
+/// Least-squares slope of `y` over `x`, per 100 units of `x`; `None` under two points or
+/// without spread in `x`.
+fn slope_per_100(points: &[(f64, f64)]) -> Option<f64> {
+    if points.len() < 2 {
+        return None;
+    }
+    let n = points.len() as f64;
+    let (mx, my) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    (sxx > 0.0).then(|| sxy / sxx * 100.0)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -722,7 +741,9 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
                 passes_at_per_s: None,
                 last_below_per_s: None,
                 stopped_by: "the last rate".into(),
+                slope_cores_per_100_rps: None,
             };
+            let mut below = Vec::new();
             for (i, &rate) in opts.rates.iter().enumerate() {
                 let mut step = run_step(
                     &ctx,
@@ -756,6 +777,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
                     Some("the client could not offer the rate".into())
                 } else {
                     knee.last_below_per_s = Some(rate);
+                    below.push((step.achieved_per_s, step.picker_cores));
                     None
                 };
                 steps.push(step);
@@ -764,6 +786,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
                     break;
                 }
             }
+            knee.slope_cores_per_100_rps = slope_per_100(&below);
             knees.push(knee);
         }
     }
@@ -871,22 +894,39 @@ pub fn markdown(r: &ScaleReport) -> String {
     }
     let _ = writeln!(
         s,
-        "\n| prompt | tokens | added p99 > {} ms at | last rate below | stopped by |",
+        "\n| prompt | tokens | added p99 > {} ms at | last rate below | stopped by | picker cores per 100 req/s (slope below it) |",
         o.stop_added_p99_ms
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---|---:|");
     for k in &r.knees {
         let _ = writeln!(
             s,
-            "| {:?} | {} | {} | {} | {} |",
+            "| {:?} | {} | {} | {} | {} | {} |",
             k.kind,
             k.tokens,
             k.passes_at_per_s
                 .map_or_else(|| "-".into(), |x| format!("{x:.0}/s")),
             k.last_below_per_s
                 .map_or_else(|| "-".into(), |x| format!("{x:.0}/s")),
-            k.stopped_by
+            k.stopped_by,
+            k.slope_cores_per_100_rps
+                .map_or_else(|| "-".into(), |x| format!("{x:.2}"))
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slope_per_100;
+
+    #[test]
+    fn the_slope_leaves_out_the_intercept() {
+        // 0.3 cores of events at any rate, 0.2 more per 100 req/s
+        let pts = [(25.0, 0.35), (100.0, 0.5), (200.0, 0.7)];
+        let s = slope_per_100(&pts).expect("a slope");
+        assert!((s - 0.2).abs() < 1e-9, "{s}");
+        assert_eq!(slope_per_100(&pts[..1]), None);
+        assert_eq!(slope_per_100(&[(10.0, 0.1), (10.0, 0.2)]), None);
+    }
 }

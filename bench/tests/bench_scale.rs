@@ -54,6 +54,8 @@ async fn a_tiny_scale_run_measures_every_phase_and_step() {
         assert!(s.decision_p99_ms.is_some(), "the picker decided: {s:?}");
     }
     assert!(r.knees.iter().all(|k| k.last_below_per_s == Some(20.0)));
+    // one rate per size gives no slope
+    assert!(r.knees.iter().all(|k| k.slope_cores_per_100_rps.is_none()));
     let md = markdown(&r);
     assert!(
         md.contains("| Text | 512 |") && md.contains("| Ids | 512 |"),
