@@ -43,63 +43,8 @@ pub enum Cmd {
 /// `kvroute-bench scale` (see `kvroute_bench::scale`).
 #[derive(Debug, Clone, Args)]
 pub struct ScaleArgs {
-    #[arg(long, default_value_t = 64)]
-    pub servers: usize,
-    #[arg(long, default_value_t = 8)]
-    pub dp_size: u32,
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
-    /// KV blocks per rank (31,200: an 80 GB GPU's cache for an 8B model at 16 tokens a block).
-    #[arg(long, default_value_t = 31_200)]
-    pub kv_blocks: u32,
-    /// Newly computed prompt tokens per second per rank besides the benchmark's requests.
-    #[arg(long, default_value_t = 4096.0)]
-    pub prefill_tokens_per_s: f64,
-    /// The same while filling the caches before the sweep.
-    #[arg(long, default_value_t = 32_768.0)]
-    pub fill_tokens_per_s: f64,
-    #[arg(long, default_value_t = 2048)]
-    pub prefill_prompt_tokens: u32,
-    /// Fraction of the pool's KV blocks the index holds before the sweep starts.
-    #[arg(long, default_value_t = 0.95)]
-    pub fill_fraction: f64,
-    #[arg(long, value_delimiter = ',', default_value = "text,ids")]
-    pub kinds: Vec<crate::scale::PromptKind>,
-    /// Prompt sizes in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
-    pub sizes: Vec<u32>,
-    /// Requests per second through the picker, in order (as many again go straight to an
-    /// engine); a size stops at the first rate past --stop-added-p99-ms.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "10,25,50,100,200,400,800"
-    )]
-    pub rates: Vec<f64>,
-    #[arg(long, default_value_t = 8.0)]
-    pub step_secs: f64,
-    /// Seconds of the idle and events-only phases.
-    #[arg(long, default_value_t = 10.0)]
-    pub phase_secs: f64,
-    /// Fraction of each prompt that is new (the rest one of 16 shared prefixes).
-    #[arg(long, default_value_t = 0.1)]
-    pub new_fraction: f64,
-    #[arg(long, default_value_t = 10.0)]
-    pub stop_added_p99_ms: f64,
-    #[arg(long, default_value_t = 100)]
-    pub scrape_ms: u64,
-    /// Tokenizer directory of the picker (default: the repository's test fixture).
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Let the picker share every CPU with the engines and the client (default: the last CPU
-    /// is its own, with `taskset`).
-    #[arg(long)]
-    pub no_pin: bool,
-    /// Each step runs until at least this many requests went through the picker.
-    #[arg(long, default_value_t = 400)]
-    pub min_step_requests: u32,
+    #[command(flatten)]
+    pub options: crate::scale::ScaleOptions,
     /// Also write the report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -1322,38 +1267,7 @@ async fn demo(d: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn scale(a: ScaleArgs) -> anyhow::Result<()> {
-    let tokenizer = a.tokenizer.clone().unwrap_or_else(|| {
-        PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../routing/tests/fixtures/tokenizer"
-        ))
-    });
-    let report = crate::scale::run(
-        crate::scale::ScaleOptions {
-            servers: a.servers,
-            dp_size: a.dp_size,
-            block_size: a.block_size,
-            kv_blocks: a.kv_blocks,
-            prefill_tokens_per_s: a.prefill_tokens_per_s,
-            fill_tokens_per_s: a.fill_tokens_per_s,
-            prefill_prompt_tokens: a.prefill_prompt_tokens,
-            fill_fraction: a.fill_fraction,
-            kinds: a.kinds,
-            sizes: a.sizes,
-            rates: a.rates,
-            step_secs: a.step_secs,
-            phase_secs: a.phase_secs,
-            new_fraction: a.new_fraction,
-            stop_added_p99_ms: a.stop_added_p99_ms,
-            scrape_ms: a.scrape_ms,
-            tokenizer,
-            seed: a.seed,
-            pin: !a.no_pin,
-            min_step_requests: a.min_step_requests,
-        },
-        &crate::live::self_exe()?,
-    )
-    .await?;
+    let report = crate::scale::run(a.options, &crate::live::self_exe()?).await?;
     print!("{}", crate::scale::markdown(&report));
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)

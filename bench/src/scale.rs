@@ -34,8 +34,8 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tokio_util::bytes::Bytes;
 
-use crate::ClusterConfig;
 use crate::live::{self, EnginesInfo, prom};
+use crate::{ClusterConfig, stats};
 
 /// `/proc/<pid>/stat` counts CPU time in these ticks (`USER_HZ`, 100 on every Linux ABI).
 const USER_HZ: f64 = 100.0;
@@ -60,43 +60,80 @@ pub enum PromptKind {
     Ids,
 }
 
-/// What `kvroute-bench scale` runs (see the module docs).
-#[derive(Debug, Clone, Serialize)]
+/// What `kvroute-bench scale` runs (see the module docs); its command line.
+#[derive(Debug, Clone, Serialize, clap::Args)]
 pub struct ScaleOptions {
+    #[arg(long, default_value_t = 64)]
     pub servers: usize,
+    #[arg(long, default_value_t = 8)]
     pub dp_size: u32,
+    #[arg(long, default_value_t = 16)]
     pub block_size: u32,
-    /// KV blocks per rank.
+    /// KV blocks per rank (31,200: an 80 GB GPU's cache for an 8B model at 16 tokens a block).
+    #[arg(long, default_value_t = 31_200)]
     pub kv_blocks: u32,
-    /// Steady synthetic prefill per rank, tokens per second.
+    /// Newly computed prompt tokens per second per rank besides the benchmark's requests.
+    #[arg(long, default_value_t = 4096.0)]
     pub prefill_tokens_per_s: f64,
-    /// Prefill per rank while filling the caches.
+    /// The same while filling the caches before the sweep.
+    #[arg(long, default_value_t = 32_768.0)]
     pub fill_tokens_per_s: f64,
     /// Tokens per synthetic prompt (one `BlockStored` each).
+    #[arg(long, default_value_t = 2048)]
     pub prefill_prompt_tokens: u32,
-    /// Fraction of the pool's blocks the index must hold before the sweep.
+    /// Fraction of the pool's KV blocks the index holds before the sweep starts.
+    #[arg(long, default_value_t = 0.95)]
     pub fill_fraction: f64,
+    #[arg(long, value_delimiter = ',', default_value = "text,ids")]
     pub kinds: Vec<PromptKind>,
     /// Prompt sizes in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
     pub sizes: Vec<u32>,
-    /// Requests per second through the picker (as many again go straight to an engine).
+    /// Requests per second through the picker, in order (as many again go straight to an
+    /// engine); a size stops at the first rate past --stop-added-p99-ms.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "10,25,50,100,200,400,800"
+    )]
     pub rates: Vec<f64>,
+    #[arg(long, default_value_t = 8.0)]
     pub step_secs: f64,
-    /// Length of the idle and events-only phases.
+    /// Seconds of the idle and events-only phases.
+    #[arg(long, default_value_t = 10.0)]
     pub phase_secs: f64,
-    /// Fraction of each prompt that is new (the rest is one of 16 shared prefixes).
+    /// Fraction of each prompt that is new (the rest one of 16 shared prefixes).
+    #[arg(long, default_value_t = 0.1)]
     pub new_fraction: f64,
+    #[arg(long, default_value_t = 10.0)]
     pub stop_added_p99_ms: f64,
     /// Picker scrape interval.
+    #[arg(long, default_value_t = 100)]
     pub scrape_ms: u64,
-    pub tokenizer: PathBuf,
+    /// Tokenizer directory of the picker (default: the repository's test fixture).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Pin the picker to the machine's last CPU and everything else (this process, the
-    /// engines) to the others, so that its figures are one core's and the load it is under
-    /// does not share that core (`taskset`).
-    pub pin: bool,
+    /// Let the picker share every CPU with the engines and the client (default: the last CPU
+    /// is its own, with `taskset`, and the engines and this process run on the others).
+    #[arg(long)]
+    pub no_pin: bool,
     /// Each step runs until at least this many requests went through the picker.
+    #[arg(long, default_value_t = 400)]
     pub min_step_requests: u32,
+}
+
+impl ScaleOptions {
+    /// The picker's tokenizer directory.
+    pub fn tokenizer_dir(&self) -> PathBuf {
+        self.tokenizer.clone().unwrap_or_else(|| {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../routing/tests/fixtures/tokenizer"
+            ))
+        })
+    }
 }
 
 /// A phase without requests.
@@ -126,6 +163,8 @@ pub struct Step {
     pub picker_p99_ms: f64,
     pub added_p50_ms: f64,
     pub added_p99_ms: f64,
+    /// Requests that ended, both paths.
+    pub requests: u64,
     pub errors: u64,
     pub first_error: Option<String>,
     pub not_offered: u64,
@@ -242,25 +281,25 @@ impl Ctx {
     async fn sample(&self) -> anyhow::Result<Sample> {
         // a pooled connection the server closed while idle fails once: ask again
         let url = format!("http://{}/metrics", self.picker_metrics);
-        let mut tries = 0;
-        let metrics = loop {
-            tries += 1;
-            match self.http.get(&url).send().await {
-                Ok(r) => break r.text().await?,
-                Err(e) if tries >= 3 => return Err(e).context("reading the picker's metrics"),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        let mut metrics = None;
+        for _ in 0..3 {
+            metrics = live::fetch(&self.http, &url).await;
+            if metrics.is_some() {
+                break;
             }
-        };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         Ok(Sample {
             proc: proc_sample(self.picker_pid)?,
-            metrics,
+            metrics: metrics.with_context(|| format!("reading {url} three times"))?,
         })
     }
 
-    /// Sets (or with `None` clears) the background prefill of every rank of every engine.
-    async fn background(&self, tokens_per_second: Option<f64>, prompt: u32) -> anyhow::Result<()> {
-        let body = match tokens_per_second {
-            Some(t) => {
+    /// Sets the background prefill of every rank of every engine to `(tokens per second,
+    /// tokens per prompt)`, or with `None` clears it.
+    async fn background(&self, load: Option<(f64, u32)>) -> anyhow::Result<()> {
+        let body = match load {
+            Some((t, prompt)) => {
                 json!({"kind": "background_prefill", "tokens_per_second": t, "prompt_tokens": prompt})
             }
             None => json!({"kind": "clear"}),
@@ -322,23 +361,23 @@ fn phase(name: &'static str, a: &Sample, b: &Sample) -> Phase {
 
 /// Words of the text prompts: short, lowercase, so the fixture tokenizer makes about one
 /// token per two characters and nothing needs JSON escaping.
-fn text_words() -> Vec<&'static str> {
-    "kv cache aware routing sends each request to the replica that holds its prefix unless \
-     the queue there costs more than the prefill it saves the picker scrapes engine metrics \
-     ingests block events and scores every endpoint of the pool"
-        .split(' ')
-        .collect()
-}
+const WORDS: &[&str] = &[
+    "kv", "cache", "aware", "routing", "sends", "each", "request", "to", "the", "replica", "that",
+    "holds", "its", "prefix", "unless", "queue", "there", "costs", "more", "than", "prefill", "it",
+    "saves", "picker", "scrapes", "engine", "metrics", "ingests", "block", "events", "and",
+    "scores", "every", "endpoint", "of", "pool",
+];
 
 /// Prompt bodies of one kind and size: 16 shared prefixes, each request one of them plus a
 /// new end of its own.
 struct Prompts {
     kind: PromptKind,
+    /// Tokens of a whole prompt.
+    tokens: u32,
     /// JSON fragments: the text (without quotes) or the comma-separated ids.
     shared: Vec<String>,
     /// Units of the new end: characters of text or ids.
     new_units: usize,
-    words: Vec<&'static str>,
 }
 
 impl Prompts {
@@ -350,7 +389,6 @@ impl Prompts {
         seed: u64,
     ) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ u64::from(tokens) ^ kind as u64);
-        let words = text_words();
         let shared_tokens = (f64::from(tokens) * (1.0 - new_fraction)).round() as usize;
         let new_tokens = f64::from(tokens) as usize - shared_tokens;
         let units = |t: usize| match kind {
@@ -359,9 +397,9 @@ impl Prompts {
         };
         let mut p = Self {
             kind,
+            tokens,
             shared: Vec::new(),
             new_units: units(new_tokens).max(1),
-            words,
         };
         p.shared = (0..DOCUMENTS)
             .map(|_| p.fragment(&mut rng, units(shared_tokens)))
@@ -376,7 +414,7 @@ impl Prompts {
         match self.kind {
             PromptKind::Text => {
                 while s.len() < units {
-                    s.push_str(self.words[rng.random_range(0..self.words.len())]);
+                    s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
                     let _ = write!(s, "{}", rng.random_range(0..97u32));
                     s.push(' ');
                 }
@@ -433,14 +471,6 @@ fn truncate(s: &str, n: usize) -> &str {
         Some((i, _)) => &s[..i],
         None => s,
     }
-}
-
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 /// One open-loop step: Poisson arrivals at `2 * rate`, alternately through the picker and
@@ -518,15 +548,17 @@ async fn run_step(
     let after = ctx.sample().await?;
     let p = phase("step", &before, &after);
     let lat = |direct: bool| {
-        let mut v: Vec<f64> = results
-            .iter()
-            .filter(|r| r.0 == direct && r.2.is_ok())
-            .map(|r| r.1)
-            .collect();
-        v.sort_by(f64::total_cmp);
-        v
+        stats::sorted(
+            results
+                .iter()
+                .filter(|r| r.0 == direct && r.2.is_ok())
+                .map(|r| r.1)
+                .collect(),
+        )
     };
     let (d, k) = (lat(true), lat(false));
+    let (d50, d99) = (stats::percentile(&d, 50.0), stats::percentile(&d, 99.0));
+    let (k50, k99) = (stats::percentile(&k, 50.0), stats::percentile(&k, 99.0));
     let errors = results.iter().filter(|r| r.2.is_err()).count() as u64;
     let first_error = results.iter().find_map(|r| {
         r.2.as_ref().err().map(|e| {
@@ -544,15 +576,16 @@ async fn run_step(
     );
     Ok(Step {
         kind: prompts.kind,
-        tokens: 0,
+        tokens: prompts.tokens,
         offered_per_s: rate,
         achieved_per_s: achieved,
-        direct_p50_ms: quantile(&d, 0.5),
-        direct_p99_ms: quantile(&d, 0.99),
-        picker_p50_ms: quantile(&k, 0.5),
-        picker_p99_ms: quantile(&k, 0.99),
-        added_p50_ms: quantile(&k, 0.5) - quantile(&d, 0.5),
-        added_p99_ms: quantile(&k, 0.99) - quantile(&d, 0.99),
+        direct_p50_ms: d50,
+        direct_p99_ms: d99,
+        picker_p50_ms: k50,
+        picker_p99_ms: k99,
+        added_p50_ms: k50 - d50,
+        added_p99_ms: k99 - d99,
+        requests: results.len() as u64,
         errors,
         first_error,
         not_offered,
@@ -629,9 +662,10 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
         opts.servers, opts.dp_size
     );
     let (engines_guard, engines) = live::start_engines(exe, &cluster, opts.seed, "scale").await?;
+    let tokenizer_dir = opts.tokenizer_dir();
     let tokenizer = TokenizerSpec {
-        path: Some(opts.tokenizer.join("tokenizer.json").display().to_string()),
-        config_path: Some(opts.tokenizer.join("tokenizer_config.json"))
+        path: Some(tokenizer_dir.join("tokenizer.json").display().to_string()),
+        config_path: Some(tokenizer_dir.join("tokenizer_config.json"))
             .filter(|p| p.exists())
             .map(|p| p.display().to_string()),
         ..TokenizerSpec::default()
@@ -649,7 +683,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
     let picker = live::spawn_picker(exe, &cfg, "scale", &http).await?;
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let picker_pid = picker.guard.pid().context("the picker has no pid")?;
-    let picker_cpus = if opts.pin && cpus >= 2 {
+    let picker_cpus = if !opts.no_pin && cpus >= 2 {
         let last = (cpus - 1).to_string();
         let rest = if cpus == 2 {
             "0".to_string()
@@ -672,12 +706,10 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
         picker_url: format!("http://{}", picker.http),
         picker_metrics: picker.metrics,
     };
-    let metrics_bytes_per_server = http
-        .get(format!("http://{}/metrics", ctx.engines.engines[0].http))
-        .send()
-        .await?
-        .bytes()
-        .await?
+    let first = format!("http://{}/metrics", ctx.engines.engines[0].http);
+    let metrics_bytes_per_server = live::fetch(&http, &first)
+        .await
+        .with_context(|| format!("reading {first}"))?
         .len();
     let scrapes_per_s = opts.servers as f64 * 1000.0 / opts.scrape_ms as f64;
 
@@ -687,7 +719,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
     let target = opts.fill_fraction * endpoints as f64 * f64::from(opts.kv_blocks - 1);
     eprintln!("scale: filling the caches to {target:.0} blocks");
     let fill_start = ctx.sample().await?;
-    ctx.background(Some(opts.fill_tokens_per_s), opts.prefill_prompt_tokens)
+    ctx.background(Some((opts.fill_tokens_per_s, opts.prefill_prompt_tokens)))
         .await?;
     let deadline = Instant::now() + Duration::from_secs(600);
     let fill_end = loop {
@@ -707,8 +739,11 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
     let fill = phase("fill", &fill_start, &fill_end);
     let fill_blocks_per_s = fill.index_blocks / fill.secs;
 
-    ctx.background(Some(opts.prefill_tokens_per_s), opts.prefill_prompt_tokens)
-        .await?;
+    ctx.background(Some((
+        opts.prefill_tokens_per_s,
+        opts.prefill_prompt_tokens,
+    )))
+    .await?;
     let settle_start = Instant::now();
     let mut before = ctx.sample().await?;
     loop {
@@ -727,7 +762,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
     eprintln!("scale: events only for {} s", opts.phase_secs);
     let events = measure_phase(&ctx, "events", opts.phase_secs).await?;
 
-    let cpt = chars_per_token(&opts.tokenizer)?;
+    let cpt = chars_per_token(&tokenizer_dir)?;
     let mut steps = Vec::new();
     let mut knees = Vec::new();
     for &kind in &opts.kinds {
@@ -745,7 +780,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
             };
             let mut below = Vec::new();
             for (i, &rate) in opts.rates.iter().enumerate() {
-                let mut step = run_step(
+                let step = run_step(
                     &ctx,
                     &prompts,
                     rate,
@@ -755,7 +790,6 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
                     events.picker_cores,
                 )
                 .await?;
-                step.tokens = tokens;
                 eprintln!(
                     "  {kind:?} {tokens}: {rate}/s -> {:.1}/s, added p50 {:.2} p99 {:.2} ms, \
                      picker {:.2} cores, lag p99 {:?} ms, errors {} {}",
@@ -767,11 +801,10 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
                     step.errors,
                     step.first_error.as_deref().unwrap_or("")
                 );
-                let total = f64::from(opts.min_step_requests).max(1.0);
                 let stop = if step.added_p99_ms > opts.stop_added_p99_ms {
                     knee.passes_at_per_s = Some(rate);
                     Some(format!("added p99 over {} ms", opts.stop_added_p99_ms))
-                } else if step.errors as f64 > 0.01 * total {
+                } else if step.errors as f64 > 0.01 * step.requests as f64 {
                     Some("errors over 1%".into())
                 } else if step.achieved_per_s < 0.8 * rate || step.not_offered > 0 {
                     Some("the client could not offer the rate".into())
@@ -790,7 +823,7 @@ pub async fn run(opts: ScaleOptions, exe: &Path) -> anyhow::Result<ScaleReport> 
             knees.push(knee);
         }
     }
-    ctx.background(None, opts.prefill_prompt_tokens).await?;
+    ctx.background(None).await?;
     picker.guard.stop().await;
     engines_guard.stop().await;
     Ok(ScaleReport {
@@ -835,7 +868,7 @@ pub fn markdown(r: &ScaleReport) -> String {
         r.scrapes_per_s,
         r.metrics_bytes_per_server / 1024,
         r.picker_cpus,
-        if o.pin { " of its own" } else { "" },
+        if o.no_pin { "" } else { " of its own" },
         o.new_fraction * 100.0,
         r.settle_secs
     );

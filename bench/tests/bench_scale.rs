@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kvroute_bench::scale::{PromptKind, ScaleOptions, markdown, run};
 
@@ -28,12 +28,10 @@ async fn a_tiny_scale_run_measures_every_phase_and_step() {
         // never stop on latency: this run is about what is measured, not how fast
         stop_added_p99_ms: 1e9,
         scrape_ms: 100,
-        tokenizer: PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../routing/tests/fixtures/tokenizer"
-        )),
+        // the repository's fixture
+        tokenizer: None,
         seed: 1,
-        pin: false,
+        no_pin: true,
         min_step_requests: 10,
     };
     let r = tokio::time::timeout(std::time::Duration::from_secs(120), run(opts, exe))
@@ -49,6 +47,7 @@ async fn a_tiny_scale_run_measures_every_phase_and_step() {
     assert_eq!(r.steps.len(), 2, "one rate per kind");
     for s in &r.steps {
         assert_eq!(s.errors, 0, "{:?}", s.first_error);
+        assert!(s.requests >= 10, "both paths, at least the minimum: {s:?}");
         assert_eq!(s.tokens, 512);
         assert!(s.achieved_per_s > 0.0 && s.picker_p50_ms > 0.0 && s.direct_p50_ms > 0.0);
         assert!(s.decision_p99_ms.is_some(), "the picker decided: {s:?}");

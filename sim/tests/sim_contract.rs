@@ -394,17 +394,13 @@ async fn background_prefill_publishes_a_busy_gpus_events_until_cleared() {
         )
         .await;
         assert_eq!(status, 400, "a zero rate is refused: {body}");
-        // the stream never goes quiet: read it for 600 ms
-        let mut busy = Vec::new();
-        let until = tokio::time::Instant::now() + Duration::from_millis(600);
-        while let Some(left) = until.checked_duration_since(tokio::time::Instant::now()) {
-            match sub1.next(left).await {
-                Some(m) => busy.push(m),
-                None => break,
-            }
-        }
+        // the stream never goes quiet: read it until twice the cache has been stored (the
+        // test's own deadline bounds the wait)
         let (mut stored_blocks, mut removed_blocks) = (0, 0);
-        for (_, b) in &busy {
+        while stored_blocks < 64 {
+            let Some((_, b)) = sub1.next(Duration::from_secs(5)).await else {
+                panic!("the background load stopped after {stored_blocks} blocks");
+            };
             assert_eq!(b.data_parallel_rank, Some(1));
             for e in &b.events {
                 match e {
@@ -423,8 +419,7 @@ async fn background_prefill_publishes_a_busy_gpus_events_until_cleared() {
                 }
             }
         }
-        // ~2,400 tokens in 0.6 s: ~150 blocks stored, all but the 32 that fit evicted again
-        assert!(stored_blocks >= 64, "{stored_blocks} blocks stored");
+        // all but the 32 blocks that fit were evicted again
         assert!(removed_blocks > 0 && removed_blocks <= stored_blocks);
         assert!(stored_blocks - removed_blocks <= 32);
         assert!(

@@ -449,7 +449,8 @@ pub async fn spawn_picker(
     })
 }
 
-async fn fetch(http: &reqwest::Client, url: &str) -> Option<String> {
+/// GET `url` as text, within 5 s and [`prom::MAX_BYTES`]; `None` on any failure.
+pub(crate) async fn fetch(http: &reqwest::Client, url: &str) -> Option<String> {
     let resp = tokio::time::timeout(Duration::from_secs(5), http.get(url).send())
         .await
         .ok()?

@@ -581,9 +581,7 @@ impl Rank {
     /// requests hold too much of the cache to take it. Takes no modelled time and leaves the
     /// counters alone.
     pub fn prefill_synthetic(&mut self, seed: u64, len: u32) -> Vec<KvEvent> {
-        let token_ids = (0..len.max(1))
-            .map(|i| (mix(seed ^ u64::from(i).wrapping_mul(0xa076_1d64_78bd_642f)) % 32_000) as u32)
-            .collect();
+        let token_ids = synthetic_tokens(seed, len.max(1));
         let request = Request {
             id: RequestId::MAX,
             token_ids,
@@ -1201,6 +1199,13 @@ impl Rank {
         lora.hash(&mut h);
         h.finish()
     }
+}
+
+/// The token ids of [`Rank::prefill_synthetic`]'s prompt `seed`: `len` ids below 32,000.
+pub(crate) fn synthetic_tokens(seed: u64, len: u32) -> Vec<u32> {
+    (0..len)
+        .map(|i| (mix(seed ^ u64::from(i).wrapping_mul(0xa076_1d64_78bd_642f)) % 32_000) as u32)
+        .collect()
 }
 
 /// SplitMix64 finalizer.

@@ -714,9 +714,7 @@ fn synthetic_prefill_stores_then_evicts_like_a_full_gpu() {
         "nothing evicted from an empty cache: {first:?}"
     );
     // the prompt stays cached after it is released (all but the block holding the last token)
-    let tokens: Vec<u32> = (0..16u32)
-        .map(|i| (mix(1 ^ u64::from(i).wrapping_mul(0xa076_1d64_78bd_642f)) % 32_000) as u32)
-        .collect();
+    let tokens = synthetic_tokens(1, 16);
     assert_eq!(r.probe_prefix(&tokens, None, None), 12);
     // the same prompt again hits its first 3 blocks and computes only the last one
     let again = r.prefill_synthetic(1, 16);
