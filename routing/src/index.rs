@@ -1161,6 +1161,65 @@ impl KvIndex {
         Ok(StoreOutcome::Stored)
     }
 
+    /// Read, changing nothing, the table lines a [`Self::store_after`] of `blocks` on `slot`
+    /// will write, so that a writer can bring them into its cache while readers still share
+    /// the index and hold it alone only for the writes. Returns how many of the blocks the
+    /// endpoint holds already, and how many the index holds.
+    pub fn warm_store(&self, slot: Slot, blocks: &[(u64, BlockKey)]) -> (usize, usize) {
+        let Some(entry) = self.entry(slot) else {
+            return (0, 0);
+        };
+        let by_key = &self.chains.by_key;
+        for &(eh, k) in blocks.iter().take(DISTANCE) {
+            entry.by_engine_hash.prefetch(eh);
+            by_key.prefetch(k);
+        }
+        let (mut held, mut known) = (0, 0);
+        for (i, &(eh, k)) in blocks.iter().enumerate() {
+            if let Some(&(eh, k)) = blocks.get(i + DISTANCE) {
+                entry.by_engine_hash.prefetch(eh);
+                by_key.prefetch(k);
+            }
+            held += usize::from(entry.by_engine_hash.get(eh).is_some());
+            known += usize::from(by_key.get(k).is_some());
+        }
+        (held, known)
+    }
+
+    /// Like [`Self::warm_store`], for a [`Self::remove`]: the endpoint's table, the blocks'
+    /// places in their segments and the global table. Returns how many of the blocks the
+    /// endpoint holds.
+    pub fn warm_remove(&self, slot: Slot, engine_hashes: &[u64]) -> usize {
+        let Some(entry) = self.entry(slot) else {
+            return 0;
+        };
+        let mut held = 0;
+        for batch in engine_hashes.chunks(AHEAD) {
+            for &eh in batch {
+                entry.by_engine_hash.prefetch(eh);
+            }
+            let mut places = [VACANT; AHEAD];
+            for (p, &eh) in places.iter_mut().zip(batch) {
+                *p = entry.by_engine_hash.get(eh).unwrap_or(VACANT);
+            }
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                let (s, o) = split(p);
+                prefetch_index(&self.chains.segs[s], o);
+            }
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                self.chains.by_key.prefetch(self.chains.block(p).key);
+            }
+            for &p in places.iter().filter(|&&p| p != VACANT) {
+                let b = self.chains.block(p);
+                held += usize::from(
+                    holds(b.holders, slot, &self.chains.arena)
+                        && self.chains.by_key.get(b.key) == Some(p),
+                );
+            }
+        }
+        held
+    }
+
     /// Blocks removed from a precise endpoint, by engine hash; unknown hashes are ignored.
     /// Returns how many were removed.
     pub fn remove(&mut self, slot: Slot, engine_hashes: &[u64]) -> usize {
@@ -1554,6 +1613,26 @@ mod tests {
         assert_eq!(matches(&ix, &[1, 9, 3]), vec![(a, 1), (b, 1)]);
         assert_eq!(matches(&ix, &[7]), vec![]);
         assert_eq!(matches(&ix, &[]), vec![]);
+    }
+
+    #[test]
+    fn warming_reads_what_a_step_will_write_and_changes_nothing() {
+        let mut ix = KvIndex::default();
+        let a = ix
+            .add_endpoint(id(1), IndexMode::Precise, 100)
+            .expect("slot");
+        let b = ix
+            .add_endpoint(id(2), IndexMode::Precise, 100)
+            .expect("slot");
+        stored(&mut ix, a, &[1, 2, 3]);
+        let pairs: Vec<_> = [1, 2, 3, 4].iter().map(|&k| (k ^ 0xdead, k)).collect();
+        assert_eq!(ix.warm_store(a, &pairs), (3, 3));
+        assert_eq!(ix.warm_store(b, &pairs), (0, 3), "b holds none of a's");
+        assert_eq!(ix.warm_store(99, &pairs), (0, 0), "an unknown slot");
+        assert_eq!(ix.warm_remove(a, &[2 ^ 0xdead, 777]), 1);
+        assert_eq!(ix.warm_remove(b, &[2 ^ 0xdead]), 0);
+        assert_eq!(matches(&ix, &[1, 2, 3, 4]), vec![(a, 3)]);
+        assert_eq!((ix.live_blocks(), ix.endpoint_blocks(b)), (3, 0));
     }
 
     #[test]

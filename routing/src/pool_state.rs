@@ -189,6 +189,12 @@ impl AsMut<KvIndex> for Inner {
     }
 }
 
+impl AsRef<KvIndex> for Inner {
+    fn as_ref(&self) -> &KvIndex {
+        &self.index
+    }
+}
+
 /// What one scrape round changed ([`PoolState::observe_scrape`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScrapeOutcome {
@@ -366,7 +372,7 @@ impl PoolState {
         if inner.index.mode(slot) != Some(IndexMode::Precise) {
             return None;
         }
-        // a large batch lets the picks waiting for the lock in between its steps
+        // a large batch shares the lock with the picks while it reads each step's lines
         let stats = apply_batch(&mut inner, slot, keys, batch);
         if stats.interrupted {
             inner.positions.remove(endpoint);

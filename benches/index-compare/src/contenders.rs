@@ -246,6 +246,36 @@ pub fn kvroute_mixed(w: &Workload) -> Mixed {
     )
 }
 
+/// The floor of any read path that never waits for a writer: the reader matches against a
+/// finished copy of its own while the writer ingests into another, so the only thing the two
+/// threads share is the machine (caches, memory bandwidth, the VM's scheduling).
+pub fn kvroute_apart_mixed(w: &Workload) -> Mixed {
+    use kvroute_routing::index::PrefixMatch;
+
+    let pairs: Vec<(u64, u64)> = w.ev_chain.iter().map(|&h| (h, h)).collect();
+    let (mut read_ix, read_slots) = kvroute_index(w);
+    for ev in &w.events {
+        kvroute_apply(w, &mut read_ix, read_slots[ev.worker as usize], ev, &pairs);
+    }
+    let (mut ix, slots) = kvroute_index(w);
+    mixed(
+        w,
+        || {
+            let mut errors = 0;
+            for ev in &w.events {
+                errors += kvroute_apply(w, &mut ix, slots[ev.worker as usize], ev, &pairs);
+            }
+            errors
+        },
+        |i| {
+            let mut found: Vec<PrefixMatch> = Vec::with_capacity(w.workers as usize);
+            let r = &w.requests[w.queries[i]];
+            read_ix.longest_prefix(w.request_chain(r), &mut found);
+            black_box(&found);
+        },
+    )
+}
+
 // ---- kv-index (SGLang gateway) ------------------------------------------------------------
 
 /// The event blocks in kv-index's types: stored blocks and sequence hashes.

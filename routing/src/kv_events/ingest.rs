@@ -138,12 +138,15 @@ fn opaque_key(parent: u64) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(b"kvroute:opaque-extra-keys", parent)
 }
 
-/// The most blocks a batch applies at a time: between two steps, a pick waiting for the index
-/// gets it (an agent's 1M-token context is stored in one event of ~15,000 blocks, which would
-/// otherwise hold every pick for a millisecond or more; `benches/index-compare --mixed`).
-pub const STEP_BLOCKS: usize = 128;
+/// The most blocks a batch applies at a time, holding the index alone (an agent's 1M-token
+/// context is stored in one event of ~15,000 blocks, which would otherwise hold every pick for
+/// a millisecond or more; `benches/index-compare --mixed`). Each step's lines are read first
+/// with the picks in ([`IndexAccess::warm`]), so a step holds the index alone for about a
+/// microsecond; 32 blocks keeps a match's p99 within 2× of its time alone, where 64 and 128
+/// gave 2.3× and 3.2× (`picker/BENCHMARKS.md` §1c).
+pub const STEP_BLOCKS: usize = 32;
 
-/// Where a batch is applied: the index, and how waiting picks get at it between steps.
+/// Where a batch is applied: the index, and how picks get at it while a batch is applied.
 pub trait IndexAccess {
     fn index(&mut self) -> &mut KvIndex;
     /// Let a pick waiting for the index in, if there is one.
@@ -152,6 +155,10 @@ pub trait IndexAccess {
     fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
         f()
     }
+    /// Run `f`, which only reads the index, while readers may share it (before a step, to
+    /// bring the step's lines into this core's cache; `f` returns how many of the step's
+    /// blocks it found held); nothing when nobody else reads.
+    fn warm(&mut self, _f: impl FnOnce(&KvIndex) -> usize) {}
 }
 
 /// An index nobody else reads: no steps.
@@ -222,6 +229,8 @@ impl Steps {
     ) -> (u64, Stepped) {
         let mut done = 0;
         for step in pairs.chunks(STEP_BLOCKS) {
+            let slot = self.slot;
+            access.warm(|ix| ix.warm_store(slot, step).0);
             match access.index().store_after(self.slot, parent, step) {
                 Ok(StoreOutcome::Stored) => {}
                 Ok(StoreOutcome::Overflowed) => return (done, Stepped::Overflowed),
@@ -247,13 +256,16 @@ impl Steps {
     ) -> (u64, Stepped) {
         let mut removed = 0;
         for step in engine_hashes.chunks(STEP_BLOCKS) {
-            removed += if salt == 0 {
-                access.index().remove(self.slot, step)
+            let slot = self.slot;
+            let step: &[u64] = if salt == 0 {
+                step
             } else {
                 scratch.clear();
                 scratch.extend(step.iter().map(|h| h ^ salt));
-                access.index().remove(self.slot, scratch)
-            } as u64;
+                scratch
+            };
+            access.warm(|ix| ix.warm_remove(slot, step));
+            removed += access.index().remove(self.slot, step) as u64;
             if !self.advance(access, step.len()) {
                 return (removed, Stepped::Interrupted);
             }
@@ -274,7 +286,7 @@ fn removal_run(events: &[KvEvent], medium: &Option<String>, place: &BlockPlace) 
 
 /// Apply every event of `batch` to `slot`'s blocks. Never fails: bad events are counted and
 /// skipped so one malformed event cannot stall the stream. Large batches are applied in steps
-/// of [`STEP_BLOCKS`] blocks, letting waiting picks in between ([`IndexAccess`]); if the
+/// of [`STEP_BLOCKS`] blocks, each read first with the picks in ([`IndexAccess`]); if the
 /// endpoint is cleared or removed meanwhile, the rest of the batch is void
 /// ([`IngestStats::interrupted`]).
 pub fn apply_batch(
@@ -1051,6 +1063,8 @@ mod tests {
     struct Shared {
         ix: KvIndex,
         yields: usize,
+        /// What each warm-up before a step found held.
+        warms: Vec<usize>,
         on_yield: Meddle,
         on_unlocked: Meddle,
     }
@@ -1062,6 +1076,9 @@ mod tests {
         fn yield_now(&mut self) {
             self.yields += 1;
             (self.on_yield)(&mut self.ix);
+        }
+        fn warm(&mut self, f: impl FnOnce(&KvIndex) -> usize) {
+            self.warms.push(f(&self.ix));
         }
         fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
             let r = f();
@@ -1078,6 +1095,7 @@ mod tests {
         let s = Shared {
             ix,
             yields: 0,
+            warms: Vec::new(),
             on_yield: Box::new(on_yield),
             on_unlocked: Box::new(on_unlocked),
         };
@@ -1102,10 +1120,12 @@ mod tests {
         let t = apply_batch(&mut stepped, slot, keys, &batch(vec![ev]));
         assert_eq!(t, s);
         assert_eq!(stepped.yields, 3, "a yield after each full step");
+        assert_eq!(stepped.warms, vec![0; 4], "a warm-up before each step");
         assert_eq!(matched(&stepped.ix, &tokens), blocks as u32);
         assert_eq!(stepped.ix.endpoint_blocks(slot), blocks);
         // and removed in steps, the run cut where the removal starts
-        let gone: Vec<u64> = (200..=blocks as u64).collect();
+        let cut = blocks as u64 / 2;
+        let gone: Vec<u64> = (cut..=blocks as u64).collect();
         let r = apply_batch(
             &mut stepped,
             slot,
@@ -1120,7 +1140,14 @@ mod tests {
             (r.removed_blocks, r.interrupted),
             (gone.len() as u64, false)
         );
-        assert_eq!(matched(&stepped.ix, &tokens), 199);
+        let removal_warms = &stepped.warms[4..];
+        assert_eq!(
+            removal_warms.iter().sum::<usize>(),
+            gone.len(),
+            "each removal step read its blocks first"
+        );
+        assert_eq!(removal_warms.len(), gone.len().div_ceil(STEP_BLOCKS));
+        assert_eq!(matched(&stepped.ix, &tokens), cut as u32 - 1);
     }
 
     #[test]
