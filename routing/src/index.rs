@@ -623,6 +623,28 @@ impl Chains {
     /// Where block `key`, stored right after the block at `prev` (if known), goes: its current
     /// place when held, else a placeholder of it right after `prev`, else the tail of `prev`'s
     /// segment, else a new segment (sized for `run` blocks, the rest of the store).
+    /// The places of a batch of at most [`AHEAD`] blocks, found with `find` (which may take
+    /// them out of their endpoint's table; [`VACANT`] where it finds none), with their
+    /// segment lines and then their global-table lines asked for, so that the misses overlap.
+    fn batch_places(
+        &self,
+        batch: &[u64],
+        mut find: impl FnMut(u64) -> Option<ChainPos>,
+    ) -> [ChainPos; AHEAD] {
+        let mut places = [VACANT; AHEAD];
+        for (p, &eh) in places.iter_mut().zip(batch) {
+            *p = find(eh).unwrap_or(VACANT);
+        }
+        for &p in places.iter().filter(|&&p| p != VACANT) {
+            let (s, o) = split(p);
+            prefetch_index(&self.segs[s], o);
+        }
+        for &p in places.iter().filter(|&&p| p != VACANT) {
+            self.by_key.prefetch(self.block(p).key);
+        }
+        places
+    }
+
     fn place(&mut self, prev: Option<ChainPos>, key: BlockKey, run: usize) -> ChainPos {
         if let Some(p) = prev
             && let Some(at) = self.next_in_segment(p, key)
@@ -1198,17 +1220,9 @@ impl KvIndex {
             for &eh in batch {
                 entry.by_engine_hash.prefetch(eh);
             }
-            let mut places = [VACANT; AHEAD];
-            for (p, &eh) in places.iter_mut().zip(batch) {
-                *p = entry.by_engine_hash.get(eh).unwrap_or(VACANT);
-            }
-            for &p in places.iter().filter(|&&p| p != VACANT) {
-                let (s, o) = split(p);
-                prefetch_index(&self.chains.segs[s], o);
-            }
-            for &p in places.iter().filter(|&&p| p != VACANT) {
-                self.chains.by_key.prefetch(self.chains.block(p).key);
-            }
+            let places = self
+                .chains
+                .batch_places(batch, |eh| entry.by_engine_hash.get(eh));
             for &p in places.iter().filter(|&&p| p != VACANT) {
                 let b = self.chains.block(p);
                 held += usize::from(
@@ -1257,17 +1271,9 @@ impl KvIndex {
             for &eh in batch {
                 entry.by_engine_hash.prefetch(eh);
             }
-            let mut places = [VACANT; AHEAD];
-            for (p, &eh) in places.iter_mut().zip(batch) {
-                *p = entry.by_engine_hash.remove(eh).unwrap_or(VACANT);
-            }
-            for &p in places.iter().filter(|&&p| p != VACANT) {
-                let (s, o) = split(p);
-                prefetch_index(&self.chains.segs[s], o);
-            }
-            for &p in places.iter().filter(|&&p| p != VACANT) {
-                self.chains.by_key.prefetch(self.chains.block(p).key);
-            }
+            let places = self
+                .chains
+                .batch_places(batch, |eh| entry.by_engine_hash.remove(eh));
             for &p in places.iter().filter(|&&p| p != VACANT) {
                 if let Some(u) = entry.unconfirmed.as_mut() {
                     u.keys.remove(&self.chains.block(p).key);

@@ -354,7 +354,7 @@ pub async fn start(
         picker.clone(),
         cancel.clone(),
     ));
-    tasks.spawn(feeds::subscriptions::run_event_manager(
+    tasks.spawn(feeds::subscriptions::run_event_manager_thread(
         picker.clone(),
         cancel.clone(),
     ));

@@ -1,6 +1,7 @@
 //! The KV-event feed: one ZMQ subscription per publishing endpoint (rank), kept in step with
-//! the endpoint set, each applying its batches to the index under short write locks. Routing
-//! only ever takes the read lock, so ingestion never waits on a socket while holding it.
+//! the endpoint set, each applying its batches to the index under short write locks, all on a
+//! thread of their own ([`run_event_manager_thread`]). Routing only ever takes the read lock,
+//! so ingestion never waits on a socket while holding it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -164,7 +165,7 @@ async fn consume(
                 // A batch is applied without an await: a busy stream would otherwise keep its
                 // worker thread for as many batches as the channel holds (tokio's budget is
                 // 128 receives, tens of milliseconds at a few hundred blocks each) while the
-                // requests on that worker wait. A yield per batch lets them in between two
+                // other streams' tasks wait. A yield per batch lets them in between two
                 // batches (`kvroute-bench scale`, picker/BENCHMARKS.md section 4).
                 tokio::task::yield_now().await;
             }
@@ -212,6 +213,46 @@ async fn consume(
 
 /// How long stopping waits for the subscriber and consumer tasks.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// [`run_event_manager`] on a thread of its own with a runtime of its own, returning once it
+/// has stopped. The kernel then shares the CPU between event ingestion and the request path:
+/// requests that saturate the request runtime's workers cannot hold the events back for
+/// seconds (leaving the index stale just when routing matters most), and a burst of events
+/// takes no more than this thread's share from the requests. Every subscriber and consumer
+/// task is spawned on that runtime. If the thread cannot be started, the manager runs here.
+pub async fn run_event_manager_thread(picker: Arc<PickerState>, cancel: CancellationToken) {
+    let (done, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (on_thread, token) = (picker.clone(), cancel.clone());
+    let spawned = std::thread::Builder::new()
+        .name("kvroute-events".into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => {
+                    runtime.block_on(run_event_manager(on_thread, token));
+                    let _ = done.send(());
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot build the KV-event runtime; no KV events are read")
+                }
+            }
+        });
+    match spawned {
+        // the sender is dropped unsent if the thread ends any other way
+        Ok(thread) => {
+            if stopped.await.is_err() {
+                tracing::error!("the KV-event thread stopped early; no KV events are read");
+            }
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the KV-event thread; reading events on the request runtime");
+            run_event_manager(picker, cancel).await;
+        }
+    }
+}
 
 /// Keep subscriptions in step with the endpoint set until cancelled. Every subscriber and
 /// consumer task it starts belongs to its `JoinSet`: finished ones are reaped as it goes, and
@@ -353,16 +394,44 @@ mod tests {
         picker
             .apply_pool(&view_from_config(&config))
             .expect("applied");
-        let cancel = CancellationToken::new();
-        let manager = tokio::spawn(run_event_manager(picker.clone(), cancel.clone()));
-        // both endpoints subscribed: their consumers hold the picker
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while Arc::strong_count(&picker) < 4 {
-            assert!(tokio::time::Instant::now() < deadline, "never subscribed");
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        for own_thread in [false, true] {
+            let cancel = CancellationToken::new();
+            let manager = if own_thread {
+                tokio::spawn(run_event_manager_thread(picker.clone(), cancel.clone()))
+            } else {
+                tokio::spawn(run_event_manager(picker.clone(), cancel.clone()))
+            };
+            // both endpoints subscribed: their consumers hold the picker
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while Arc::strong_count(&picker) < 4 + usize::from(own_thread) {
+                assert!(tokio::time::Instant::now() < deadline, "never subscribed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(events_threads(), usize::from(own_thread));
+            cancel.cancel();
+            manager.await.expect("the manager ends");
+            assert_eq!(Arc::strong_count(&picker), 1, "a task outlived the manager");
+            // the thread leaves the process's task list once it has exited
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while events_threads() > 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the thread outlived its manager"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
-        cancel.cancel();
-        manager.await.expect("the manager ends");
-        assert_eq!(Arc::strong_count(&picker), 1, "a task outlived the manager");
+    }
+
+    /// Threads of this process named as the KV-event thread.
+    fn events_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .expect("/proc/self/task")
+            .filter_map(Result::ok)
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|name| name.trim() == "kvroute-events")
+            })
+            .count()
     }
 }
