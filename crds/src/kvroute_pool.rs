@@ -188,8 +188,8 @@ pub struct PickerSpec {
     /// CPU and memory of the picker container (default: the operator's, which the chart sets
     /// from its sizing rule). Measured per picker (docs/helm.md, "Sizing the pickers"): 300 MiB
     /// and 0.1 core, plus per 100 endpoints with full caches (31k blocks) and busy event
-    /// streams about 250 MiB and 0.1 core, plus per 100 requests/s 0.1-0.2 core at 8k-32k
-    /// tokens as token ids or 8k of text, 0.6 at 32k tokens of text and 2.2 at 128k (each
+    /// streams about 250 MiB and 0.1 core, plus per 100 requests/s 0.1-0.15 core at 8k-32k
+    /// tokens as token ids or 8k of text, 0.4 at 32k tokens of text and 2 at 128k (each
     /// prompt a tenth new).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,

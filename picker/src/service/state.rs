@@ -41,7 +41,8 @@ use crate::pool_state::{Membership, PoolMember};
 use crate::router::{RouteError, RouteRequest, Router, subset_allows};
 use crate::tokenize::{PromptInput, TokenKind, TokenizeError};
 
-/// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text).
+/// Request bodies from this size on are tokenized in `block_in_place` (about 8k tokens of text),
+/// a few at a time (`PickerState::tokenize_slots`).
 const BLOCKING_TOKENIZE_BYTES: usize = 32 * 1024;
 
 /// Headers the picker sets on the request it forwards (name, value).
@@ -216,6 +217,12 @@ pub struct PickerState {
     /// yet" (503), not "no such model" (404), and `start` waits on it.
     pub pool_loaded: tokio::sync::watch::Sender<bool>,
     render_slots: Semaphore,
+    /// Long prompts encoded at once (in `block_in_place`): one per CPU the process may run on.
+    /// Each adds a thread, and past the CPUs more threads only share them thinner: the
+    /// KV-event thread's share with them, so that under a flood of long prompts the index
+    /// fell seconds behind (`picker/BENCHMARKS.md` §4), and every prompt's encoding with the
+    /// others', where a queue finishes the first ones first.
+    tokenize_slots: Semaphore,
     /// Bytes of request bodies being read (`bodyBufferBytes`), apart from admission.
     pub body_buffer: Semaphore,
     /// Misconfigurations seen per endpoint (block size, KV events that never arrive).
@@ -258,6 +265,9 @@ impl PickerState {
             catalog: ArcSwap::from_pointee(BTreeMap::new()),
             tenancy: ArcSwap::from_pointee(Tenancy::default()),
             render_slots: Semaphore::new(limits.max_render_concurrency),
+            tokenize_slots: Semaphore::new(
+                std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            ),
             body_buffer: Semaphore::new(limits.body_buffer_bytes.min(Semaphore::MAX_PERMITS)),
             limits,
             metrics: Metrics::new(),
@@ -1137,6 +1147,10 @@ impl PickerState {
             && tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
         {
+            // the semaphore is never closed
+            let _slot = self.tokenize_slots.acquire().await.map_err(|_| {
+                ApiError::unavailable("shutting_down", "the picker is shutting down")
+            })?;
             tokio::task::block_in_place(tokenize)
         } else {
             tokenize()
@@ -1434,6 +1448,46 @@ mod tests {
         });
         let other = third.targets().nth(1).expect("a fallback");
         assert_eq!(third.uncached_on(other), third.plan.prompt_tokens);
+    }
+
+    /// Long prompts wait for a tokenizing slot: with every slot taken, a long prompt's
+    /// decision waits, and it goes on once one is free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn long_prompts_are_encoded_a_few_at_a_time() {
+        let picker = Arc::new(picker(Limits::default()));
+        let slots = picker.tokenize_slots.available_permits();
+        assert!(slots >= 1);
+        let taken = picker
+            .tokenize_slots
+            .acquire_many(slots as u32)
+            .await
+            .expect("open");
+        let long = completion(&"a long prompt ".repeat(BLOCKING_TOKENIZE_BYTES / 10));
+        let waiting = {
+            let picker = picker.clone();
+            tokio::spawn(async move {
+                picker
+                    .decide(&long, &HeaderMap::new(), None, Purpose::Explain)
+                    .await
+                    .map(|d| d.plan.prompt_tokens)
+            })
+        };
+        // a short one does not wait
+        picker
+            .decide(
+                &completion("short"),
+                &HeaderMap::new(),
+                None,
+                Purpose::Explain,
+            )
+            .await
+            .expect("decided");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished(), "no slot was free");
+        drop(taken);
+        let tokens = waiting.await.expect("joined").expect("decided");
+        assert!(tokens > 0);
+        assert_eq!(picker.tokenize_slots.available_permits(), slots);
     }
 
     /// Issue 31: a session is pinned only where a request of it was served — not by an
