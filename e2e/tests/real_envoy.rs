@@ -55,7 +55,25 @@ scrape: {scrape}
 limits: {limits}
 "#
     );
-    static_picker(&yaml).await
+    let p = static_picker(&yaml).await;
+    // Ready once its first scrape round is over. A test that stops an engine right after
+    // picking would otherwise stop it under that round: its scrape then fails, and with no
+    // load known for it the next decision may go elsewhere.
+    let url = format!("http://{}/readyz", p.addrs.metrics);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !client()
+        .get(&url)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the picker never got ready"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    p
 }
 
 fn prompt(seed: u32) -> Vec<u32> {
