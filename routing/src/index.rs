@@ -586,6 +586,29 @@ fn split(p: ChainPos) -> (usize, usize) {
     ((p >> 32) as usize, (p & 0xffff_ffff) as usize)
 }
 
+/// How [`Chains::batch_places`] finds blocks in an endpoint's engine-hash table: reading it,
+/// or taking them out of it.
+enum Lookup<'a> {
+    Read(&'a Table),
+    Take(&'a mut Table),
+}
+
+impl Lookup<'_> {
+    fn prefetch(&self, engine_hash: u64) {
+        match self {
+            Lookup::Read(t) => t.prefetch(engine_hash),
+            Lookup::Take(t) => t.prefetch(engine_hash),
+        }
+    }
+
+    fn find(&mut self, engine_hash: u64) -> Option<ChainPos> {
+        match self {
+            Lookup::Read(t) => t.get(engine_hash),
+            Lookup::Take(t) => t.remove(engine_hash),
+        }
+    }
+}
+
 /// Every block of the index, its holders, and the key → place table.
 #[derive(Debug, Default)]
 struct Chains {
@@ -623,17 +646,16 @@ impl Chains {
     /// Where block `key`, stored right after the block at `prev` (if known), goes: its current
     /// place when held, else a placeholder of it right after `prev`, else the tail of `prev`'s
     /// segment, else a new segment (sized for `run` blocks, the rest of the store).
-    /// The places of a batch of at most [`AHEAD`] blocks, found with `find` (which may take
-    /// them out of their endpoint's table; [`VACANT`] where it finds none), with their
-    /// segment lines and then their global-table lines asked for, so that the misses overlap.
-    fn batch_places(
-        &self,
-        batch: &[u64],
-        mut find: impl FnMut(u64) -> Option<ChainPos>,
-    ) -> [ChainPos; AHEAD] {
+    /// The places of a batch of at most [`AHEAD`] blocks, by engine hash in their endpoint's
+    /// table ([`VACANT`] where it has none), each level's lines asked for before any is read
+    /// so that the misses overlap: the table's, then the segments', then the global table's.
+    fn batch_places(&self, batch: &[u64], mut table: Lookup<'_>) -> [ChainPos; AHEAD] {
+        for &eh in batch {
+            table.prefetch(eh);
+        }
         let mut places = [VACANT; AHEAD];
         for (p, &eh) in places.iter_mut().zip(batch) {
-            *p = find(eh).unwrap_or(VACANT);
+            *p = table.find(eh).unwrap_or(VACANT);
         }
         for &p in places.iter().filter(|&&p| p != VACANT) {
             let (s, o) = split(p);
@@ -1217,12 +1239,9 @@ impl KvIndex {
         };
         let mut held = 0;
         for batch in engine_hashes.chunks(AHEAD) {
-            for &eh in batch {
-                entry.by_engine_hash.prefetch(eh);
-            }
             let places = self
                 .chains
-                .batch_places(batch, |eh| entry.by_engine_hash.get(eh));
+                .batch_places(batch, Lookup::Read(&entry.by_engine_hash));
             for &p in places.iter().filter(|&&p| p != VACANT) {
                 let b = self.chains.block(p);
                 held += usize::from(
@@ -1268,12 +1287,9 @@ impl KvIndex {
         let mut n = 0;
         // In batches: ask for the batch's table lines first, so that their misses overlap.
         for batch in engine_hashes.chunks(AHEAD) {
-            for &eh in batch {
-                entry.by_engine_hash.prefetch(eh);
-            }
             let places = self
                 .chains
-                .batch_places(batch, |eh| entry.by_engine_hash.remove(eh));
+                .batch_places(batch, Lookup::Take(&mut entry.by_engine_hash));
             for &p in places.iter().filter(|&&p| p != VACANT) {
                 if let Some(u) = entry.unconfirmed.as_mut() {
                     u.keys.remove(&self.chains.block(p).key);
@@ -1624,12 +1640,10 @@ mod tests {
     #[test]
     fn warming_reads_what_a_step_will_write_and_changes_nothing() {
         let mut ix = KvIndex::default();
-        let a = ix
-            .add_endpoint(id(1), IndexMode::Precise, 100)
-            .expect("slot");
-        let b = ix
-            .add_endpoint(id(2), IndexMode::Precise, 100)
-            .expect("slot");
+        let [a, b] = [1, 2].map(|n| {
+            ix.add_endpoint(id(n), IndexMode::Precise, 100)
+                .expect("slot")
+        });
         stored(&mut ix, a, &[1, 2, 3]);
         let pairs: Vec<_> = [1, 2, 3, 4].iter().map(|&k| (k ^ 0xdead, k)).collect();
         assert_eq!(ix.warm_store(a, &pairs), (3, 3));
