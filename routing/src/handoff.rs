@@ -5,7 +5,10 @@
 //! no other writer can take, and reads the lines the step will write
 //! ([`HandoffWrite::shared`]); the index is larger than the cache, so a step is otherwise
 //! mostly cache misses. It then takes the lock back alone by polling for a moment when no pick
-//! is in, and writes from cache: a pick waits at most about a microsecond for a step.
+//! is in, and writes from cache: a pick waits at most about a microsecond for a step. Between
+//! two steps (and between the stretches of a batch that are not stepped, such as a run of
+//! tier moves) it shares the lock the same way until the picks that asked are in
+//! ([`HandoffWrite::let_readers_in`]).
 //!
 //! Handing the lock over is the other cost. A pick that finds a plain `RwLock` write-locked
 //! spins for a moment and then parks, and waking a parked thread costs tens of microseconds on
@@ -78,7 +81,7 @@ impl<T> HandoffLock<T> {
     }
 }
 
-/// The lock held for writing; see [`HandoffWrite::let_readers_in`].
+/// The lock held for writing; see [`HandoffWrite::shared`] and [`HandoffWrite::let_readers_in`].
 pub struct HandoffWrite<'a, T> {
     /// Always held; `None` only inside [`HandoffWrite::shared`].
     guard: Option<RwLockWriteGuard<'a, T>>,
@@ -98,6 +101,16 @@ impl<'a, T> HandoffWrite<'a, T> {
         let r = f(&upgradable);
         self.guard = Some(upgrade(upgradable));
         r
+    }
+
+    /// Share the lock with the readers that asked for it before now, if any, until they are
+    /// in (at most [`HANDOFF_WAIT`]), then hold it alone again.
+    pub fn let_readers_in(&mut self) {
+        let asked = self.lock.asked.load(Ordering::Acquire);
+        let entered = &self.lock.entered;
+        if entered.load(Ordering::Acquire) < asked {
+            self.shared(|_| wait_for(entered, asked));
+        }
     }
 
     /// Run `f` with the lock released (fairly: a waiting reader gets it first).
@@ -156,10 +169,15 @@ impl<T> DerefMut for HandoffWrite<'_, T> {
     }
 }
 
-/// A batch applied under the lock lets the picks in between its steps.
+/// A batch applied under the lock shares it with the picks while it reads a step's lines, and
+/// lets in the picks that asked between two steps.
 impl<T: AsMut<KvIndex> + AsRef<KvIndex>> IndexAccess for HandoffWrite<'_, T> {
     fn index(&mut self) -> &mut KvIndex {
         self.guard_mut().as_mut()
+    }
+
+    fn yield_now(&mut self) {
+        self.let_readers_in();
     }
 
     fn warm(&mut self, f: impl FnOnce(&KvIndex) -> usize) {
@@ -187,6 +205,48 @@ impl AsRef<KvIndex> for KvIndex {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn a_writer_between_steps_lets_a_waiting_reader_in() {
+        let lock = HandoffLock::new(0u64);
+        let stepped = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let mut w = lock.write();
+            *w = 1;
+            let reader = s.spawn(|| {
+                let g = lock.read();
+                // the writer is still inside its batch: it let this reader in between steps
+                assert!(!stepped.load(Ordering::Acquire));
+                *g
+            });
+            while lock.asked.load(Ordering::Acquire) == 0 {
+                std::hint::spin_loop();
+            }
+            // the reader asked: one call lets it in (it waits up to HANDOFF_WAIT for it, and
+            // is called again if the reader's thread was not scheduled meanwhile)
+            let start = Instant::now();
+            while lock.entered.load(Ordering::Acquire) == 0
+                && start.elapsed() < Duration::from_secs(10)
+            {
+                w.let_readers_in();
+            }
+            assert_eq!(
+                lock.entered.load(Ordering::Acquire),
+                1,
+                "let in between steps"
+            );
+            assert!(lock.lock.try_read().is_none(), "held alone again");
+            *w = 2;
+            stepped.store(true, Ordering::Release);
+            drop(w);
+            assert_eq!(
+                reader.join().expect("reader"),
+                1,
+                "it saw the first step's value"
+            );
+        });
+        assert_eq!(*lock.read(), 2);
+    }
 
     #[test]
     fn a_writer_shares_the_value_while_it_warms_up_and_then_holds_it_alone() {
